@@ -1,0 +1,5 @@
+"""`python -m job`: the command line."""
+
+from job.cli import main
+
+main()

@@ -1,0 +1,198 @@
+"""Checkpoints: the state a run captures, the commit (payload, then manifest, then pointer), verification on load,
+the search for the newest good one, and retention.
+
+Payloads hold only tensors and plain values, so they load with torch.load(weights_only=True): loading a
+checkpoint never runs code from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from fsspec.core import url_to_fs
+
+from job.errors import CheckpointError, StorageError, one_line
+from job.report import say
+from job.storage import RunDir
+
+FORMAT = 1
+FOLDER = "checkpoints"
+POINTER = f"{FOLDER}/latest.json"
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    """Sorts by time: epochs and steps only grow within a run."""
+    return f"e{epoch:05d}-s{step:010d}"
+
+
+def capture(model, optimizer, scheduler, scaler, progress: dict[str, Any], config: dict[str, Any]) -> dict:
+    """Everything needed to continue the run exactly: weights, optimizer, schedule, scaler, RNGs, position."""
+    return {
+        "format": FORMAT,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "rng": rng_state(),
+        "progress": progress,
+        "config": config,
+    }
+
+
+def commit(run: RunDir, payload: dict, epoch: int, step: int, metrics: dict, keep_last: int) -> str:
+    """Write the payload, then its manifest, then the pointer; delete checkpoints beyond keep_last afterwards."""
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getvalue()
+    name = checkpoint_name(epoch, step)
+    manifest = {
+        "format": FORMAT,
+        "file": f"{name}.pt",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+        "epoch": epoch,
+        "step": step,
+        "metrics": metrics,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    text = json.dumps(manifest, indent=1).encode()
+    run.write(f"{FOLDER}/{name}.pt", data)
+    run.write(f"{FOLDER}/{name}.json", text)
+    run.write(POINTER, text)
+    prune(run, keep_last)
+    return name
+
+
+def prune(run: RunDir, keep_last: int) -> None:
+    """Delete all but the newest keep_last committed checkpoints, manifest first so none is ever half-listed."""
+    names = sorted(n[:-5] for n in run.list(FOLDER) if n.endswith(".json") and n != "latest.json")
+    for name in names[:-keep_last]:
+        run.delete(f"{FOLDER}/{name}.json")
+        run.delete(f"{FOLDER}/{name}.pt")
+
+
+def load_latest(run: RunDir) -> tuple[dict, dict] | None:
+    """The newest checkpoint of a run that verifies, as (payload, manifest); None when the run has none.
+
+    The pointer names the newest commit; when it or its payload is missing or corrupt, older manifests are
+    tried in turn, each failure reported in one line. Checkpoints that exist but none of which verifies
+    are an error: a run never silently starts again from scratch.
+    """
+    candidates: list[str] = []
+    pointer = run.read(POINTER)
+    if pointer is not None:
+        try:
+            candidates.append(json.loads(pointer)["file"][: -len(".pt")])
+        except (ValueError, KeyError, TypeError):
+            say(f"warning: {run.url}/{POINTER} is unreadable; looking for older checkpoints")
+    listed = run.list(FOLDER)
+    candidates += sorted((n[:-5] for n in listed if n.endswith(".json") and n != "latest.json"), reverse=True)
+    seen: set[str] = set()
+    for name in candidates:
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            manifest = read_manifest(run.read(f"{FOLDER}/{name}.json"), name)
+            return load_payload(run.read(f"{FOLDER}/{name}.pt"), manifest, f"{run.url}/{FOLDER}/{name}.pt"), manifest
+        except CheckpointError as e:
+            say(f"warning: {e}; trying the previous checkpoint")
+    if any(n.endswith(".pt") for n in listed):
+        raise CheckpointError(f"{run.url}/{FOLDER}: no checkpoint verifies; refusing to start over in this folder")
+    return None
+
+
+def read_manifest(data: bytes | None, name: str) -> dict:
+    if data is None:
+        raise CheckpointError(f"checkpoint {name}: manifest missing")
+    try:
+        manifest = json.loads(data)
+        manifest["sha256"], manifest["size"], manifest["epoch"], manifest["step"]  # noqa: B018
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint {name}: manifest unreadable") from None
+    return manifest
+
+
+def load_payload(data: bytes | None, manifest: dict | None, where: str) -> dict:
+    """Verify size and sha256 against the manifest (when there is one), then load weights-only."""
+    if data is None:
+        raise CheckpointError(f"{where}: missing")
+    if manifest is not None:
+        if len(data) != manifest["size"]:
+            raise CheckpointError(f"{where}: {len(data)} bytes, the manifest says {manifest['size']} (truncated?)")
+        if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+            raise CheckpointError(f"{where}: sha256 differs from its manifest (corrupt)")
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{where}: holds more than tensors and plain values; refusing to load it "
+                              f"({one_line(e)[:120]})") from None
+    except Exception as e:  # a damaged zip or pickle raises many types
+        raise CheckpointError(f"{where}: not a readable checkpoint: {one_line(e)}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
+        raise CheckpointError(f"{where}: not a checkpoint of this job (format {FORMAT})")
+    return payload
+
+
+def load_url(url: str) -> tuple[dict, dict | None]:
+    """A checkpoint given by URL: a run folder (its newest good checkpoint) or a .pt file (checked against
+    its manifest beside it when there is one)."""
+    try:
+        fs, path = url_to_fs(url)
+        is_dir = fs.isdir(path)
+        exists = is_dir or fs.exists(path)
+    except (ValueError, ImportError, OSError) as e:
+        raise StorageError(f"{url}: cannot read: {one_line(e)}") from None
+    if not exists:
+        raise CheckpointError(f"{url}: no such checkpoint")
+    if is_dir:
+        found = load_latest(RunDir(url))
+        if found is None:
+            raise CheckpointError(f"{url}: no checkpoints in this folder")
+        return found
+    manifest = None
+    if path.endswith(".pt") and fs.exists(path[: -len(".pt")] + ".json"):
+        manifest = read_manifest(fs.cat_file(path[: -len(".pt")] + ".json"), url)
+    return load_payload(fs.cat_file(path), manifest, url), manifest
+
+
+def restore(payload: dict, model, optimizer, scheduler, scaler) -> None:
+    """Put a checkpoint's state back into freshly built objects, RNGs included."""
+    try:
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+        if scheduler is not None and payload.get("scheduler") is not None:
+            scheduler.load_state_dict(payload["scheduler"])
+        if scaler.is_enabled() and payload.get("scaler") is not None:
+            scaler.load_state_dict(payload["scaler"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint does not fit this model or optimizer: {one_line(e)}") from None
+    set_rng_state(payload["rng"])
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,102 @@
+"""The command line: parse, call, and turn the user's faults into one line and an exit code (the only place that
+knows exit codes). Exit codes: 0 done, 1 a bug, 2 command line or config, 3 data, 4 storage or credentials,
+5 checkpoint unusable, 75 interrupted with a checkpoint committed (run the same command again)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+
+import typer
+
+from job.errors import CheckpointError, ConfigError, DataError, Interrupted, JobError, StorageError
+
+EXIT_CODES: dict[type[JobError], int] = {
+    ConfigError: 2,
+    DataError: 3,
+    StorageError: 4,
+    CheckpointError: 5,
+    Interrupted: 75,
+}
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="A PyTorch batch training job: config in; TensorBoard logs, checkpoints and metrics out.",
+)
+
+CONFIG_HELP = "Preset name (iris, cifar10), or a YAML file at any URL (local, gs://, ...)."
+SET_HELP = "Override a config key, e.g. --set train.epochs=5 (repeatable)."
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Faults the user can fix become one line on stderr and their exit code; bugs keep their traceback."""
+    try:
+        yield
+    except JobError as e:
+        code = next(c for cls, c in EXIT_CODES.items() if isinstance(e, cls))
+        prefix = "" if code == 75 else "error: "
+        print(f"{prefix}{e}", file=sys.stderr)
+        raise typer.Exit(code) from None
+    except KeyboardInterrupt:
+        print("stopped at once by a second interrupt; the last committed checkpoint is kept", file=sys.stderr)
+        raise typer.Exit(130) from None
+
+
+@app.command()
+def train(
+    config: str = typer.Option("iris", "--config", "-c", help=CONFIG_HELP),
+    output: str = typer.Option("", "--output", "-o", help="Run folder URL; default output.dir, else ./runs/<name>."),
+    overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
+    device: str = typer.Option("auto", "--device", "-d", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N."),
+    resume: str = typer.Option(
+        "auto", "--resume", help="auto: continue the run in the output folder if there is one; never; or a URL."
+    ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="With --resume never: replace a run in the folder."),
+) -> None:
+    """Train a model as the config says; continue the run when the output folder holds one."""
+    with user_errors():
+        from job.config import load_config
+        from job.train import run
+
+        cfg = load_config(config, overrides)
+        run(cfg, output or cfg.output.dir or f"runs/{cfg.name}", device, resume, overwrite)
+
+
+@app.command()
+def evaluate(
+    checkpoint: str = typer.Option(..., "--checkpoint", help="A run folder, or a checkpoint .pt file, at any URL."),
+    config: str = typer.Option("", "--config", "-c", help="Config to evaluate with; default: the checkpoint's."),
+    overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
+    device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Test loss and accuracy of a saved run or checkpoint on its test split."""
+    with user_errors():
+        from job.evaluate import evaluate_checkpoint
+
+        result = evaluate_checkpoint(checkpoint, config or None, overrides, device)
+        if as_json:
+            print(json.dumps(result))
+        else:
+            print(f"{result['checkpoint']}: epoch {result['epoch']}, step {result['step']}: "
+                  f"test_loss {result['test_loss']:.4f}  test_accuracy {result['test_accuracy']:.4f} "
+                  f"({result['samples']} samples)")
+
+
+@app.command()
+def info(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
+    """The machine as training sees it: torch, CUDA, cuDNN, GPUs and their memory, CPU cores, /dev/shm."""
+    from job.env import format_info
+    from job.env import info as gather
+
+    report = gather()
+    print(json.dumps(report, indent=1) if as_json else format_info(report))
+
+
+def main() -> None:
+    app(prog_name="python -m job")

@@ -1,0 +1,232 @@
+"""The run's config: typed sections with a doc per field, YAML from a preset or any URL, `--set` overrides.
+
+Validation errors name the key path and what was expected, in one line, before any work is done.
+"""
+
+from __future__ import annotations
+
+import difflib
+from importlib import resources
+from typing import Any, Literal
+
+import fsspec
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from job.errors import ConfigError, StorageError, one_line
+
+PRESETS = ("iris", "cifar10")
+USER_MODEL_HINT = "package.module:ClassName"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    kind: Literal["csv", "cifar10", "folder"] = Field(
+        "csv", description="Reader: a CSV table, CIFAR-10's python-version layout, or train/<class>/ image folders."
+    )
+    path: str = Field(
+        "",
+        description="URL of the data (local path, gs://, memory://, a Drive mount). "
+        "Empty with kind csv: the bundled Iris table.",
+    )
+    batch_size: int | Literal["full"] = Field(64, description="Training batch size, or 'full' for the whole split.")
+    eval_batch_size: int | None = Field(None, gt=0, description="Test batch size; default: batch_size.")
+    shuffle: bool = Field(True, description="Shuffle the training set each epoch (a seeded, resumable order).")
+    drop_last: bool = Field(False, description="Drop the last partial training batch of each epoch.")
+    target: str = Field("species", description="csv: the name of the label column.")
+    test_path: str = Field("", description="csv: a separate test table; empty: split the table by test_split.")
+    test_split: float = Field(0.2, gt=0, lt=1, description="csv: share of rows held out for testing.")
+    image_size: int | None = Field(
+        None, gt=0, description="folder: resize images to this square size; required when sizes differ."
+    )
+    normalize: bool = Field(False, description="Images: subtract the training set's mean and divide by its std.")
+    random_crop_padding: int = Field(
+        0, ge=0, description="Images: pad by this many pixels and crop back at random (0: off)."
+    )
+    random_hflip: bool = Field(False, description="Images: flip horizontally with probability 0.5.")
+    download: bool = Field(False, description="cifar10: download with torchvision when the local path is empty.")
+    placement: Literal["auto", "device", "host"] = Field(
+        "auto",
+        description="Where the decoded data lives: on the training device (fast), in host memory, "
+        "or auto (the device when it fits in device_share of free device memory).",
+    )
+    device_share: float = Field(0.5, gt=0, le=1, description="placement auto: share of free device memory.")
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, v: Any) -> Any:
+        if v == "full" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError("expected a positive integer or 'full'")
+
+
+class ModelConfig(Section):
+    name: str = Field("mlp", description=f"mlp, cifar_cnn, resnet18, or {USER_MODEL_HINT} for your own nn.Module.")
+    hidden: list[int] = Field([10], description="mlp: hidden layer sizes (ReLU between layers).")
+    small_stem: bool = Field(True, description="resnet18: 3x3 stride-1 stem without max-pool, for small images.")
+    kwargs: dict[str, Any] = Field({}, description=f"{USER_MODEL_HINT}: keyword arguments of the constructor.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        from job.models import MODELS
+
+        if v in MODELS or (":" in v and all(part.strip() for part in v.split(":", 1))):
+            return v
+        raise ValueError(f"expected one of {', '.join(MODELS)} or {USER_MODEL_HINT}")
+
+    @field_validator("hidden")
+    @classmethod
+    def _hidden(cls, v: list[int]) -> list[int]:
+        if any(h <= 0 for h in v):
+            raise ValueError("expected positive layer sizes")
+        return v
+
+
+class OptimConfig(Section):
+    name: Literal["sgd", "adamw"] = Field("sgd", description="Optimizer.")
+    lr: float = Field(0.01, gt=0, description="Learning rate (the peak rate with onecycle).")
+    momentum: float = Field(0.0, ge=0, lt=1, description="sgd: momentum.")
+    nesterov: bool = Field(False, description="sgd: Nesterov momentum.")
+    weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
+    schedule: Literal["none", "cosine", "onecycle"] = Field(
+        "none", description="Learning-rate schedule over all steps of the run."
+    )
+
+
+class TrainConfig(Section):
+    epochs: int = Field(10, gt=0, description="Epochs to train.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="fp32, or autocast to bf16 or fp16 (fp16 with a gradient scaler)."
+    )
+    log_every_steps: int = Field(100, gt=0, description="Log the mean training loss every this many steps.")
+    eval_every_epochs: int = Field(1, gt=0, description="Evaluate on the test split every this many epochs.")
+    checkpoint_every_epochs: int = Field(1, gt=0, description="Commit a checkpoint every this many epochs.")
+    keep_last: int = Field(3, gt=0, description="Checkpoints to keep; older ones are deleted after a commit.")
+    deterministic: bool = Field(False, description="Use deterministic algorithms (slower on a GPU).")
+
+
+class OutputConfig(Section):
+    dir: str = Field("", description="URL of the run folder; default ./runs/<name>. --output overrides it.")
+
+
+class Config(Section):
+    name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name.")
+    seed: int = Field(0, description="Seed of weights, data order and augmentation.")
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    output: OutputConfig = OutputConfig()
+
+
+def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The validated config from a preset name or URL (default: the iris preset) with `key=value` overrides."""
+    raw = read_yaml(source or "iris")
+    for item in overrides:
+        apply_override(raw, item)
+    return validate(raw)
+
+
+def read_yaml(source: str) -> dict[str, Any]:
+    if source in PRESETS:
+        text = (resources.files("job.presets") / f"{source}.yaml").read_text()
+    else:
+        try:
+            with fsspec.open(source, "r") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise ConfigError(f"config {source}: no such file, and not a preset ({', '.join(PRESETS)})") from None
+        except (OSError, ValueError) as e:
+            raise StorageError(f"config {source}: cannot read: {one_line(e)}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config {source}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {source}: expected a mapping of sections, got {type(raw).__name__}")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `a.b=value` in the raw config; the value is parsed as YAML (numbers, booleans, lists)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item}: expected key=value, e.g. --set train.epochs=5")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    parts = key.strip().split(".")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError("; ".join(describe_error(err) for err in e.errors())) from None
+
+
+def describe_error(err: dict[str, Any]) -> str:
+    """One readable phrase for a pydantic error: the key path, what was expected, what was given."""
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        known = list(_section_at(loc[:-1]).model_fields)
+        close = difflib.get_close_matches(loc[-1], known, n=1)
+        hint = f"did you mean {'.'.join(loc[:-1] + close)}?" if close else f"known keys: {', '.join(known)}"
+        return f"{path}: unknown key ({hint})"
+    msg = err["msg"].removeprefix("Value error, ")
+    # Union members add their own tag to the path (batch_size.int); keep the user's key path.
+    while loc and not _is_field(loc):
+        loc.pop()
+    path = ".".join(loc) or "config"
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) else f", got {given!r}"
+    return f"{path}: {msg[0].lower() + msg[1:]}{shown}"
+
+
+def _section_at(loc: list[str]) -> type[BaseModel]:
+    model: type[BaseModel] = Config
+    for part in loc:
+        model = model.model_fields[part].annotation  # type: ignore[assignment]
+    return model
+
+
+def _is_field(loc: list[str]) -> bool:
+    model: Any = Config
+    for part in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return False
+        model = model.model_fields[part].annotation
+    return True
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
+
+
+def flat_items(cfg: Config) -> dict[str, Any]:
+    """`section.key: value` for every setting, lists and dicts as text (TensorBoard hparams take scalars)."""
+    out: dict[str, Any] = {}
+    for section, values in cfg.model_dump().items():
+        if not isinstance(values, dict):
+            out[section] = values
+            continue
+        for key, value in values.items():
+            out[f"{section}.{key}"] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return out

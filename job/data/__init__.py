@@ -1,0 +1,55 @@
+"""Data sets held in memory as tensors: readers for CSV tables, CIFAR-10 and image folders, all through fsspec."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from job.errors import DataError
+
+
+@dataclass
+class Split:
+    """One split: x is uint8 N x C x H x W for images or float32 N x F for tables; y is int64 N."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass
+class Dataset:
+    train: Split
+    test: Split
+    classes: list[str]
+    source: str
+
+    @property
+    def is_image(self) -> bool:
+        return self.train.x.dtype == torch.uint8
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.train.x.shape[1:])
+
+    def describe(self) -> str:
+        shape = "x".join(str(s) for s in self.input_shape)
+        return (
+            f"{self.source}: {len(self.train)} train / {len(self.test)} test, "
+            f"{len(self.classes)} classes, inputs {shape}"
+        )
+
+
+def load_data(cfg, seed: int) -> Dataset:
+    """Read the data set the config names into memory. `cfg` is the config's data section."""
+    from job.data import cifar10, folder, tabular
+
+    readers = {"csv": tabular.load_table, "cifar10": cifar10.load_cifar10, "folder": folder.load_folder}
+    data = readers[cfg.kind](cfg, seed)
+    for name, split in (("train", data.train), ("test", data.test)):
+        if len(split) == 0:
+            raise DataError(f"{data.source}: the {name} split is empty")
+    return data

@@ -1,0 +1,113 @@
+"""CIFAR-10 in its own "python version" layout: the cifar-10-python.tar.gz archive or its cifar-10-batches-py/ folder.
+
+The batches are pickles of numpy arrays. They are read with an unpickler that builds nothing but numpy arrays,
+so a tampered file cannot run code.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+
+import numpy as np
+import torch
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from job.data import Dataset, Split
+from job.data.files import is_archive, iter_archive, read_files, resolve
+from job.errors import DataError, one_line
+
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+BATCH_NAME = re.compile(r"(?:^|/)(data_batch_\d+|test_batch|batches\.meta)$")
+
+
+def load_cifar10(cfg, seed: int) -> Dataset:
+    url = cfg.path
+    if cfg.download:
+        download_if_missing(url)
+    fs, path = resolve(url)
+    if is_archive(path):
+        blobs = {m.group(1): data for name, data in iter_archive(url) if (m := BATCH_NAME.search(name))}
+    else:
+        found = [p for p in fs.find(path, maxdepth=2) if BATCH_NAME.search(p)]
+        blobs = {BATCH_NAME.search(p).group(1): data for p, data in read_files(fs, found, url).items()}
+    train_names = sorted((n for n in blobs if n.startswith("data_batch_")), key=lambda n: int(n.rsplit("_", 1)[1]))
+    if not train_names or "test_batch" not in blobs:
+        raise DataError(
+            f"{url}: no CIFAR-10 python-version batches (data_batch_1..5, test_batch) found; "
+            "use data.kind folder for image folders"
+        )
+    train = _join([read_batch(blobs[n], n, url) for n in train_names])
+    test = read_batch(blobs["test_batch"], "test_batch", url)
+    classes = CLASSES
+    if "batches.meta" in blobs:
+        names = _get(read_pickle(blobs["batches.meta"], "batches.meta", url), "label_names")
+        if names:
+            classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
+    return Dataset(train, test, classes, f"cifar10 {url}")
+
+
+def read_batch(blob: bytes, name: str, url: str) -> Split:
+    d = read_pickle(blob, name, url)
+    data, labels = _get(d, "data"), _get(d, "labels")
+    if not isinstance(data, np.ndarray) or labels is None or data.ndim != 2 or data.shape[1] != 3072:
+        raise DataError(f"{url} {name}: expected 'data' N x 3072 uint8 and 'labels', not a CIFAR-10 batch")
+    if len(labels) != len(data):
+        raise DataError(f"{url} {name}: {len(data)} images but {len(labels)} labels")
+    x = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)).view(-1, 3, 32, 32)
+    return Split(x, torch.as_tensor(np.asarray(labels, dtype=np.int64)))
+
+
+class ArrayUnpickler(pickle.Unpickler):
+    """Builds dicts, lists, bytes and numpy arrays; refuses every other global a pickle names."""
+
+    ALLOWED = {
+        ("numpy.core.multiarray", "_reconstruct"): ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"): ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"): ("numpy", "ndarray"),
+        ("numpy", "dtype"): ("numpy", "dtype"),
+        ("_codecs", "encode"): ("_codecs", "encode"),
+    }
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refused to load {module}.{name}")
+        return super().find_class(*self.ALLOWED[(module, name)])
+
+
+def read_pickle(blob: bytes, name: str, url: str) -> dict:
+    try:
+        d = ArrayUnpickler(io.BytesIO(blob), encoding="bytes").load()
+    except Exception as e:  # a corrupt pickle raises anything from EOFError to ValueError
+        raise DataError(f"{url} {name}: not a readable CIFAR-10 batch: {one_line(e)}") from None
+    if not isinstance(d, dict):
+        raise DataError(f"{url} {name}: expected a pickled dict, got {type(d).__name__}")
+    return d
+
+
+def download_if_missing(url: str) -> None:
+    """Fetch the official archive with torchvision's downloader when the local folder holds no batches."""
+    fs, path = url_to_fs(url)
+    if fs.exists(path) and fs.ls(path):
+        return
+    if not isinstance(fs, LocalFileSystem):
+        raise DataError(f"{url}: data.download works on local paths only")
+    import torchvision
+
+    root = path.rstrip("/")
+    if root.endswith("cifar-10-batches-py"):
+        root = root[: -len("cifar-10-batches-py")] or "."
+    try:
+        torchvision.datasets.CIFAR10(root=root, train=True, download=True)
+    except Exception as e:  # network failures surface as many exception types
+        raise DataError(f"{url}: download failed: {one_line(e)}") from None
+
+
+def _get(d: dict, key: str):
+    return d.get(key.encode(), d.get(key))
+
+
+def _join(splits: list[Split]) -> Split:
+    return Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))

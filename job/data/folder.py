@@ -1,0 +1,84 @@
+"""Image folders: train/<class>/* and test/<class>/* (JPEG or PNG), as a folder or a .tar/.tar.gz of one."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms.v2.functional import resize
+
+from job.data import Dataset, Split
+from job.data.files import is_archive, iter_archive, read_files, resolve
+from job.errors import DataError, one_line
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+SPLITS = ("train", "test")
+
+
+def load_folder(cfg, seed: int) -> Dataset:
+    url = cfg.path
+    fs, path = resolve(url)
+    if is_archive(path):
+        items = {name: data for name, data in iter_archive(url) if layout_key(name)}
+    else:
+        found = [p for p in fs.find(path) if layout_key(p[len(path) :])]
+        items = read_files(fs, found, url)
+    by_split: dict[str, list[tuple[str, str, bytes]]] = {s: [] for s in SPLITS}
+    for name, data in items.items():
+        split, cls = layout_key(name)
+        by_split[split].append((cls, name, data))
+    if not by_split["train"]:
+        raise DataError(f"{url}: no images in the train/<class>/*.jpg|png layout")
+    classes = sorted({cls for cls, _, _ in by_split["train"]})
+    unknown = sorted({cls for cls, _, _ in by_split["test"]} - set(classes))
+    if unknown:
+        raise DataError(f"{url}: test classes without training images: {', '.join(unknown[:5])}")
+    train = decode_split(sorted(by_split["train"]), classes, cfg.image_size, url)
+    test = decode_split(sorted(by_split["test"]), classes, cfg.image_size, url) if by_split["test"] else None
+    if test is None:
+        raise DataError(f"{url}: no images in the test/<class>/*.jpg|png layout")
+    if train.x.shape[1:] != test.x.shape[1:]:
+        raise DataError(
+            f"{url}: train images are {tuple(train.x.shape[2:])}, test images {tuple(test.x.shape[2:])}; "
+            "set data.image_size"
+        )
+    return Dataset(train, test, classes, f"folder {url}")
+
+
+def layout_key(name: str) -> tuple[str, str] | None:
+    """(split, class) when a path ends in train|test/<class>/<image>, else None (hidden files skipped)."""
+    parts = name.replace("\\", "/").split("/")
+    if len(parts) < 3 or parts[-3] not in SPLITS or parts[-1].startswith("."):
+        return None
+    if not parts[-1].lower().endswith(IMAGE_SUFFIXES):
+        return None
+    return parts[-3], parts[-2]
+
+
+def decode_split(items: list[tuple[str, str, bytes]], classes: list[str], size: int | None, url: str) -> Split:
+    """Decode every image to uint8 3 x H x W, in threads (the decoder releases the GIL)."""
+    chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        images = [img for chunk in pool.map(lambda c: [decode(n, b, size, url) for _, n, b in c], chunks) for img in chunk]
+    shapes = {img.shape for img in images}
+    if len(shapes) > 1:
+        first = images[0].shape
+        odd = next(n for (_, n, _), img in zip(items, images) if img.shape != first)
+        raise DataError(
+            f"{url}: images differ in size ({tuple(first[1:])} and {tuple(shapes.difference({first}).pop()[1:])}, "
+            f"e.g. {odd}); set data.image_size"
+        )
+    y = torch.tensor([classes.index(cls) for cls, _, _ in items])
+    return Split(torch.stack(images), y)
+
+
+def decode(name: str, data: bytes, size: int | None, url: str) -> torch.Tensor:
+    try:
+        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError) as e:
+        raise DataError(f"{url}: cannot decode image {name}: {one_line(e)}") from None
+    if size is not None and img.shape[1:] != (size, size):
+        img = resize(img, [size, size], antialias=True)
+    return img

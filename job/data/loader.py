@@ -1,0 +1,142 @@
+"""Batches made by indexing tensors held in memory, with augmentation done for the whole batch on the device.
+
+There is no per-item Python work and no worker process: a batch is one gather from the stored tensor
+(on the training device when it fits, so nothing crosses the bus), then crop, flip and scaling as a few
+batched tensor ops. The epoch's order and augmentation draws come from a generator seeded by (seed, epoch),
+so any step of any epoch can be reproduced, which is what exact resume needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from job.data import Split
+
+
+class BatchLoader:
+    """Batches of one split on `device`; the split itself is stored on `storage` (the device or the host)."""
+
+    def __init__(
+        self,
+        split: Split,
+        batch_size: int,
+        device: torch.device,
+        storage: torch.device,
+        *,
+        seed: int = 0,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        crop_padding: int = 0,
+        hflip: bool = False,
+        mean: torch.Tensor | None = None,
+        std: torch.Tensor | None = None,
+    ) -> None:
+        self.device, self.storage = device, storage
+        pin = storage.type == "cpu" and device.type == "cuda"
+        self.x = split.x.to(storage).pin_memory() if pin else split.x.to(storage)
+        self.y = split.y.to(storage).pin_memory() if pin else split.y.to(storage)
+        self.n = len(split)
+        self.batch_size = min(batch_size, self.n)
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.crop_padding, self.hflip = crop_padding, hflip
+        self.is_image = self.x.dtype == torch.uint8
+        self.mean = mean.to(device).view(1, -1, 1, 1) if mean is not None else None
+        self.std = std.to(device).view(1, -1, 1, 1) if std is not None else None
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.n, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def batches(self, epoch: int = 0, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches from step `start` on, as (inputs, labels) on the training device."""
+        order, crops, flips = self.draws(epoch)
+        for i in range(start, len(self)):
+            lo, hi = i * self.batch_size, min(self.n, (i + 1) * self.batch_size)
+            if order is None:
+                x, y = self.x[lo:hi], self.y[lo:hi]
+            else:
+                idx = order[lo:hi]
+                x, y = self.x[idx], self.y[idx]
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            if crops is not None or flips is not None:
+                x = crop_flip(x, self.crop_padding, crops[lo:hi] if crops is not None else None,
+                              flips[lo:hi] if flips is not None else None)
+            yield self.scale(x), y
+
+    def draws(self, epoch: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The epoch's order, crop offsets and flips, drawn on the CPU from (seed, epoch), placed once per epoch."""
+        if not (self.shuffle or self.crop_padding or self.hflip):
+            return None, None, None
+        g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        order = torch.randperm(self.n, generator=g).to(self.storage) if self.shuffle else None
+        crops = torch.randint(0, 2 * self.crop_padding + 1, (self.n, 2), generator=g) if self.crop_padding else None
+        flips = torch.rand(self.n, generator=g) < 0.5 if self.hflip else None
+        return (
+            order,
+            crops.to(self.device) if crops is not None else None,
+            flips.to(self.device) if flips is not None else None,
+        )
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        """uint8 images to float in [0, 1], then normalised; tables pass through."""
+        if not self.is_image:
+            return x
+        x = x.float().div_(255)
+        if self.mean is not None:
+            x = x.sub_(self.mean).div_(self.std)
+        return x
+
+
+def crop_flip(x: torch.Tensor, padding: int, crops: torch.Tensor | None, flips: torch.Tensor | None) -> torch.Tensor:
+    """Per-image random crop of a zero-padded batch and horizontal flip, as one gather.
+
+    The same as torchvision's RandomCrop(size, padding) and RandomHorizontalFlip(0.5) applied per image,
+    without a Python loop over images.
+    """
+    b, c, h, w = x.shape
+    if padding:
+        x = F.pad(x, (padding, padding, padding, padding))
+    rows = torch.arange(h, device=x.device).expand(b, h)
+    cols = torch.arange(w, device=x.device).expand(b, w)
+    if crops is not None:
+        rows = rows + crops[:, :1]
+        cols = cols + crops[:, 1:]
+    if flips is not None:
+        cols = torch.where(flips[:, None], cols.flip(1), cols)
+    bi = torch.arange(b, device=x.device)[:, None, None, None]
+    ci = torch.arange(c, device=x.device)[None, :, None, None]
+    return x[bi, ci, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The data-order seed of one epoch: independent of every other RNG in the run."""
+    return (seed * 1_000_003 + epoch) % (2**63)
+
+
+def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and std of uint8 images, in the [0, 1] scale, computed in chunks."""
+    total = torch.zeros(x.shape[1], dtype=torch.float64)
+    squares = torch.zeros(x.shape[1], dtype=torch.float64)
+    for chunk in x.split(4096):
+        f = chunk.to(torch.float64).div_(255)
+        total += f.sum((0, 2, 3))
+        squares += f.square().sum((0, 2, 3))
+    count = x.shape[0] * x.shape[2] * x.shape[3]
+    mean = total / count
+    std = (squares / count - mean.square()).clamp_min(1e-12).sqrt()
+    return mean.float(), std.float()
+
+
+def choose_storage(nbytes: int, device: torch.device, placement: str, share: float) -> torch.device:
+    """Where the data lives: on the training device when asked or when it fits in `share` of free memory."""
+    if device.type == "cpu" or placement == "host":
+        return torch.device("cpu")
+    if placement == "device":
+        return device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return device if nbytes <= share * free else torch.device("cpu")
+    return device

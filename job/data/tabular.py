@@ -1,0 +1,112 @@
+"""CSV tables: numeric feature columns and a named label column, features min-max scaled on the training split."""
+
+from __future__ import annotations
+
+import csv
+import io
+from importlib import resources
+
+import fsspec
+import torch
+
+from job.data import Dataset, Split
+from job.errors import DataError, StorageError, one_line
+
+BUNDLED_IRIS = "bundled iris.csv"
+
+
+def load_table(cfg, seed: int) -> Dataset:
+    if cfg.path:
+        header, rows = read_csv(cfg.path)
+    else:
+        text = (resources.files("job.presets") / "iris.csv").read_text()
+        header, rows = parse_csv(text, BUNDLED_IRIS)
+    name = cfg.path or BUNDLED_IRIS
+    x, labels = columns(header, rows, cfg.target, name)
+    classes = class_order(labels)
+    y = torch.tensor([classes.index(v) for v in labels])
+    if cfg.test_path:
+        test_header, test_rows = read_csv(cfg.test_path)
+        if test_header != header:
+            raise DataError(f"{cfg.test_path}: columns differ from {name}: {test_header} vs {header}")
+        tx, tlabels = columns(test_header, test_rows, cfg.target, cfg.test_path)
+        unknown = sorted(set(tlabels) - set(classes))
+        if unknown:
+            raise DataError(f"{cfg.test_path}: labels not in the training table: {unknown[:5]}")
+        train, test = Split(x, y), Split(tx, torch.tensor([classes.index(v) for v in tlabels]))
+    else:
+        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+        n_test = max(1, round(len(y) * cfg.test_split))
+        if n_test >= len(y):
+            raise DataError(f"{name}: {len(y)} rows are too few to hold out {cfg.test_split:.0%} for testing")
+        test_idx, train_idx = order[:n_test], order[n_test:]
+        train, test = Split(x[train_idx], y[train_idx]), Split(x[test_idx], y[test_idx])
+    low, high = train.x.min(0).values, train.x.max(0).values
+    span = torch.where(high > low, high - low, torch.ones_like(high))
+    train.x, test.x = (train.x - low) / span, (test.x - low) / span
+    return Dataset(train, test, classes, f"csv {name}")
+
+
+def read_csv(url: str) -> tuple[list[str], list[list[str]]]:
+    try:
+        with fsspec.open(url, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise DataError(f"{url}: no such file") from None
+    except IsADirectoryError:
+        raise DataError(f"{url}: is a folder, expected a CSV file") from None
+    except OSError as e:
+        raise StorageError(f"{url}: cannot read: {one_line(e)}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise DataError(f"{url}: not a text CSV file (not UTF-8)") from None
+    return parse_csv(text, url)
+
+
+def parse_csv(text: str, name: str) -> tuple[list[str], list[list[str]]]:
+    try:
+        table = [row for row in csv.reader(io.StringIO(text)) if any(cell.strip() for cell in row)]
+    except csv.Error as e:
+        raise DataError(f"{name}: not a CSV table: {e}") from None
+    if len(table) < 2:
+        raise DataError(f"{name}: expected a header row and data rows, found {len(table)} row(s)")
+    header = [h.strip() for h in table[0]]
+    for i, row in enumerate(table[1:], start=2):
+        if len(row) != len(header):
+            raise DataError(f"{name} row {i}: {len(row)} fields, the header has {len(header)}")
+    return header, table[1:]
+
+
+def columns(header: list[str], rows: list[list[str]], target: str, name: str) -> tuple[torch.Tensor, list[str]]:
+    """Features as float32 N x F (every column but the target) and the target column's values."""
+    if target not in header:
+        raise DataError(f"{name}: no column '{target}' for data.target (columns: {', '.join(header)})")
+    t = header.index(target)
+    features = [i for i in range(len(header)) if i != t]
+    if not features:
+        raise DataError(f"{name}: no feature columns besides '{target}'")
+    values = []
+    for r, row in enumerate(rows, start=2):
+        try:
+            values.append([float(row[i]) for i in features])
+        except ValueError:
+            bad = next(i for i in features if not _is_number(row[i]))
+            raise DataError(f"{name} row {r}, column '{header[bad]}': not a number: {row[bad]!r}") from None
+    return torch.tensor(values, dtype=torch.float32), [row[t].strip() for row in rows]
+
+
+def class_order(labels: list[str]) -> list[str]:
+    """Label values sorted numerically when they are all numbers, else as text."""
+    unique = set(labels)
+    if all(_is_number(v) for v in unique):
+        return sorted(unique, key=float)
+    return sorted(unique)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,124 @@
+"""The machine: which device to train on, seeding, and the `info` report of GPU, CUDA, cuDNN, memory and shm."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from job.errors import ConfigError
+
+GIB = 1024**3
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` takes CUDA, then Apple's MPS, then the CPU; an explicit device must exist."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: CUDA is not available here (no GPU, or no driver); "
+                              "see `python -m job info`")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
+        return torch.device("cuda", index)
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {name}: MPS is not available here")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"--device {name}: expected auto, cpu, cuda, cuda:N or mps")
+    return device
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{device} ({props.name}, {props.total_memory / GIB:.0f} GiB)"
+    if device.type == "cpu":
+        return f"cpu ({torch.get_num_threads()} threads)"
+    return str(device)
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def info() -> dict[str, Any]:
+    """The tutorials' GPU check done properly: versions, devices with memory and capability, CPU and shm."""
+    cuda = torch.cuda.is_available()
+    devices = []
+    for i in range(torch.cuda.device_count() if cuda else 0):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        devices.append({
+            "index": i,
+            "name": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "memory_total_gib": round(total / GIB, 2),
+            "memory_free_gib": round(free / GIB, 2),
+            "multiprocessors": props.multi_processor_count,
+        })
+    shm = None
+    try:
+        st = os.statvfs("/dev/shm")
+        shm = round(st.f_blocks * st.f_frsize / GIB, 2)
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version() if cuda else None,
+        "device_count": len(devices),
+        "current_device": torch.cuda.current_device() if cuda else None,
+        "devices": devices,
+        "mps_available": torch.backends.mps.is_available(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "shm_gib": shm,
+        "default_device": str(pick_device("auto")),
+    }
+
+
+def format_info(report: dict[str, Any]) -> str:
+    lines = [
+        f"python {report['python']}, torch {report['torch']}, built for CUDA {report['cuda_version'] or '-'}",
+        f"CPU: {report['cpu_count']} cores, torch uses {report['torch_threads']} threads; "
+        f"/dev/shm {report['shm_gib'] if report['shm_gib'] is not None else '?'} GiB",
+    ]
+    if report["cuda_available"]:
+        lines.append(f"CUDA available: {report['device_count']} device(s), cuDNN {report['cudnn_version']}, "
+                     f"current device {report['current_device']}")
+        for d in report["devices"]:
+            lines.append(f"  cuda:{d['index']} {d['name']}  capability {d['capability']}  "
+                         f"{d['memory_total_gib']} GiB ({d['memory_free_gib']} free)  {d['multiprocessors']} SMs")
+    else:
+        why = "torch was built without CUDA" if report["cuda_version"] is None else \
+            "no GPU or no NVIDIA driver found (if this machine has a GPU, the driver is not installed or not visible)"
+        lines.append(f"CUDA not available: {why}")
+    if report["cuda_visible_devices"] is not None:
+        lines.append(f"CUDA_VISIBLE_DEVICES={report['cuda_visible_devices']}")
+    if report["mps_available"]:
+        lines.append("Apple MPS available")
+    lines.append(f"training would use: {report['default_device']}")
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""What a run tells the user: TensorBoard scalars and hparams, metrics.jsonl, curves.png, and the console
+(a progress bar on a terminal, one plain line per evaluation otherwise, a final summary)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from job.storage import RunDir
+
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+CURVES = "curves.png"
+
+
+def say(message: str) -> None:
+    """One line for the user on the console."""
+    print(message, file=sys.stderr, flush=True)
+
+
+class Report:
+    """The run's TensorBoard writer, metrics file and console progress. Values arrive as Python numbers:
+    the loop reads device tensors itself, at the few points where it syncs anyway."""
+
+    def __init__(self, run: RunDir, hparams: dict[str, Any], epochs: int, steps_per_epoch: int, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run, self.hparams, self.epochs, self.steps_per_epoch = run, hparams, epochs, steps_per_epoch
+        # purge_step makes TensorBoard drop what an interrupted attempt logged after the checkpoint resumed from.
+        self.writer = SummaryWriter(str(run.path(TENSORBOARD)), purge_step=start_step or None)
+        self.records = read_records(run, start_step)
+        self.run.write(METRICS, "".join(json.dumps(r) + "\n" for r in self.records).encode())
+        self.interactive = sys.stderr.isatty()
+        self.bar = None
+
+    def loss(self, step: int, loss: float, lr: float) -> None:
+        self.writer.add_scalar("train/loss", loss, step)
+        self.writer.add_scalar("train/lr", lr, step)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+
+    def start_epoch(self, epoch: int, done_steps: int) -> None:
+        """A progress bar per epoch on a terminal when epochs are long enough to watch."""
+        if self.interactive and self.steps_per_epoch >= 20:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.steps_per_epoch, initial=done_steps, desc=f"epoch {epoch + 1}/{self.epochs}",
+                            leave=False, dynamic_ncols=True, file=sys.stderr)
+
+    def advance(self, steps: int) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def end_epoch(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        """One evaluation: TensorBoard, a line of metrics.jsonl, a line on the console."""
+        step = record["step"]
+        self.writer.add_scalar("test/loss", record["test_loss"], step)
+        self.writer.add_scalar("test/accuracy", record["test_accuracy"], step)
+        self.writer.add_scalar("train/throughput", record["samples_per_s"], step)
+        self.records.append(record)
+        with open(self.run.path(METRICS), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        say(
+            f"epoch {record['epoch']}/{self.epochs}  step {step}  train_loss {record['train_loss']:.4f}  "
+            f"test_loss {record['test_loss']:.4f}  test_accuracy {record['test_accuracy']:.4f}  "
+            f"{record['samples_per_s']:.0f} samples/s"
+        )
+
+    def flush(self) -> None:
+        """Make the event and metrics files whole on disk and mirror them to the run's URL."""
+        self.writer.flush()
+        self.run.upload(METRICS)
+        self.run.upload_tree(TENSORBOARD)
+
+    def close(self, final: dict[str, float]) -> None:
+        """The hparams summary with the run's final metrics, curves.png, and a last upload."""
+        from torch.utils.tensorboard.summary import hparams
+
+        for summary in hparams(self.hparams, {f"hparam/{k}": v for k, v in final.items()}):
+            self.writer.file_writer.add_summary(summary)
+        self.writer.close()
+        self.run.write(CURVES, plot_curves(self.records))
+        self.flush()
+
+
+def read_records(run: RunDir, upto_step: int) -> list[dict[str, Any]]:
+    """The run's earlier evaluations up to the step resumed from (later ones are redone)."""
+    data = run.read(METRICS)
+    if not data or not upto_step:
+        return []
+    records = []
+    for line in data.decode().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(record, dict) and record.get("step", 0) <= upto_step:
+            records.append(record)
+    return records
+
+
+def plot_curves(records: list[dict[str, Any]]) -> bytes:
+    """PNG of training and test loss, and test accuracy, over the run's evaluations."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [r["epoch"] for r in records]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [r["train_loss"] for r in records], marker=".", label="train")
+    ax_loss.plot(epochs, [r["test_loss"] for r in records], marker=".", label="test")
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
+    ax_loss.legend()
+    ax_acc.plot(epochs, [r["test_accuracy"] for r in records], marker=".", color="tab:green")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy", ylim=(0, 1))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()

@@ -1,0 +1,355 @@
+"""The training loop: set a run up from its config, then epochs of steps, evaluations and checkpoints.
+
+Inside an epoch nothing waits for the device: losses are summed on the device and copied to the host
+N steps at a time without blocking; the host reads numbers only at evaluations and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from job import checkpoint
+from job.config import Config, flat_items, to_yaml
+from job.data import Dataset, load_data
+from job.data.loader import BatchLoader, channel_stats, choose_storage
+from job.env import describe_device, pick_device, seed_everything
+from job.errors import ConfigError, Interrupted
+from job.models import build_model
+from job.report import Report, say
+from job.storage import RunDir
+
+# Keys a resumed run may change: they do not alter what the checkpoint's state means.
+RESUME_SAFE = {
+    "name", "output.dir", "data.path", "data.placement", "data.device_share", "data.eval_batch_size",
+    "train.epochs", "train.log_every_steps", "train.eval_every_epochs", "train.checkpoint_every_epochs",
+    "train.keep_last", "train.precision",
+}
+
+
+@dataclass
+class Progress:
+    """Where a run is: saved in every checkpoint, so a resumed run carries on from exactly here."""
+
+    epoch: int = 0  # epochs finished
+    epoch_step: int = 0  # steps done in the current epoch (0 at an epoch boundary)
+    step: int = 0  # optimizer steps in the whole run
+    steps_since_eval: int = 0
+    samples_since_eval: int = 0
+    best_accuracy: float = -1.0
+    best_epoch: int = 0
+
+
+class LossLog:
+    """Training loss summed on the device: [sum over the current log window, sum since the last evaluation].
+
+    Every `every` steps the window sum is copied to pinned host memory without blocking; the value is
+    handed out once the copy has landed, so logging costs no host sync.
+    """
+
+    def __init__(self, device: torch.device, every: int) -> None:
+        self.device, self.every = device, every
+        self.sums = torch.zeros(2, device=device)
+        self.pending: deque = deque()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.sums += loss
+
+    def close_window(self, step: int, lr: float) -> None:
+        host = torch.empty(1, pin_memory=self.device.type == "cuda")
+        host.copy_(self.sums[:1], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.sums[0] = 0
+        self.pending.append((step, lr, host, event))
+
+    def ready(self, wait: bool = False):
+        """(step, mean loss, lr) of each window whose copy has landed (all of them with wait=True)."""
+        while self.pending:
+            step, lr, host, event = self.pending[0]
+            if event is not None and not wait and not event.query():
+                return
+            if event is not None:
+                event.synchronize()
+            self.pending.popleft()
+            yield step, host.item() / self.every, lr
+
+
+class StopRequest:
+    """SIGTERM or SIGINT asks the loop to stop after the current step; a second SIGINT stops at once."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, sig: int, frame) -> None:
+        if self.signal is not None and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal = sig
+        say(f"{signal.Signals(sig).name}: finishing the current step, then checkpointing")
+
+
+def run(cfg: Config, output: str, device_name: str = "auto", resume: str = "auto", overwrite: bool = False) -> dict:
+    """Train as the config says, writing the run to `output`; returns the final summary."""
+    t_start = time.perf_counter()
+    device = pick_device(device_name)
+    seed_everything(cfg.seed, cfg.train.deterministic)
+    data = load_data(cfg.data, cfg.seed)
+    model = build_model(cfg.model, data.input_shape, len(data.classes))
+    run_dir = RunDir(output)
+    found = find_checkpoint(run_dir, resume, overwrite, cfg)
+    run_dir.prepare()
+    if overwrite and found is None:
+        clear_run(run_dir)
+    train_loader, test_loader, where = make_loaders(cfg, data, device)
+    say(f"device {describe_device(device)}; data {data.describe()}, held on {where}")
+    say(f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters; output {run_dir.url}")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = not cfg.train.deterministic
+    model.to(device)
+    model.train()
+    optimizer = make_optimizer(cfg, model)
+    scheduler = make_scheduler(cfg, optimizer, cfg.train.epochs * len(train_loader))
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    state, log = Progress(), LossLog(device, cfg.train.log_every_steps)
+    if found is not None:
+        payload, manifest = found
+        checkpoint.restore(payload, model, optimizer, scheduler, scaler)
+        saved = dict(payload["progress"])
+        log.sums.copy_(torch.tensor(saved.pop("loss_sums")))
+        state = Progress(**saved)
+        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({manifest['file']})")
+    run_dir.write("config.yaml", to_yaml(cfg).encode())
+    report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(train_loader), state.step + 1 if found else 0)
+    step_fn = make_step(model, optimizer, scheduler, scaler, autocast(cfg, device))
+    t_eval = time.perf_counter()
+    with StopRequest() as stop:
+        for epoch in range(state.epoch, cfg.train.epochs):
+            report.start_epoch(epoch, state.epoch_step)
+            finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
+            if finished:
+                state.epoch, state.epoch_step = epoch + 1, 0
+            last = state.epoch == cfg.train.epochs
+            if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
+                t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
+            report.end_epoch()
+            stopping = stop.signal is not None and not last
+            if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
+                save(run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report)
+            if stopping:
+                raise Interrupted(
+                    f"stopped by {signal.Signals(stop.signal).name} at epoch {state.epoch}, step {state.step}; "
+                    f"checkpoint committed to {run_dir.url}: run the same command again to continue"
+                )
+    final = {"best_accuracy": state.best_accuracy, "final_accuracy": report.records[-1]["test_accuracy"],
+             "final_test_loss": report.records[-1]["test_loss"]}
+    run_dir.write("model.pt", state_dict_bytes(model))
+    report.close(final)
+    run_dir.close()
+    summary = {**final, "best_epoch": state.best_epoch, "epochs": state.epoch, "steps": state.step,
+               "seconds": round(time.perf_counter() - t_start, 2), "output": run_dir.url}
+    say(f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; best test accuracy "
+        f"{state.best_accuracy:.4f} (epoch {state.best_epoch}), final {final['final_accuracy']:.4f}; "
+        f"outputs in {run_dir.url}")
+    return summary
+
+
+def train_epoch(step_fn, optimizer, loader: BatchLoader, epoch: int, state: Progress, log: LossLog,
+                report: Report, stop: StopRequest) -> bool:
+    """One epoch from where the state says it stands; False when a stop was requested before its end."""
+    every = log.every
+    for x, y in loader.batches(epoch, state.epoch_step):
+        log.add(step_fn(x, y))
+        state.step += 1
+        state.epoch_step += 1
+        state.steps_since_eval += 1
+        state.samples_since_eval += y.shape[0]
+        if state.step % every == 0:
+            log.close_window(state.step, optimizer.param_groups[0]["lr"])
+            for step, loss, lr in log.ready():
+                report.loss(step, loss, lr)
+            report.advance(every)
+        if stop.signal is not None:
+            break
+    return state.epoch_step == len(loader)
+
+
+@torch.no_grad()
+def evaluate(model, loader: BatchLoader, amp) -> torch.Tensor:
+    """[summed loss, correct predictions] over the split, left on the device."""
+    model.eval()
+    sums = torch.zeros(2, device=loader.device)
+    for x, y in loader.batches():
+        with amp():
+            out = model(x)
+        sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
+        sums[1] += (out.argmax(1) == y).sum()
+    model.train()
+    return sums
+
+
+def evaluation(model, loader: BatchLoader, amp, state: Progress, log: LossLog, report: Report, t_start: float,
+               t_eval: float) -> float:
+    """Test the model and report it with the training loss and throughput since the previous evaluation
+    (which ended at t_eval); returns when this one ended."""
+    sums = torch.cat([evaluate(model, loader, amp), log.sums[1:]]).tolist()  # the evaluation's one host sync
+    now = time.perf_counter()
+    for step, loss, lr in log.ready(wait=True):
+        report.loss(step, loss, lr)
+    log.sums[1] = 0
+    test_loss, correct, train_sum = sums
+    record = {
+        "epoch": state.epoch,
+        "step": state.step,
+        "train_loss": train_sum / max(state.steps_since_eval, 1),
+        "test_loss": test_loss / loader.n,
+        "test_accuracy": correct / loader.n,
+        "samples_per_s": state.samples_since_eval / max(now - t_eval, 1e-9),
+        "wall_s": round(now - t_start, 3),
+    }
+    if record["test_accuracy"] > state.best_accuracy:
+        state.best_accuracy, state.best_epoch = record["test_accuracy"], state.epoch
+    state.steps_since_eval = state.samples_since_eval = 0
+    report.evaluation(record)
+    return now
+
+
+def save(run_dir: RunDir, cfg: Config, model, optimizer, scheduler, scaler, state: Progress, log: LossLog,
+         report: Report) -> None:
+    """Flush the logs, then commit a checkpoint of the state as it stands."""
+    for step, loss, lr in log.ready(wait=True):
+        report.loss(step, loss, lr)
+    report.flush()
+    progress = {**asdict(state), "loss_sums": log.sums.tolist()}
+    metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
+    payload = checkpoint.capture(model, optimizer, scheduler, scaler, progress, cfg.model_dump())
+    checkpoint.commit(run_dir, payload, state.epoch, state.step, metrics, cfg.train.keep_last)
+
+
+def make_step(model, optimizer, scheduler, scaler, amp):
+    """One optimizer step on a batch; returns the loss as a device tensor (never read here)."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with amp():
+            loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler.is_enabled():
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        return loss.detach()
+
+    return step
+
+
+def autocast(cfg: Config, device: torch.device):
+    """A context factory for the configured precision (fp32: none)."""
+    if cfg.train.precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    if o.nesterov and o.momentum == 0:
+        raise ConfigError("optim.nesterov: needs optim.momentum > 0")
+    return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+                           weight_decay=o.weight_decay)
+
+
+def make_scheduler(cfg: Config, optimizer, total_steps: int):
+    """A per-step schedule over the whole run, or None."""
+    o = cfg.optim
+    if o.schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    if o.schedule == "onecycle":
+        cycle_momentum = o.name == "adamw" or o.momentum > 0  # never add momentum a recipe did not ask for
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=o.lr, total_steps=total_steps,
+                                                   cycle_momentum=cycle_momentum)
+    return None
+
+
+def make_loaders(cfg: Config, data: Dataset, device: torch.device) -> tuple[BatchLoader, BatchLoader, str]:
+    d = cfg.data
+    storage = choose_storage(data.train.x.nbytes + data.test.x.nbytes, device, d.placement, d.device_share)
+    mean = std = None
+    if data.is_image and d.normalize:
+        mean, std = channel_stats(data.train.x)
+    batch = len(data.train) if d.batch_size == "full" else d.batch_size
+    image_aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip} if data.is_image else {}
+    train = BatchLoader(data.train, batch, device, storage, seed=cfg.seed, shuffle=d.shuffle,
+                        drop_last=d.drop_last, mean=mean, std=std, **image_aug)
+    if len(train) == 0:
+        raise ConfigError(f"data.drop_last: the training split ({len(data.train)}) is smaller than one batch")
+    test = BatchLoader(data.test, d.eval_batch_size or batch, device, storage, mean=mean, std=std)
+    where = "the device" if storage.type == device.type and device.type != "cpu" else "the host"
+    return train, test, where
+
+
+def find_checkpoint(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
+    """The checkpoint to continue from, per --resume: auto (the run's newest), never, or a URL."""
+    if resume == "never":
+        if run_dir.has_run() and not overwrite:
+            raise ConfigError(f"{run_dir.url} already holds a run: --resume auto continues it, "
+                              "--overwrite replaces it")
+        return None
+    found = checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
+    if found is not None:
+        check_compatible(found[0]["config"], cfg)
+    return found
+
+
+def check_compatible(saved: dict, cfg: Config) -> None:
+    """Refuse to resume when a setting that changes what the checkpoint means differs."""
+    old = flat_items(Config.model_validate(saved))
+    new = flat_items(cfg)
+    changed = sorted(k for k in new if k not in RESUME_SAFE and old.get(k) != new[k])
+    if changed:
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:4])
+        raise ConfigError(f"cannot resume: the checkpoint was trained with other settings ({detail}); "
+                          "use another --output, or --resume never --overwrite to start over")
+
+
+def clear_run(run_dir: RunDir) -> None:
+    """--overwrite: remove an earlier run's checkpoints, logs and results from the folder."""
+    for rel in run_dir.list("checkpoints"):
+        run_dir.delete(f"checkpoints/{rel}")
+    for rel in run_dir.list("tensorboard"):
+        run_dir.delete(f"tensorboard/{rel}")
+    for rel in ("metrics.jsonl", "model.pt", "curves.png", "config.yaml"):
+        run_dir.delete(rel)
+
+
+def state_dict_bytes(model) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
+    return buf.getvalue()
