@@ -133,8 +133,9 @@ def load_payload(data: bytes | None, manifest: dict | None, where: str) -> dict:
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{where}: holds more than tensors and plain values; refusing to load it "
-                              f"({one_line(e)[:120]})") from None
+        raise CheckpointError(
+            f"{where}: holds more than tensors and plain values; refusing to load it ({one_line(e)[:120]})"
+        ) from None
     except Exception as e:  # a damaged zip or pickle raises many types
         raise CheckpointError(f"{where}: not a readable checkpoint: {one_line(e)}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:

@@ -54,7 +54,9 @@ def train(
     overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
     device: str = typer.Option("auto", "--device", "-d", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N."),
     resume: str = typer.Option(
-        "auto", "--resume", help="auto: continue the run in the output folder if there is one; never; or a URL."
+        "auto",
+        "--resume",
+        help="auto: continue the run in the output folder if there is one; never; or a URL.",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="With --resume never: replace a run in the folder."),
 ) -> None:
@@ -83,9 +85,11 @@ def evaluate(
         if as_json:
             print(json.dumps(result))
         else:
-            print(f"{result['checkpoint']}: epoch {result['epoch']}, step {result['step']}: "
-                  f"test_loss {result['test_loss']:.4f}  test_accuracy {result['test_accuracy']:.4f} "
-                  f"({result['samples']} samples)")
+            print(
+                f"{result['checkpoint']}: epoch {result['epoch']}, step {result['step']}: "
+                f"test_loss {result['test_loss']:.4f}  test_accuracy {result['test_accuracy']:.4f} "
+                f"({result['samples']} samples)"
+            )
 
 
 @app.command()

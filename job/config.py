@@ -25,7 +25,8 @@ class Section(BaseModel):
 
 class DataConfig(Section):
     kind: Literal["csv", "cifar10", "folder"] = Field(
-        "csv", description="Reader: a CSV table, CIFAR-10's python-version layout, or train/<class>/ image folders."
+        "csv",
+        description="Reader: a CSV table, CIFAR-10's python-version layout, or train/<class>/ image folders.",
     )
     path: str = Field(
         "",

@@ -29,8 +29,9 @@ def pick_device(name: str) -> torch.device:
         raise ConfigError(f"--device {name}: expected auto, cpu, cuda, cuda:N or mps") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(f"--device {name}: CUDA is not available here (no GPU, or no driver); "
-                              "see `python -m job info`")
+            raise ConfigError(
+                f"--device {name}: CUDA is not available here (no GPU, or no driver); see `python -m job info`"
+            )
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index >= torch.cuda.device_count():
             raise ConfigError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) here")
@@ -68,14 +69,16 @@ def info() -> dict[str, Any]:
     for i in range(torch.cuda.device_count() if cuda else 0):
         props = torch.cuda.get_device_properties(i)
         free, total = torch.cuda.mem_get_info(i)
-        devices.append({
-            "index": i,
-            "name": props.name,
-            "capability": f"{props.major}.{props.minor}",
-            "memory_total_gib": round(total / GIB, 2),
-            "memory_free_gib": round(free / GIB, 2),
-            "multiprocessors": props.multi_processor_count,
-        })
+        devices.append(
+            {
+                "index": i,
+                "name": props.name,
+                "capability": f"{props.major}.{props.minor}",
+                "memory_total_gib": round(total / GIB, 2),
+                "memory_free_gib": round(free / GIB, 2),
+                "multiprocessors": props.multi_processor_count,
+            }
+        )
     shm = None
     try:
         st = os.statvfs("/dev/shm")
@@ -107,14 +110,21 @@ def format_info(report: dict[str, Any]) -> str:
         f"/dev/shm {report['shm_gib'] if report['shm_gib'] is not None else '?'} GiB",
     ]
     if report["cuda_available"]:
-        lines.append(f"CUDA available: {report['device_count']} device(s), cuDNN {report['cudnn_version']}, "
-                     f"current device {report['current_device']}")
+        lines.append(
+            f"CUDA available: {report['device_count']} device(s), cuDNN {report['cudnn_version']}, "
+            f"current device {report['current_device']}"
+        )
         for d in report["devices"]:
-            lines.append(f"  cuda:{d['index']} {d['name']}  capability {d['capability']}  "
-                         f"{d['memory_total_gib']} GiB ({d['memory_free_gib']} free)  {d['multiprocessors']} SMs")
+            lines.append(
+                f"  cuda:{d['index']} {d['name']}  capability {d['capability']}  "
+                f"{d['memory_total_gib']} GiB ({d['memory_free_gib']} free)  {d['multiprocessors']} SMs"
+            )
     else:
-        why = "torch was built without CUDA" if report["cuda_version"] is None else \
-            "no GPU or no NVIDIA driver found (if this machine has a GPU, the driver is not installed or not visible)"
+        why = (
+            "torch was built without CUDA"
+            if report["cuda_version"] is None
+            else "no GPU or no NVIDIA driver found (on a machine with a GPU: the driver is missing or not visible)"
+        )
         lines.append(f"CUDA not available: {why}")
     if report["cuda_visible_devices"] is not None:
         lines.append(f"CUDA_VISIBLE_DEVICES={report['cuda_visible_devices']}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from job import checkpoint
 from job.config import apply_override, load_config, validate
 from job.data import load_data
@@ -43,5 +42,3 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
         "samples": test.n,
         "device": str(device),
     }
-
-

@@ -45,8 +45,14 @@ class Report:
         if self.interactive and self.steps_per_epoch >= 20:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.steps_per_epoch, initial=done_steps, desc=f"epoch {epoch + 1}/{self.epochs}",
-                            leave=False, dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(
+                total=self.steps_per_epoch,
+                initial=done_steps,
+                desc=f"epoch {epoch + 1}/{self.epochs}",
+                leave=False,
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
 
     def advance(self, steps: int) -> None:
         if self.bar is not None:

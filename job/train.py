@@ -28,9 +28,18 @@ from job.storage import RunDir
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
 RESUME_SAFE = {
-    "name", "output.dir", "data.path", "data.placement", "data.device_share", "data.eval_batch_size",
-    "train.epochs", "train.log_every_steps", "train.eval_every_epochs", "train.checkpoint_every_epochs",
-    "train.keep_last", "train.precision",
+    "name",
+    "output.dir",
+    "data.path",
+    "data.placement",
+    "data.device_share",
+    "data.eval_batch_size",
+    "train.epochs",
+    "train.log_every_steps",
+    "train.eval_every_epochs",
+    "train.checkpoint_every_epochs",
+    "train.keep_last",
+    "train.precision",
 }
 
 
@@ -160,21 +169,40 @@ def run(cfg: Config, output: str, device_name: str = "auto", resume: str = "auto
                     f"stopped by {signal.Signals(stop.signal).name} at epoch {state.epoch}, step {state.step}; "
                     f"checkpoint committed to {run_dir.url}: run the same command again to continue"
                 )
-    final = {"best_accuracy": state.best_accuracy, "final_accuracy": report.records[-1]["test_accuracy"],
-             "final_test_loss": report.records[-1]["test_loss"]}
+    final = {
+        "best_accuracy": state.best_accuracy,
+        "final_accuracy": report.records[-1]["test_accuracy"],
+        "final_test_loss": report.records[-1]["test_loss"],
+    }
     run_dir.write("model.pt", state_dict_bytes(model))
     report.close(final)
     run_dir.close()
-    summary = {**final, "best_epoch": state.best_epoch, "epochs": state.epoch, "steps": state.step,
-               "seconds": round(time.perf_counter() - t_start, 2), "output": run_dir.url}
-    say(f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; best test accuracy "
+    summary = {
+        **final,
+        "best_epoch": state.best_epoch,
+        "epochs": state.epoch,
+        "steps": state.step,
+        "seconds": round(time.perf_counter() - t_start, 2),
+        "output": run_dir.url,
+    }
+    say(
+        f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; best test accuracy "
         f"{state.best_accuracy:.4f} (epoch {state.best_epoch}), final {final['final_accuracy']:.4f}; "
-        f"outputs in {run_dir.url}")
+        f"outputs in {run_dir.url}"
+    )
     return summary
 
 
-def train_epoch(step_fn, optimizer, loader: BatchLoader, epoch: int, state: Progress, log: LossLog,
-                report: Report, stop: StopRequest) -> bool:
+def train_epoch(
+    step_fn,
+    optimizer,
+    loader: BatchLoader,
+    epoch: int,
+    state: Progress,
+    log: LossLog,
+    report: Report,
+    stop: StopRequest,
+) -> bool:
     """One epoch from where the state says it stands; False when a stop was requested before its end."""
     every = log.every
     for x, y in loader.batches(epoch, state.epoch_step):
@@ -207,8 +235,16 @@ def evaluate(model, loader: BatchLoader, amp) -> torch.Tensor:
     return sums
 
 
-def evaluation(model, loader: BatchLoader, amp, state: Progress, log: LossLog, report: Report, t_start: float,
-               t_eval: float) -> float:
+def evaluation(
+    model,
+    loader: BatchLoader,
+    amp,
+    state: Progress,
+    log: LossLog,
+    report: Report,
+    t_start: float,
+    t_eval: float,
+) -> float:
     """Test the model and report it with the training loss and throughput since the previous evaluation
     (which ended at t_eval); returns when this one ended."""
     sums = torch.cat([evaluate(model, loader, amp), log.sums[1:]]).tolist()  # the evaluation's one host sync
@@ -233,8 +269,17 @@ def evaluation(model, loader: BatchLoader, amp, state: Progress, log: LossLog, r
     return now
 
 
-def save(run_dir: RunDir, cfg: Config, model, optimizer, scheduler, scaler, state: Progress, log: LossLog,
-         report: Report) -> None:
+def save(
+    run_dir: RunDir,
+    cfg: Config,
+    model,
+    optimizer,
+    scheduler,
+    scaler,
+    state: Progress,
+    log: LossLog,
+    report: Report,
+) -> None:
     """Flush the logs, then commit a checkpoint of the state as it stands."""
     for step, loss, lr in log.ready(wait=True):
         report.loss(step, loss, lr)
@@ -280,8 +325,9 @@ def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     if o.nesterov and o.momentum == 0:
         raise ConfigError("optim.nesterov: needs optim.momentum > 0")
-    return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
-                           weight_decay=o.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay
+    )
 
 
 def make_scheduler(cfg: Config, optimizer, total_steps: int):
@@ -291,8 +337,9 @@ def make_scheduler(cfg: Config, optimizer, total_steps: int):
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
     if o.schedule == "onecycle":
         cycle_momentum = o.name == "adamw" or o.momentum > 0  # never add momentum a recipe did not ask for
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=o.lr, total_steps=total_steps,
-                                                   cycle_momentum=cycle_momentum)
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=o.lr, total_steps=total_steps, cycle_momentum=cycle_momentum
+        )
     return None
 
 
@@ -304,8 +351,18 @@ def make_loaders(cfg: Config, data: Dataset, device: torch.device) -> tuple[Batc
         mean, std = channel_stats(data.train.x)
     batch = len(data.train) if d.batch_size == "full" else d.batch_size
     image_aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip} if data.is_image else {}
-    train = BatchLoader(data.train, batch, device, storage, seed=cfg.seed, shuffle=d.shuffle,
-                        drop_last=d.drop_last, mean=mean, std=std, **image_aug)
+    train = BatchLoader(
+        data.train,
+        batch,
+        device,
+        storage,
+        seed=cfg.seed,
+        shuffle=d.shuffle,
+        drop_last=d.drop_last,
+        mean=mean,
+        std=std,
+        **image_aug,
+    )
     if len(train) == 0:
         raise ConfigError(f"data.drop_last: the training split ({len(data.train)}) is smaller than one batch")
     test = BatchLoader(data.test, d.eval_batch_size or batch, device, storage, mean=mean, std=std)
@@ -317,8 +374,7 @@ def find_checkpoint(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) 
     """The checkpoint to continue from, per --resume: auto (the run's newest), never, or a URL."""
     if resume == "never":
         if run_dir.has_run() and not overwrite:
-            raise ConfigError(f"{run_dir.url} already holds a run: --resume auto continues it, "
-                              "--overwrite replaces it")
+            raise ConfigError(f"{run_dir.url} already holds a run: --resume auto continues it, --overwrite replaces it")
         return None
     found = checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
     if found is not None:
@@ -333,8 +389,10 @@ def check_compatible(saved: dict, cfg: Config) -> None:
     changed = sorted(k for k in new if k not in RESUME_SAFE and old.get(k) != new[k])
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:4])
-        raise ConfigError(f"cannot resume: the checkpoint was trained with other settings ({detail}); "
-                          "use another --output, or --resume never --overwrite to start over")
+        raise ConfigError(
+            f"cannot resume: the checkpoint was trained with other settings ({detail}); "
+            "use another --output, or --resume never --overwrite to start over"
+        )
 
 
 def clear_run(run_dir: RunDir) -> None:

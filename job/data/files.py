@@ -46,6 +46,8 @@ def iter_archive(url: str) -> Iterator[tuple[str, bytes]]:
 
 def read_files(fs: fsspec.AbstractFileSystem, paths: list[str], url: str) -> dict[str, bytes]:
     """Contents of many files; remote filesystems fetch them concurrently in one call."""
+    if not paths:
+        return {}
     try:
         return fs.cat(paths, on_error="raise")
     except OSError as e:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
-from torchvision.io import ImageReadMode, decode_image
-from torchvision.transforms.v2.functional import resize
+from PIL import Image, UnidentifiedImageError
 
 from job.data import Dataset, Split
 from job.data.files import is_archive, iter_archive, read_files, resolve
@@ -58,10 +59,12 @@ def layout_key(name: str) -> tuple[str, str] | None:
 
 
 def decode_split(items: list[tuple[str, str, bytes]], classes: list[str], size: int | None, url: str) -> Split:
-    """Decode every image to uint8 3 x H x W, in threads (the decoder releases the GIL)."""
+    """Decode every image to uint8 3 x H x W, in threads (Pillow's decoders release the GIL)."""
     chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        images = [img for chunk in pool.map(lambda c: [decode(n, b, size, url) for _, n, b in c], chunks) for img in chunk]
+        images = [
+            img for chunk in pool.map(lambda c: [decode(n, b, size, url) for _, n, b in c], chunks) for img in chunk
+        ]
     shapes = {img.shape for img in images}
     if len(shapes) > 1:
         first = images[0].shape
@@ -76,9 +79,11 @@ def decode_split(items: list[tuple[str, str, bytes]], classes: list[str], size: 
 
 def decode(name: str, data: bytes, size: int | None, url: str) -> torch.Tensor:
     try:
-        img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except (RuntimeError, ValueError) as e:
+        with Image.open(io.BytesIO(data)) as img:
+            rgb = img.convert("RGB")
+            if size is not None and rgb.size != (size, size):
+                rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+            pixels = np.asarray(rgb, dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DataError(f"{url}: cannot decode image {name}: {one_line(e)}") from None
-    if size is not None and img.shape[1:] != (size, size):
-        img = resize(img, [size, size], antialias=True)
-    return img
+    return torch.from_numpy(pixels.transpose(2, 0, 1).copy())

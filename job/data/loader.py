@@ -62,16 +62,21 @@ class BatchLoader:
                 x, y = self.x[idx], self.y[idx]
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             if crops is not None or flips is not None:
-                x = crop_flip(x, self.crop_padding, crops[lo:hi] if crops is not None else None,
-                              flips[lo:hi] if flips is not None else None)
+                x = crop_flip(
+                    x,
+                    self.crop_padding,
+                    crops[lo:hi] if crops is not None else None,
+                    flips[lo:hi] if flips is not None else None,
+                )
             yield self.scale(x), y
 
     def draws(self, epoch: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The epoch's order, crop offsets and flips, drawn on the CPU from (seed, epoch), placed once per epoch."""
-        if not (self.shuffle or self.crop_padding or self.hflip):
+        shuffle = self.shuffle and len(self) > 1  # one batch holding every sample: its order changes nothing
+        if not (shuffle or self.crop_padding or self.hflip):
             return None, None, None
         g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        order = torch.randperm(self.n, generator=g).to(self.storage) if self.shuffle else None
+        order = torch.randperm(self.n, generator=g).to(self.storage) if shuffle else None
         crops = torch.randint(0, 2 * self.crop_padding + 1, (self.n, 2), generator=g) if self.crop_padding else None
         flips = torch.rand(self.n, generator=g) < 0.5 if self.hflip else None
         return (

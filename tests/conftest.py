@@ -1,0 +1,151 @@
+"""Shared fixtures: small real data files (encoded images, CIFAR-10 pickles, CSV tables) made on the fly,
+and a way to run `python -m job` as a user would."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATASETS = Path(os.environ.get("JOB_SHARED_DATASETS", ROOT.parent / "shared" / "datasets"))
+CIFAR_JPEG = SHARED_DATASETS / "cifar10-jpeg.tar.gz"
+
+
+def pattern_images(n_classes: int, per_class: int, size: int, seed: int = 0) -> tuple[np.ndarray, list[int]]:
+    """uint8 N x 3 x size x size images whose class shows in colour and stripes, plus noise: learnable, not trivial."""
+    rng = np.random.default_rng(seed)
+    images, labels = [], []
+    for k in range(n_classes):
+        for _ in range(per_class):
+            img = rng.integers(0, 80, (3, size, size))
+            img[k % 3] += 120
+            img[:, :: (k % 4) + 2, :] += 50
+            images.append(np.clip(img, 0, 255).astype(np.uint8))
+            labels.append(k)
+    return np.stack(images), labels
+
+
+def write_image_folder(
+    root: Path,
+    n_classes: int = 3,
+    per_class: int = 12,
+    size: int = 16,
+    fmt: str = "png",
+    test_per_class: int = 4,
+) -> Path:
+    """root/train/<class>/*.png|jpg and root/test/<class>/*, real encoded files."""
+    for split, count, seed in (("train", per_class, 0), ("test", test_per_class, 1)):
+        images, labels = pattern_images(n_classes, count, size, seed)
+        for i, (img, k) in enumerate(zip(images, labels)):
+            folder = root / split / f"class{k}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{i:04d}.{fmt}").write_bytes(encode(img, fmt))
+    return root
+
+
+def write_cifar_batches(folder: Path, n_train: int = 100, n_test: int = 40) -> Path:
+    """CIFAR-10's python-version files (data_batch_1..5, test_batch, batches.meta) with pattern images."""
+    folder.mkdir(parents=True, exist_ok=True)
+    x, y = pattern_images(10, n_train // 10, 32, 0)
+    per = -(-len(x) // 5)
+    for b in range(5):
+        dump(
+            {
+                b"data": x[b * per : (b + 1) * per].reshape(-1, 3072),
+                b"labels": y[b * per : (b + 1) * per],
+                b"batch_label": f"training batch {b + 1} of 5".encode(),
+            },
+            folder / f"data_batch_{b + 1}",
+        )
+    tx, ty = pattern_images(10, n_test // 10, 32, 1)
+    dump({b"data": tx.reshape(-1, 3072), b"labels": ty}, folder / "test_batch")
+    names = [
+        b"airplane",
+        b"automobile",
+        b"bird",
+        b"cat",
+        b"deer",
+        b"dog",
+        b"frog",
+        b"horse",
+        b"ship",
+        b"truck",
+    ]
+    dump({b"label_names": names, b"num_vis": 3072}, folder / "batches.meta")
+    return folder
+
+
+def dump(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=2)
+
+
+def tar_folder(src: Path, archive: Path, arcname: str) -> Path:
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src, arcname=arcname)
+    return archive
+
+
+def run_job(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict | None = None):
+    """`python -m job ARGS` in a fresh process, as a user runs it."""
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "job", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+
+
+@pytest.fixture
+def image_folder(tmp_path: Path) -> Path:
+    return write_image_folder(tmp_path / "images")
+
+
+@pytest.fixture
+def cifar_folder(tmp_path: Path) -> Path:
+    return write_cifar_batches(tmp_path / "cifar-10-batches-py")
+
+
+@pytest.fixture
+def real_cifar_subset(tmp_path_factory) -> Path:
+    """A few hundred real CIFAR-10 JPEGs from the shared copy, in the image-folder layout."""
+    if not CIFAR_JPEG.is_file():
+        pytest.skip(f"the shared CIFAR-10 copy is not at {CIFAR_JPEG} (set JOB_SHARED_DATASETS)")
+    root = tmp_path_factory.mktemp("cifar-real")
+    counts: dict[tuple[str, str], int] = {}
+    limit = {"train": 40, "test": 10}
+    with tarfile.open(CIFAR_JPEG) as tar:
+        for member in tar:
+            parts = member.name.split("/")
+            if not member.isfile() or len(parts) < 4:
+                continue
+            split, cls = parts[-3], parts[-2]
+            key = (split, cls)
+            if counts.get(key, 0) >= limit.get(split, 0):
+                if len(counts) == 20 and all(counts[k] >= limit[k[0]] for k in counts):
+                    break
+                continue
+            counts[key] = counts.get(key, 0) + 1
+            target = root / split / cls / parts[-1]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(tar.extractfile(member).read())
+    return root
+
+
+def encode(img: np.ndarray, fmt: str = "png") -> bytes:
+    """A 3 x H x W uint8 image as PNG or JPEG file bytes."""
+    buf = io.BytesIO()
+    Image.fromarray(img.transpose(1, 2, 0)).save(buf, format="PNG" if fmt == "png" else "JPEG", quality=95)
+    return buf.getvalue()

@@ -1,0 +1,109 @@
+import io
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from job import checkpoint
+from job.errors import CheckpointError
+from job.storage import RunDir
+
+
+def payload(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return checkpoint.capture(model, opt, None, scaler, {"epoch": seed, "step": seed * 10}, {"name": "t"})
+
+
+def commit_three(tmp_path, keep_last=5) -> RunDir:
+    run = RunDir(str(tmp_path / "run"))
+    for epoch in (1, 2, 3):
+        checkpoint.commit(run, payload(epoch), epoch, epoch * 10, {"test_accuracy": epoch / 10}, keep_last)
+    return run
+
+
+def test_commit_writes_payload_manifest_pointer_and_loads_weights_only(tmp_path):
+    run = commit_three(tmp_path)
+    names = run.list("checkpoints")
+    assert "latest.json" in names and "e00003-s0000000030.pt" in names and "e00003-s0000000030.json" in names
+    pointer = json.loads(run.read("checkpoints/latest.json"))
+    assert pointer["epoch"] == 3 and pointer["step"] == 30 and pointer["metrics"] == {"test_accuracy": 0.3}
+    raw = run.read(f"checkpoints/{pointer['file']}")
+    assert len(raw) == pointer["size"]
+    plain = torch.load(io.BytesIO(raw), weights_only=True)  # what any user can do with it
+    assert plain["progress"]["epoch"] == 3
+    loaded, manifest = checkpoint.load_latest(run)
+    assert manifest["step"] == 30 and torch.equal(loaded["model"]["weight"], plain["model"]["weight"])
+
+
+def test_retention_keeps_the_newest(tmp_path):
+    run = commit_three(tmp_path, keep_last=2)
+    stems = sorted({n.rsplit(".", 1)[0] for n in run.list("checkpoints")} - {"latest"})
+    assert stems == ["e00002-s0000000020", "e00003-s0000000030"]
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete", "pointer"])
+def test_damaged_newest_falls_back_to_previous(tmp_path, damage, capsys):
+    run = commit_three(tmp_path)
+    newest = run.path("checkpoints/e00003-s0000000030.pt")
+    if damage == "corrupt":
+        data = bytearray(newest.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        newest.write_bytes(bytes(data))
+    elif damage == "truncate":
+        newest.write_bytes(newest.read_bytes()[:100])
+    elif damage == "delete":
+        newest.unlink()
+    else:
+        run.path("checkpoints/latest.json").write_text("{not json")
+    loaded, manifest = checkpoint.load_latest(run)
+    expected_step = 30 if damage == "pointer" else 20
+    assert manifest["step"] == expected_step and loaded["progress"]["step"] == expected_step
+    if damage != "pointer":
+        assert "warning:" in capsys.readouterr().err
+
+
+def test_no_good_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
+    run = commit_three(tmp_path)
+    for name in run.list("checkpoints"):
+        if name.endswith(".pt"):
+            run.path(f"checkpoints/{name}").write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match="no checkpoint verifies"):
+        checkpoint.load_latest(run)
+    assert checkpoint.load_latest(RunDir(str(tmp_path / "empty"))) is None
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_refuses_checkpoints_that_need_unpickling_code(tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"format": 1, "model": {}, "x": Evil()}, evil)
+    with pytest.raises(CheckpointError, match="refusing to load it"):
+        checkpoint.load_url(str(evil))
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        checkpoint.load_url(str(tmp_path / "missing.pt"))
+    other = tmp_path / "other.pt"
+    torch.save({"weights": torch.ones(2)}, other)
+    with pytest.raises(CheckpointError, match="not a checkpoint of this job"):
+        checkpoint.load_url(str(other))
+
+
+def test_rng_state_round_trip():
+    import random
+
+    import numpy as np
+
+    state = checkpoint.rng_state()
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    checkpoint.set_rng_state(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected

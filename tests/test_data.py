@@ -1,0 +1,174 @@
+import pickle
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from conftest import encode, pattern_images, tar_folder, write_cifar_batches, write_image_folder
+from fsspec.implementations.memory import MemoryFileSystem
+
+from job.config import load_config
+from job.data import load_data
+from job.errors import DataError
+
+
+def data_cfg(*overrides):
+    return load_config("iris", list(overrides))
+
+
+# ---- CSV tables ----
+
+
+def test_bundled_iris_split_and_scaling():
+    d = load_data(data_cfg().data, seed=0)
+    assert (len(d.train), len(d.test)) == (120, 30)
+    assert d.classes == ["setosa", "versicolor", "virginica"]
+    assert d.train.x.shape == (120, 4) and d.train.x.dtype == torch.float32
+    assert d.train.x.min() == 0 and d.train.x.max() == 1  # min-max fitted on the training split
+    assert sorted(torch.bincount(torch.cat([d.train.y, d.test.y])).tolist()) == [50, 50, 50]
+    again = load_data(data_cfg().data, seed=0)
+    assert torch.equal(d.test.y, again.test.y)
+    other = load_data(data_cfg().data, seed=1)
+    assert not torch.equal(d.test.x, other.test.x)
+
+
+def test_csv_with_separate_test_table_and_numeric_labels(tmp_path):
+    (tmp_path / "train.csv").write_text("a,b,label\n0,10,2\n1,20,10\n2,30,2\n3,40,10\n")
+    (tmp_path / "test.csv").write_text("a,b,label\n1.5,25,10\n")
+    cfg = data_cfg(f"data.path={tmp_path}/train.csv", f"data.test_path={tmp_path}/test.csv", "data.target=label")
+    d = load_data(cfg.data, seed=0)
+    assert d.classes == ["2", "10"]  # numeric order, not text order
+    assert d.test.x.tolist() == [[0.5, 0.5]] and d.test.y.tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("a,b,species\n1,2,x\n3,oops,y\n", "row 3, column 'b': not a number: 'oops'"),
+        ("a,b\n1,2\n3,4\n", "no column 'species' for data.target"),
+        ("a,species\n", "expected a header row and data rows"),
+        ("a,b,species\n1,2,x\n3,y\n", "row 3: 2 fields, the header has 3"),
+    ],
+)
+def test_csv_errors(tmp_path, text, needle):
+    path = tmp_path / "t.csv"
+    path.write_text(text)
+    with pytest.raises(DataError, match=needle):
+        load_data(data_cfg(f"data.path={path}").data, seed=0)
+
+
+def test_csv_missing_file(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_data(data_cfg(f"data.path={tmp_path}/nope.csv").data, seed=0)
+
+
+# ---- CIFAR-10 python version ----
+
+
+def cifar_cfg(path):
+    return load_config("cifar10", [f"data.path={path}"]).data
+
+
+def test_cifar_folder_archive_and_memory_are_one_reader(tmp_path):
+    folder = write_cifar_batches(tmp_path / "cifar-10-batches-py", n_train=100, n_test=40)
+    from_folder = load_data(cifar_cfg(folder), 0)
+    from_parent = load_data(cifar_cfg(tmp_path), 0)
+    archive = tar_folder(folder, tmp_path / "cifar-10-python.tar.gz", "cifar-10-batches-py")
+    from_archive = load_data(cifar_cfg(archive), 0)
+    mem = MemoryFileSystem()
+    mem.pipe_file("/cifar/cifar-10-python.tar.gz", archive.read_bytes())
+    from_memory = load_data(cifar_cfg("memory://cifar/cifar-10-python.tar.gz"), 0)
+    assert from_folder.train.x.shape == (100, 3, 32, 32) and from_folder.test.x.shape == (40, 3, 32, 32)
+    assert from_folder.classes[0] == "airplane" and len(from_folder.classes) == 10
+    for other in (from_parent, from_archive, from_memory):
+        assert torch.equal(other.train.x, from_folder.train.x) and torch.equal(other.test.y, from_folder.test.y)
+    # pixels are laid out as CIFAR's R, G, B planes
+    x, _ = pattern_images(10, 10, 32, 0)
+    assert torch.equal(from_folder.train.x[:20], torch.from_numpy(x[:20]))
+
+
+def test_cifar_refuses_pickles_that_build_other_objects(tmp_path):
+    folder = write_cifar_batches(tmp_path / "cifar-10-batches-py")
+    with open(folder / "data_batch_1", "wb") as f:
+        pickle.dump(
+            {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1], b"x": __import__("os").getcwd},
+            f,
+            protocol=2,
+        )
+    with pytest.raises(DataError, match="refused to load"):
+        load_data(cifar_cfg(folder), 0)
+
+
+def test_cifar_errors(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataError, match="no CIFAR-10 python-version batches"):
+        load_data(cifar_cfg(empty), 0)
+    folder = write_cifar_batches(tmp_path / "cifar-10-batches-py")
+    (folder / "test_batch").write_bytes(b"\x80\x02garbage")
+    with pytest.raises(DataError, match="test_batch: not a readable CIFAR-10 batch"):
+        load_data(cifar_cfg(folder), 0)
+    archive = tar_folder(write_cifar_batches(tmp_path / "b" / "cifar-10-batches-py"), tmp_path / "c.tar.gz", "c")
+    truncated = tmp_path / "cut.tar.gz"
+    truncated.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    with pytest.raises(DataError, match="not a readable tar archive"):
+        load_data(cifar_cfg(truncated), 0)
+
+
+# ---- image folders ----
+
+
+def folder_cfg(path, *extra):
+    return load_config("cifar10", ["data.kind=folder", f"data.path={path}", *extra]).data
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpg"])
+def test_image_folder_decodes_real_files(tmp_path, fmt):
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=5, size=16, fmt=fmt)
+    d = load_data(folder_cfg(root), 0)
+    assert d.classes == ["class0", "class1", "class2"]
+    assert d.train.x.shape == (15, 3, 16, 16) and d.train.x.dtype == torch.uint8 and len(d.test) == 12
+    x, _ = pattern_images(3, 5, 16, 0)
+    err = (d.train.x.float() - torch.from_numpy(x).float()).abs().mean()
+    assert err == 0 if fmt == "png" else err < 20  # PNG is lossless; JPEG loses detail in noise
+
+
+def test_image_folder_as_archive_and_on_memory(tmp_path):
+    root = write_image_folder(tmp_path / "imgs", per_class=4)
+    direct = load_data(folder_cfg(root), 0)
+    archive = tar_folder(root, tmp_path / "imgs.tar.gz", "dataset")
+    (tmp_path / "plain.tar").write_bytes(b"")
+    with tarfile.open(tmp_path / "plain.tar", "w") as tar:
+        tar.add(root, arcname="dataset")
+    mem = MemoryFileSystem()
+    for path in root.rglob("*.png"):
+        mem.pipe_file(f"/imgs/{path.relative_to(root)}", path.read_bytes())
+    for url in (archive, tmp_path / "plain.tar", "memory://imgs"):
+        other = load_data(folder_cfg(url), 0)
+        assert torch.equal(other.train.x, direct.train.x) and torch.equal(other.test.y, direct.test.y)
+
+
+def test_image_folder_sizes_resize_and_errors(tmp_path):
+    root = write_image_folder(tmp_path / "imgs", per_class=3, size=16)
+    img, _ = pattern_images(1, 1, 24, 5)
+    (root / "train" / "class0" / "big.png").write_bytes(encode(img[0]))
+    with pytest.raises(DataError, match="images differ in size.*set data.image_size"):
+        load_data(folder_cfg(root), 0)
+    resized = load_data(folder_cfg(root, "data.image_size=8"), 0)
+    assert resized.train.x.shape[1:] == (3, 8, 8)
+    (root / "train" / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    with pytest.raises(DataError, match="cannot decode image .*broken.png"):
+        load_data(folder_cfg(root, "data.image_size=8"), 0)
+    empty = tmp_path / "empty"
+    (empty / "train").mkdir(parents=True)
+    with pytest.raises(DataError, match="no images in the train"):
+        load_data(folder_cfg(empty), 0)
+    with pytest.raises(DataError, match="no such file or folder"):
+        load_data(folder_cfg(tmp_path / "missing"), 0)
+
+
+def test_real_cifar_jpegs(real_cifar_subset):
+    d = load_data(folder_cfg(real_cifar_subset), 0)
+    assert d.classes[:3] == ["airplane", "automobile", "bird"] and len(d.classes) == 10
+    assert d.train.x.shape == (400, 3, 32, 32) and len(d.test) == 100
+    assert 40 < d.train.x.float().mean() < 200  # real photographs, not blank decodes

@@ -1,0 +1,59 @@
+import torch
+
+from job.data import Split
+from job.data.loader import BatchLoader, channel_stats, crop_flip
+
+CPU = torch.device("cpu")
+
+
+def images(n=10, size=6):
+    return Split(
+        torch.randint(0, 256, (n, 3, size, size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)),
+        torch.arange(n),
+    )
+
+
+def test_crop_flip_matches_per_image_reference():
+    x = images(8).x
+    crops = torch.randint(0, 5, (8, 2), generator=torch.Generator().manual_seed(1))
+    flips = torch.tensor([True, False] * 4)
+    out = crop_flip(x, 2, crops, flips)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(8):
+        oy, ox = crops[i].tolist()
+        ref = padded[i, :, oy : oy + 6, ox : ox + 6]
+        if flips[i]:
+            ref = ref.flip(-1)
+        assert torch.equal(out[i], ref)
+
+
+def test_batches_cover_the_split_once_and_are_seeded():
+    split = images(10)
+    loader = BatchLoader(split, 4, CPU, CPU, seed=3, shuffle=True)
+    assert len(loader) == 3
+    labels = torch.cat([y for _, y in loader.batches(epoch=0)])
+    assert sorted(labels.tolist()) == list(range(10))
+    again = torch.cat([y for _, y in loader.batches(epoch=0)])
+    other_epoch = torch.cat([y for _, y in loader.batches(epoch=1)])
+    assert torch.equal(labels, again) and not torch.equal(labels, other_epoch)
+    dropped = BatchLoader(split, 4, CPU, CPU, drop_last=True)
+    assert len(dropped) == 2
+
+
+def test_resuming_mid_epoch_gives_the_same_remaining_batches():
+    loader = BatchLoader(images(12), 4, CPU, CPU, seed=5, shuffle=True, crop_padding=2, hflip=True)
+    full = list(loader.batches(epoch=2))
+    rest = list(loader.batches(epoch=2, start=1))
+    assert len(rest) == 2
+    for (x1, y1), (x2, y2) in zip(full[1:], rest):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_images_are_scaled_and_normalised():
+    split = images(6)
+    mean, std = channel_stats(split.x)
+    loader = BatchLoader(split, 6, CPU, CPU, mean=mean, std=std)
+    ((x, _),) = list(loader.batches())
+    assert x.dtype == torch.float32
+    assert torch.allclose(x.mean((0, 2, 3)), torch.zeros(3), atol=1e-5)
+    assert torch.allclose(x.std((0, 2, 3), unbiased=False), torch.ones(3), atol=1e-4)
