@@ -125,8 +125,8 @@ def run(cfg: Config, output: str, device_name: str = "auto", resume: str = "auto
     data = load_data(cfg.data, cfg.seed)
     model = build_model(cfg.model, data.input_shape, len(data.classes))
     run_dir = RunDir(output)
-    found = find_checkpoint(run_dir, resume, overwrite, cfg)
     run_dir.prepare()
+    found = find_checkpoint(run_dir, resume, overwrite, cfg)
     if overwrite and found is None:
         clear_run(run_dir)
     train_loader, test_loader, where = make_loaders(cfg, data, device)

@@ -97,7 +97,8 @@ def tar_folder(src: Path, archive: Path, arcname: str) -> Path:
 
 def run_job(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict | None = None):
     """`python -m job ARGS` in a fresh process, as a user runs it."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    paths = [str(ROOT), (env or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     return subprocess.run(
         [sys.executable, "-m", "job", *args],
         cwd=cwd,

@@ -201,7 +201,7 @@ def test_user_model_from_pythonpath(tmp_path):
         "train.eval_every_epochs=100",
         "--output",
         str(tmp_path / "run"),
-        env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"},
+        env={"PYTHONPATH": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr[-2000:]
     weights = torch.load(tmp_path / "run/model.pt", weights_only=True)
@@ -242,7 +242,8 @@ def test_sigterm_commits_a_checkpoint_and_exits_75(tmp_path):
         "--output",
         str(out),
     ]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 60
     while not (out / "tensorboard").is_dir() and time.time() < deadline:
         time.sleep(0.2)

@@ -35,9 +35,9 @@ class BatchLoader:
         std: torch.Tensor | None = None,
     ) -> None:
         self.device, self.storage = device, storage
-        pin = storage.type == "cpu" and device.type == "cuda"
-        self.x = split.x.to(storage).pin_memory() if pin else split.x.to(storage)
-        self.y = split.y.to(storage).pin_memory() if pin else split.y.to(storage)
+        # Host-held batches are gathered into page-locked memory so their copy to the GPU is asynchronous.
+        self.pin = storage.type == "cpu" and device.type == "cuda"
+        self.x, self.y = split.x.to(storage), split.y.to(storage)
         self.n = len(split)
         self.batch_size = min(batch_size, self.n)
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
@@ -60,6 +60,8 @@ class BatchLoader:
             else:
                 idx = order[lo:hi]
                 x, y = self.x[idx], self.y[idx]
+            if self.pin:
+                x, y = x.pin_memory(), y.pin_memory()
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             if crops is not None or flips is not None:
                 x = crop_flip(
@@ -76,14 +78,16 @@ class BatchLoader:
         if not (shuffle or self.crop_padding or self.hflip):
             return None, None, None
         g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-        order = torch.randperm(self.n, generator=g).to(self.storage) if shuffle else None
+        order = torch.randperm(self.n, generator=g) if shuffle else None
         crops = torch.randint(0, 2 * self.crop_padding + 1, (self.n, 2), generator=g) if self.crop_padding else None
         flips = torch.rand(self.n, generator=g) < 0.5 if self.hflip else None
-        return (
-            order,
-            crops.to(self.device) if crops is not None else None,
-            flips.to(self.device) if flips is not None else None,
-        )
+        return self.place(order, self.storage), self.place(crops, self.device), self.place(flips, self.device)
+
+    def place(self, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """Move a CPU tensor without making the host wait (through page-locked memory for a GPU)."""
+        if t is None or device.type == "cpu":
+            return t
+        return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
     def scale(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 images to float in [0, 1], then normalised; tables pass through."""

@@ -1,0 +1,96 @@
+"""The GPU path: the same job on CUDA, with no host sync inside an epoch. Skipped where there is no CUDA device."""
+
+import json
+
+import pytest
+import torch
+from conftest import run_job, write_image_folder
+
+from job.config import load_config
+from job.data import load_data
+from job.data.loader import BatchLoader
+from job.models import build_model
+from job.report import Report
+from job.storage import RunDir
+from job.train import LossLog, Progress, StopRequest, autocast, make_loaders, make_optimizer, make_step, train_epoch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision):
+    root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=40, size=32)
+    cfg = load_config(
+        "cifar10",
+        [
+            "data.kind=folder",
+            f"data.path={root}",
+            "data.batch_size=16",
+            "train.log_every_steps=3",
+            "data.random_crop_padding=4",
+            "data.random_hflip=true",
+            "data.normalize=true",
+            f"data.placement={placement}",
+            f"train.precision={precision}",
+            "optim.momentum=0.9",
+            "optim.schedule=onecycle",
+        ],
+    )
+    data = load_data(cfg.data, cfg.seed)
+    model = build_model(cfg.model, data.input_shape, len(data.classes)).to(CUDA)
+    optimizer = make_optimizer(cfg, model)
+    total = 2 * 10
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=total)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    train, _, where = make_loaders(cfg, data, CUDA)
+    assert where == ("the device" if placement == "device" else "the host")
+    step = make_step(model, optimizer, scheduler, scaler, autocast(cfg, CUDA))
+    state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
+    report = Report(RunDir(str(tmp_path / "run")), {}, 2, len(train), 0)
+    with StopRequest() as stop:
+        train_epoch(step, optimizer, train, 0, state, log, report, stop)  # warm-up: cuDNN picks its kernels
+        torch.cuda.synchronize()
+        state.epoch, state.epoch_step = 1, 0
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            train_epoch(step, optimizer, train, 1, state, log, report, stop)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert state.step == 2 * len(train)
+    assert torch.isfinite(log.sums).all()
+
+
+def test_device_and_host_placement_give_the_same_batches(tmp_path):
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=10, size=16)
+    cfg = load_config("cifar10", ["data.kind=folder", f"data.path={root}"])
+    data = load_data(cfg.data, 0)
+    kw = dict(seed=4, shuffle=True, crop_padding=2, hflip=True)
+    on_device = list(BatchLoader(data.train, 8, CUDA, CUDA, **kw).batches(epoch=3))
+    on_host = list(BatchLoader(data.train, 8, CUDA, torch.device("cpu"), **kw).batches(epoch=3))
+    on_cpu = list(BatchLoader(data.train, 8, torch.device("cpu"), torch.device("cpu"), **kw).batches(epoch=3))
+    for (a, ya), (b, yb), (c, yc) in zip(on_device, on_host, on_cpu):
+        assert torch.equal(a, b) and torch.equal(a.cpu(), c) and torch.equal(ya, yb) and torch.equal(ya.cpu(), yc)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_train_on_cuda_end_to_end(tmp_path, precision):
+    out = tmp_path / precision
+    result = run_job(
+        "train",
+        "--device",
+        "cuda",
+        "--set",
+        "train.epochs=3000",
+        "--set",
+        f"train.precision={precision}",
+        "--output",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "device cuda:0" in result.stderr
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["test_accuracy"] >= 0.9
+    weights = torch.load(out / "model.pt", weights_only=True)
+    assert all(t.device.type == "cpu" for t in weights.values())
