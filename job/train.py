@@ -158,9 +158,9 @@ def run(cfg: Config, output: str, device_name: str = "auto", resume: str = "auto
             if finished:
                 state.epoch, state.epoch_step = epoch + 1, 0
             last = state.epoch == cfg.train.epochs
+            report.end_epoch()
             if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
                 t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
-            report.end_epoch()
             stopping = stop.signal is not None and not last
             if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
                 save(run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report)
