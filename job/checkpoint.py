@@ -47,7 +47,9 @@ def capture(model, optimizer, scheduler, scaler, progress: dict[str, Any], confi
     }
 
 
-def commit(run: RunDir, payload: dict, epoch: int, step: int, metrics: dict, keep_last: int) -> str:
+def commit(
+    run: RunDir, payload: dict, epoch: int, step: int, metrics: dict, keep_last: int, keep_best: bool = False
+) -> str:
     """Write the payload, then its manifest, then the pointer; delete checkpoints beyond keep_last afterwards."""
     buf = io.BytesIO()
     torch.save(payload, buf)
@@ -67,16 +69,45 @@ def commit(run: RunDir, payload: dict, epoch: int, step: int, metrics: dict, kee
     run.write(f"{FOLDER}/{name}.pt", data)
     run.write(f"{FOLDER}/{name}.json", text)
     run.write(POINTER, text)
-    prune(run, keep_last)
+    prune(run, keep_last, keep_best)
     return name
 
 
-def prune(run: RunDir, keep_last: int) -> None:
-    """Delete all but the newest keep_last committed checkpoints, manifest first so none is ever half-listed."""
-    names = sorted(n[:-5] for n in run.list(FOLDER) if n.endswith(".json") and n != "latest.json")
-    for name in names[:-keep_last]:
-        run.delete(f"{FOLDER}/{name}.json")
-        run.delete(f"{FOLDER}/{name}.pt")
+def prune(run: RunDir, keep_last: int, keep_best: bool = False) -> None:
+    """Delete all but the newest keep_last committed checkpoints (and the most accurate one, with keep_best),
+    each manifest before its payload so no manifest ever names a missing file; then leftovers of commits
+    that a crash cut short."""
+    listed = run.list(FOLDER)
+    names = sorted(n[: -len(".json")] for n in listed if is_manifest(n))
+    keep = set(names[-keep_last:])
+    if keep_best:
+        keep |= {best_checkpoint(run, names)} - {None}
+    for name in names:
+        if name not in keep:
+            run.delete(f"{FOLDER}/{name}.json")
+            run.delete(f"{FOLDER}/{name}.pt")
+    newest = names[-1] if names else ""
+    for n in listed:
+        orphan = n.endswith(".pt") and n[: -len(".pt")] not in names and n < newest
+        if orphan or n.startswith("."):  # temporary files of an interrupted write
+            run.delete(f"{FOLDER}/{n}")
+
+
+def best_checkpoint(run: RunDir, names: list[str]) -> str | None:
+    """The checkpoint whose manifest records the highest test accuracy."""
+    scored = []
+    for name in names:
+        try:
+            accuracy = json.loads(run.read(f"{FOLDER}/{name}.json") or b"{}").get("metrics", {}).get("test_accuracy")
+        except ValueError:
+            continue
+        if isinstance(accuracy, (int, float)):
+            scored.append((accuracy, name))
+    return max(scored)[1] if scored else None
+
+
+def is_manifest(name: str) -> bool:
+    return name.endswith(".json") and not name.startswith(".") and name != "latest.json"
 
 
 def load_latest(run: RunDir) -> tuple[dict, dict] | None:
@@ -86,20 +117,16 @@ def load_latest(run: RunDir) -> tuple[dict, dict] | None:
     tried in turn, each failure reported in one line. Checkpoints that exist but none of which verifies
     are an error: a run never silently starts again from scratch.
     """
-    candidates: list[str] = []
+    candidates: set[str] = set()
     pointer = run.read(POINTER)
     if pointer is not None:
         try:
-            candidates.append(json.loads(pointer)["file"][: -len(".pt")])
+            candidates.add(json.loads(pointer)["file"][: -len(".pt")])
         except (ValueError, KeyError, TypeError):
-            say(f"warning: {run.url}/{POINTER} is unreadable; looking for older checkpoints")
+            say(f"warning: {run.url}/{POINTER} is unreadable; looking for the newest checkpoint by its manifest")
     listed = run.list(FOLDER)
-    candidates += sorted((n[:-5] for n in listed if n.endswith(".json") and n != "latest.json"), reverse=True)
-    seen: set[str] = set()
-    for name in candidates:
-        if name in seen:
-            continue
-        seen.add(name)
+    candidates |= {n[: -len(".json")] for n in listed if is_manifest(n)}
+    for name in sorted(candidates, reverse=True):  # names sort by (epoch, step): newest first
         try:
             manifest = read_manifest(run.read(f"{FOLDER}/{name}.json"), name)
             return load_payload(run.read(f"{FOLDER}/{name}.pt"), manifest, f"{run.url}/{FOLDER}/{name}.pt"), manifest

@@ -107,6 +107,10 @@ class TrainConfig(Section):
     eval_every_epochs: int = Field(1, gt=0, description="Evaluate on the test split every this many epochs.")
     checkpoint_every_epochs: int = Field(1, gt=0, description="Commit a checkpoint every this many epochs.")
     keep_last: int = Field(3, gt=0, description="Checkpoints to keep; older ones are deleted after a commit.")
+    keep_best: bool = Field(False, description="Also keep the checkpoint with the best test accuracy.")
+    grace_seconds: float = Field(
+        20.0, gt=0, description="After SIGTERM or SIGINT: time to finish the step and commit before giving up."
+    )
     deterministic: bool = Field(False, description="Use deterministic algorithms (slower on a GPU).")
 
 

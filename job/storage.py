@@ -18,6 +18,15 @@ from fsspec.implementations.local import LocalFileSystem
 from job.errors import StorageError, one_line
 
 
+def _file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+FILE_MODE = _file_mode()
+
+
 class RunDir:
     """One run's output folder: `local` is where files are written, `url` where they must end up."""
 
@@ -56,6 +65,7 @@ class RunDir:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+            os.fchmod(fd, FILE_MODE)  # mkstemp makes files private; a run's files are as readable as any other
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

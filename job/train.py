@@ -7,7 +7,9 @@ N steps at a time without blocking; the host reads numbers only at evaluations a
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -94,11 +96,15 @@ class LossLog:
 
 
 class StopRequest:
-    """SIGTERM or SIGINT asks the loop to stop after the current step; a second SIGINT stops at once."""
+    """SIGTERM or SIGINT asks the loop to stop after the current step and commit a checkpoint. If that takes
+    longer than the grace period the process exits 75 anyway, leaving the previous commit as the one to resume
+    (commits are atomic, so stopping in the middle of one is safe). A second SIGINT stops at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_seconds: float) -> None:
+        self.grace_seconds = grace_seconds
         self.signal: int | None = None
         self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
 
     def __enter__(self) -> StopRequest:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -107,14 +113,28 @@ class StopRequest:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def _handle(self, sig: int, frame) -> None:
-        if self.signal is not None and sig == signal.SIGINT:
-            raise KeyboardInterrupt
+        if self.signal is not None:
+            if sig == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         self.signal = sig
+        self._timer = threading.Timer(self.grace_seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
         say(f"{signal.Signals(sig).name}: finishing the current step, then checkpointing")
+
+    def _expire(self) -> None:
+        say(
+            f"the {self.grace_seconds:g} s grace period ran out before the checkpoint was committed; exiting, "
+            "the previous checkpoint stands: run the same command again to continue"
+        )
+        os._exit(75)
 
 
 def run(cfg: Config, output: str, device_name: str = "auto", resume: str = "auto", overwrite: bool = False) -> dict:
@@ -151,7 +171,7 @@ def run(cfg: Config, output: str, device_name: str = "auto", resume: str = "auto
     report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(train_loader), state.step + 1 if found else 0)
     step_fn = make_step(model, optimizer, scheduler, scaler, autocast(cfg, device))
     t_eval = time.perf_counter()
-    with StopRequest() as stop:
+    with StopRequest(cfg.train.grace_seconds) as stop:
         for epoch in range(state.epoch, cfg.train.epochs):
             report.start_epoch(epoch, state.epoch_step)
             finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
@@ -287,7 +307,7 @@ def save(
     progress = {**asdict(state), "loss_sums": log.sums.tolist()}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.capture(model, optimizer, scheduler, scaler, progress, cfg.model_dump())
-    checkpoint.commit(run_dir, payload, state.epoch, state.step, metrics, cfg.train.keep_last)
+    checkpoint.commit(run_dir, payload, state.epoch, state.step, metrics, cfg.train.keep_last, cfg.train.keep_best)
 
 
 def make_step(model, optimizer, scheduler, scaler, amp):

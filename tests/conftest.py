@@ -109,6 +109,11 @@ def run_job(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict |
     )
 
 
+def sets(*overrides: str) -> list[str]:
+    """--set arguments for each key=value."""
+    return [arg for item in overrides for arg in ("--set", item)]
+
+
 @pytest.fixture
 def image_folder(tmp_path: Path) -> Path:
     return write_image_folder(tmp_path / "images")

@@ -49,7 +49,7 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision):
     step = make_step(model, optimizer, scheduler, scaler, autocast(cfg, CUDA))
     state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
     report = Report(RunDir(str(tmp_path / "run")), {}, 2, len(train), 0)
-    with StopRequest() as stop:
+    with StopRequest(20) as stop:
         train_epoch(step, optimizer, train, 0, state, log, report, stop)  # warm-up: cuDNN picks its kernels
         torch.cuda.synchronize()
         state.epoch, state.epoch_step = 1, 0
