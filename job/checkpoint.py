@@ -13,6 +13,7 @@ import json
 import pickle
 import random
 import time
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -126,14 +127,20 @@ def load_latest(run: RunDir) -> tuple[dict, dict] | None:
             say(f"warning: {run.url}/{POINTER} is unreadable; looking for the newest checkpoint by its manifest")
     listed = run.list(FOLDER)
     candidates |= {n[: -len(".json")] for n in listed if is_manifest(n)}
+    problems: list[str] = []
     for name in sorted(candidates, reverse=True):  # names sort by (epoch, step): newest first
         try:
             manifest = read_manifest(run.read(f"{FOLDER}/{name}.json"), name)
-            return load_payload(run.read(f"{FOLDER}/{name}.pt"), manifest, f"{run.url}/{FOLDER}/{name}.pt"), manifest
+            payload = load_payload(run.read(f"{FOLDER}/{name}.pt"), manifest, f"{run.url}/{FOLDER}/{name}.pt")
         except CheckpointError as e:
-            say(f"warning: {e}; trying the previous checkpoint")
+            problems.append(str(e))
+            continue
+        for problem in problems:
+            say(f"warning: {problem}; using an older checkpoint")
+        return payload, manifest
     if any(n.endswith(".pt") for n in listed):
-        raise CheckpointError(f"{run.url}/{FOLDER}: no checkpoint verifies; refusing to start over in this folder")
+        why = f" ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})" if problems else ""
+        raise CheckpointError(f"{run.url}/{FOLDER}: no checkpoint verifies{why}; refusing to start over in this folder")
     return None
 
 
@@ -157,6 +164,8 @@ def load_payload(data: bytes | None, manifest: dict | None, where: str) -> dict:
             raise CheckpointError(f"{where}: {len(data)} bytes, the manifest says {manifest['size']} (truncated?)")
         if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
             raise CheckpointError(f"{where}: sha256 differs from its manifest (corrupt)")
+    if not zipfile.is_zipfile(io.BytesIO(data)):  # torch.save writes a zip archive
+        raise CheckpointError(f"{where}: not a readable checkpoint (not a torch.save file)")
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

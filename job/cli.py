@@ -103,4 +103,14 @@ def info(as_json: bool = typer.Option(False, "--json", help="Print the report as
 
 
 def main() -> None:
-    app(prog_name="python -m job")
+    """Run the command line; a usage error (unknown option, missing value) is one line and exit 2 as well."""
+    try:
+        code = app(prog_name="python -m job", standalone_mode=False)
+    except Exception as e:
+        # typer raises its command-line errors as exceptions carrying their exit code; anything else is a bug.
+        if not (hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int)):
+            raise
+        if e.format_message():  # empty after the help that a bare `python -m job` prints
+            print(f"error: {e.format_message()} (see python -m job --help)", file=sys.stderr)
+        code = e.exit_code
+    sys.exit(code or 0)

@@ -62,6 +62,7 @@ class RunDir:
     def write(self, rel: str, data: bytes) -> None:
         """Write a file of the run atomically (temporary file, fsync, rename) and upload it when remote."""
         target = self.path(rel)
+        tmp = None
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
@@ -72,6 +73,8 @@ class RunDir:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
         except OSError as e:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
             raise StorageError(f"{self.url}: cannot write {rel}: {one_line(e)}") from None
         self.upload(rel)
 
