@@ -80,7 +80,7 @@ class LossLog:
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self.sums[0] = 0
+        self.sums[:1].zero_()  # in place: assigning a Python number would copy from the host and sync
         self.pending.append((step, lr, host, event))
 
     def ready(self, wait: bool = False):
@@ -271,7 +271,7 @@ def evaluation(
     now = time.perf_counter()
     for step, loss, lr in log.ready(wait=True):
         report.loss(step, loss, lr)
-    log.sums[1] = 0
+    log.sums[1:].zero_()
     test_loss, correct, train_sum = sums
     record = {
         "epoch": state.epoch,
