@@ -61,12 +61,15 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite", help="With --resume never: replace a run in the folder."),
 ) -> None:
     """Train a model as the config says; continue the run when the output folder holds one."""
-    with user_errors():
+    from job.stop import StopRequest
+
+    # Watch for SIGTERM from the start: a preemption during the slow imports and data loading still exits 75.
+    with user_errors(), StopRequest(grace_seconds=20.0) as stop:
         from job.config import load_config
         from job.train import run
 
         cfg = load_config(config, overrides)
-        run(cfg, output or cfg.output.dir or f"runs/{cfg.name}", device, resume, overwrite)
+        run(cfg, output or cfg.output.dir or f"runs/{cfg.name}", device, resume, overwrite, stop)
 
 
 @app.command()

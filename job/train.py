@@ -7,13 +7,10 @@ N steps at a time without blocking; the host reads numbers only at evaluations a
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
-import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +23,7 @@ from job.env import describe_device, pick_device, seed_everything
 from job.errors import ConfigError, Interrupted
 from job.models import build_model
 from job.report import Report, say
+from job.stop import StopRequest
 from job.storage import RunDir
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
@@ -95,50 +93,22 @@ class LossLog:
             yield step, host.item() / self.every, lr
 
 
-class StopRequest:
-    """SIGTERM or SIGINT asks the loop to stop after the current step and commit a checkpoint. If that takes
-    longer than the grace period the process exits 75 anyway, leaving the previous commit as the one to resume
-    (commits are atomic, so stopping in the middle of one is safe). A second SIGINT stops at once."""
-
-    def __init__(self, grace_seconds: float) -> None:
-        self.grace_seconds = grace_seconds
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._timer: threading.Timer | None = None
-
-    def __enter__(self) -> StopRequest:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, sig: int, frame) -> None:
-        if self.signal is not None:
-            if sig == signal.SIGINT:
-                raise KeyboardInterrupt
-            return
-        self.signal = sig
-        self._timer = threading.Timer(self.grace_seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-        say(f"{signal.Signals(sig).name}: finishing the current step, then checkpointing")
-
-    def _expire(self) -> None:
-        say(
-            f"the {self.grace_seconds:g} s grace period ran out before the checkpoint was committed; exiting, "
-            "the previous checkpoint stands: run the same command again to continue"
-        )
-        os._exit(75)
+def run(
+    cfg: Config,
+    output: str,
+    device_name: str = "auto",
+    resume: str = "auto",
+    overwrite: bool = False,
+    stop: StopRequest | None = None,
+) -> dict:
+    """Train as the config says, writing the run to `output`; returns the final summary. `stop` is the caller's
+    signal watch when it installed one early (the command line does, before the slow imports)."""
+    with contextlib.nullcontext(stop) if stop is not None else StopRequest(cfg.train.grace_seconds) as stop:
+        stop.grace_seconds = cfg.train.grace_seconds
+        return train_run(cfg, output, device_name, resume, overwrite, stop)
 
 
-def run(cfg: Config, output: str, device_name: str = "auto", resume: str = "auto", overwrite: bool = False) -> dict:
-    """Train as the config says, writing the run to `output`; returns the final summary."""
+def train_run(cfg: Config, output: str, device_name: str, resume: str, overwrite: bool, stop: StopRequest) -> dict:
     t_start = time.perf_counter()
     device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)
@@ -167,28 +137,32 @@ def run(cfg: Config, output: str, device_name: str = "auto", resume: str = "auto
         log.sums.copy_(torch.tensor(saved.pop("loss_sums")))
         state = Progress(**saved)
         say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({manifest['file']})")
+    if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
+        raise Interrupted(
+            f"stopped by {signal.Signals(stop.signal).name} before training began: "
+            "run the same command again to continue"
+        )
     run_dir.write("config.yaml", to_yaml(cfg).encode())
     report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(train_loader), state.step + 1 if found else 0)
     step_fn = make_step(model, optimizer, scheduler, scaler, autocast(cfg, device))
     t_eval = time.perf_counter()
-    with StopRequest(cfg.train.grace_seconds) as stop:
-        for epoch in range(state.epoch, cfg.train.epochs):
-            report.start_epoch(epoch, state.epoch_step)
-            finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
-            if finished:
-                state.epoch, state.epoch_step = epoch + 1, 0
-            last = state.epoch == cfg.train.epochs
-            report.end_epoch()
-            if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
-                t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
-            stopping = stop.signal is not None and not last
-            if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
-                save(run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report)
-            if stopping:
-                raise Interrupted(
-                    f"stopped by {signal.Signals(stop.signal).name} at epoch {state.epoch}, step {state.step}; "
-                    f"checkpoint committed to {run_dir.url}: run the same command again to continue"
-                )
+    for epoch in range(state.epoch, cfg.train.epochs):
+        report.start_epoch(epoch, state.epoch_step)
+        finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
+        if finished:
+            state.epoch, state.epoch_step = epoch + 1, 0
+        last = state.epoch == cfg.train.epochs
+        report.end_epoch()
+        if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
+            t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
+        stopping = stop.signal is not None and not last
+        if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
+            save(run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report)
+        if stopping:
+            raise Interrupted(
+                f"stopped by {signal.Signals(stop.signal).name} at epoch {state.epoch}, step {state.step}; "
+                f"checkpoint committed to {run_dir.url}: run the same command again to continue"
+            )
     final = {
         "best_accuracy": state.best_accuracy,
         "final_accuracy": report.records[-1]["test_accuracy"],

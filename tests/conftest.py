@@ -95,17 +95,30 @@ def tar_folder(src: Path, archive: Path, arcname: str) -> Path:
     return archive
 
 
+def job_env(extra_pythonpath: str = "") -> dict:
+    """The environment of a `python -m job` process: this checkout first on PYTHONPATH."""
+    paths = [str(ROOT), extra_pythonpath, os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
 def run_job(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict | None = None):
     """`python -m job ARGS` in a fresh process, as a user runs it."""
-    paths = [str(ROOT), (env or {}).get("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    extra = dict(env or {})
+    full_env = {**job_env(extra.pop("PYTHONPATH", "")), **extra}
     return subprocess.run(
+        [sys.executable, "-m", "job", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+
+
+def start_job(*args: str, **popen_kwargs) -> subprocess.Popen:
+    """`python -m job ARGS` started in the background (to be signalled or killed), stderr captured."""
+    return subprocess.Popen(
         [sys.executable, "-m", "job", *args],
-        cwd=cwd,
-        capture_output=True,
+        env=job_env(),
         text=True,
-        timeout=timeout,
-        env=full_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        **popen_kwargs,
     )
 
 

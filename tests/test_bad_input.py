@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, encode, pattern_images, sets, tar_folder, write_cifar_batches, write_image_folder
+from conftest import encode, pattern_images, sets, start_job, tar_folder, write_cifar_batches, write_image_folder
 
 from job.cli import main
 
@@ -317,19 +317,11 @@ def test_full_disk_is_a_storage_error_with_the_last_commit_intact(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (12_000, 12_000))
 
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    args = [
-        sys.executable,
-        "-m",
-        "job",
-        "train",
-        "--device",
-        "cpu",
-        "--output",
-        str(out),
-        *sets("model.hidden=[64, 64]", "train.epochs=300", "train.checkpoint_every_epochs=100"),
-    ]
-    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300, preexec_fn=quota)
+    args = ["train", "--device", "cpu", "--output", str(out)]
+    args += sets("model.hidden=[64, 64]", "train.epochs=300", "train.checkpoint_every_epochs=100")
+    proc = start_job(*args, preexec_fn=quota)
+    _, err = proc.communicate(timeout=300)
+    result = subprocess.CompletedProcess(args, proc.returncode, "", err)
     assert result.returncode == 4, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]

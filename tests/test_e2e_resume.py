@@ -5,14 +5,12 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import fsspec
 import pytest
 import torch
-from conftest import ROOT, run_job, sets
+from conftest import run_job, sets, start_job
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 TIMING_KEYS = {"samples_per_s", "wall_s"}
@@ -22,17 +20,6 @@ TIMING_KEYS = {"samples_per_s", "wall_s"}
 def output_url(request, tmp_path):
     """Where runs are written: a parameter, so the same checks run against other storage."""
     return lambda name: str(tmp_path / name)
-
-
-def start(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen(
-        [sys.executable, "-m", "job", "train", *args],
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
 
 
 def weights(url: str) -> dict:
@@ -51,6 +38,15 @@ def train_losses(url: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in acc.Scalars("train/loss")]
 
 
+def committed_step(url: str) -> int:
+    """The step of the run's newest commit, -1 before the first."""
+    try:
+        with fsspec.open(f"{url}/checkpoints/latest.json") as f:
+            return json.load(f)["step"]
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
 def assert_same_run(a: str, b: str) -> None:
     wa, wb = weights(a), weights(b)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -66,28 +62,29 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(output_url):
             "train.epochs=6000", "train.checkpoint_every_epochs=200", "train.eval_every_epochs=500", "train.keep_last=2"
         ),
     ]
-    t0 = time.time()
     reference = run_job("train", *args, "--output", output_url("reference"))
     assert reference.returncode == 0, reference.stderr[-2000:]
-    whole = time.time() - t0
     out = output_url("killed")
     rng = random.Random(1234)
-    kills, resumed_from = 0, set()
-    for attempt in range(8):
-        proc = start([*args, "--output", out])
-        # Attempts die at a random moment: in start-up, training, a commit, or (the later ones) the final writes.
-        share = rng.uniform(0.25, 0.6) if attempt < 5 else rng.uniform(0.25, 1.0)
-        try:
-            proc.wait(timeout=share * whole if attempt < 7 else 300)
-        except subprocess.TimeoutExpired:
+    kills, resumed_from, last_step = 0, set(), -1
+    for attempt in range(7):
+        proc = start_job("train", *args, "--output", out)
+        if attempt % 3 == 0:  # somewhere in start-up, data loading or the first steps
+            time.sleep(rng.uniform(0.2, 3.0))
+        else:  # once the run has committed something new, at a random moment after: mid-step or mid-commit
+            deadline = time.time() + 120
+            while committed_step(out) <= last_step and proc.poll() is None and time.time() < deadline:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.4))
+        if proc.poll() is None:
             proc.kill()
             kills += 1
         _, err = proc.communicate()
         resumed_from |= {line for line in err.splitlines() if line.startswith("resuming")}
-        if proc.returncode == 0:
-            break
-        assert proc.returncode == -signal.SIGKILL, err[-2000:]
-    assert proc.returncode == 0, err[-2000:]
+        last_step = committed_step(out)
+        assert proc.returncode in (0, -signal.SIGKILL), err[-2000:]
+    final = run_job("train", *args, "--output", out)
+    assert final.returncode == 0, final.stderr[-2000:]
     assert kills >= 4 and len(resumed_from) >= 2, (kills, resumed_from)
     assert_same_run(output_url("reference"), out)
     leftovers = [n for n in os.listdir(f"{out}/checkpoints") if n.startswith(".")]
@@ -109,7 +106,7 @@ def test_sigterm_mid_epoch_commits_and_resumes_exactly(output_url):
     reference = run_job("train", *args, "--output", output_url("reference"))
     assert reference.returncode == 0, reference.stderr[-2000:]
     out = output_url("stopped")
-    proc = start([*args, "--output", out])
+    proc = start_job("train", *args, "--output", out)
     deadline = time.time() + 60
     while time.time() < deadline and not os.path.exists(f"{out}/metrics.jsonl"):
         time.sleep(0.05)

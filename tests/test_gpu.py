@@ -11,8 +11,9 @@ from job.data import load_data
 from job.data.loader import BatchLoader
 from job.models import build_model
 from job.report import Report
+from job.stop import StopRequest
 from job.storage import RunDir
-from job.train import LossLog, Progress, StopRequest, autocast, make_loaders, make_optimizer, make_step, train_epoch
+from job.train import LossLog, Progress, autocast, make_loaders, make_optimizer, make_step, train_epoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 CUDA = torch.device("cuda")
