@@ -108,3 +108,13 @@ def test_rng_state_round_trip():
     torch.save(state, buf)
     checkpoint.set_rng_state(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_keep_best_keeps_the_most_accurate_beside_the_newest(tmp_path):
+    run = RunDir(str(tmp_path / "run"))
+    for epoch, accuracy in ((1, 0.5), (2, 0.9), (3, 0.6), (4, 0.7)):
+        checkpoint.commit(run, payload(epoch), epoch, epoch * 10, {"test_accuracy": accuracy}, 1, keep_best=True)
+    stems = sorted({n.rsplit(".", 1)[0] for n in run.list("checkpoints")} - {"latest"})
+    assert stems == ["e00002-s0000000020", "e00004-s0000000040"]
+    _, manifest = checkpoint.load_latest(run)
+    assert manifest["epoch"] == 4
