@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from fsspec.core import url_to_fs
 
+from job.cloud import describe_storage_error, filesystem
 from job.errors import CheckpointError, StorageError, one_line
 from job.report import say
 from job.storage import RunDir
@@ -72,6 +72,41 @@ def commit(
     run.write(POINTER, text)
     prune(run, keep_last, keep_best)
     return name
+
+
+def recover(run: RunDir) -> str | None:
+    """Send what an earlier attempt on this machine committed locally but never got into the store (the store was
+    down, or the machine stopped first), pointer last; then clear the staging copy. Returns the checkpoint sent."""
+    if not run.remote:
+        return None
+    staged = run.staged_files()
+    local = pointed_name(run.path(POINTER).read_bytes() if POINTER in staged else None)
+    stored = pointed_name(run.read(POINTER, store_only=True)) if local else None
+    if local is None or (stored is not None and stored >= local):
+        run.clear_staging()
+        return None
+    say(f"uploading {len(staged)} files of checkpoint {local} that an earlier attempt left on this machine")
+    first = [r for r in staged if not r.startswith(f"{FOLDER}/")]
+    payloads = [r for r in staged if r.startswith(f"{FOLDER}/") and r.endswith(".pt")]
+    manifests = [r for r in staged if r.startswith(f"{FOLDER}/") and r.endswith(".json") and r != POINTER]
+    for rel in [*first, *payloads, *manifests, POINTER]:
+        try:
+            run.send(rel, run.path(rel).read_bytes())
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(
+                f"{run.url}: cannot upload {rel} left by an earlier attempt ({one_line(e)}); "
+                f"it stays in {run.local} for the next try"
+            ) from None
+    run.clear_staging()
+    return local
+
+
+def pointed_name(pointer: bytes | None) -> str | None:
+    """The checkpoint a pointer names, or None."""
+    try:
+        return json.loads(pointer)["file"][: -len(".pt")] if pointer else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def prune(run: RunDir, keep_last: int, keep_best: bool = False) -> None:
@@ -182,12 +217,12 @@ def load_payload(data: bytes | None, manifest: dict | None, where: str) -> dict:
 def load_url(url: str) -> tuple[dict, dict | None]:
     """A checkpoint given by URL: a run folder (its newest good checkpoint) or a .pt file (checked against
     its manifest beside it when there is one)."""
+    fs, path = filesystem(url)
     try:
-        fs, path = url_to_fs(url)
         is_dir = fs.isdir(path)
         exists = is_dir or fs.exists(path)
-    except (ValueError, ImportError, OSError) as e:
-        raise StorageError(f"{url}: cannot read: {one_line(e)}") from None
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the checkpoint: {describe_storage_error(url, e)}") from None
     if not exists:
         raise CheckpointError(f"{url}: no such checkpoint")
     if is_dir:

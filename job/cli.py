@@ -50,7 +50,9 @@ def user_errors() -> Iterator[None]:
 @app.command()
 def train(
     config: str = typer.Option("iris", "--config", "-c", help=CONFIG_HELP),
-    output: str = typer.Option("", "--output", "-o", help="Run folder URL; default output.dir, else ./runs/<name>."),
+    output: str = typer.Option(
+        "", "--output", "-o", help="Run folder URL; default output.dir, else $AIP_CHECKPOINT_DIR, else ./runs/<name>."
+    ),
     overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
     device: str = typer.Option("auto", "--device", "-d", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N."),
     resume: str = typer.Option(
@@ -65,11 +67,18 @@ def train(
 
     # Watch for SIGTERM from the start: a preemption during the slow imports and data loading still exits 75.
     with user_errors(), StopRequest(grace_seconds=20.0) as stop:
+        from job.cloud import vertex_outputs
         from job.config import load_config
+        from job.report import say
         from job.train import run
 
         cfg = load_config(config, overrides)
-        run(cfg, output or cfg.output.dir or f"runs/{cfg.name}", device, resume, overwrite, stop)
+        routes = {} if output or cfg.output.dir else vertex_outputs()
+        target = output or cfg.output.dir or routes.pop("run", "") or f"runs/{cfg.name}"
+        if not (output or cfg.output.dir) and target != f"runs/{cfg.name}":
+            places = "".join(f", {k} to {v}" for k, v in routes.items())
+            say(f"Vertex AI (AIP_* variables): the run goes to {target}{places}")
+        run(cfg, target, device, resume, overwrite, stop, routes)
 
 
 @app.command()

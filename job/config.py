@@ -9,11 +9,11 @@ import difflib
 from importlib import resources
 from typing import Any, Literal
 
-import fsspec
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from job.errors import ConfigError, StorageError, one_line
+from job.cloud import describe_storage_error, filesystem
+from job.errors import ConfigError, StorageError
 
 PRESETS = ("iris", "cifar10")
 USER_MODEL_HINT = "package.module:ClassName"
@@ -49,6 +49,11 @@ class DataConfig(Section):
     )
     random_hflip: bool = Field(False, description="Images: flip horizontally with probability 0.5.")
     download: bool = Field(False, description="cifar10: download with torchvision when the local path is empty.")
+    cache: bool = Field(
+        True,
+        description="Remote data: keep a local copy (in $JOB_CACHE_DIR, else ~/.cache/job), keyed by URL and the "
+        "objects' generation and size, so later runs do not download it again.",
+    )
     placement: Literal["auto", "device", "host"] = Field(
         "auto",
         description="Where the decoded data lives: on the training device (fast), in host memory, "
@@ -115,7 +120,20 @@ class TrainConfig(Section):
 
 
 class OutputConfig(Section):
-    dir: str = Field("", description="URL of the run folder; default ./runs/<name>. --output overrides it.")
+    dir: str = Field(
+        "",
+        description="URL of the run folder; --output overrides it. Default: Vertex AI's AIP_CHECKPOINT_DIR when "
+        "set, else ./runs/<name>.",
+    )
+    sync_every_seconds: float = Field(
+        30.0, gt=0, description="Remote runs: send new TensorBoard events at least this often (also at checkpoints)."
+    )
+    upload_timeout_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Remote runs: give up when the store has taken no upload for this long; the run then exits 4 "
+        "with its checkpoints kept locally, and the same command continues it and sends them.",
+    )
 
 
 class Config(Section):
@@ -141,12 +159,15 @@ def read_yaml(source: str) -> dict[str, Any]:
         text = (resources.files("job.presets") / f"{source}.yaml").read_text()
     else:
         try:
-            with fsspec.open(source, "r") as f:
-                text = f.read()
+            fs, path = filesystem(source)
+            with fs.open(path, "rb") as f:
+                text = f.read().decode("utf-8-sig")
         except FileNotFoundError:
             raise ConfigError(f"config {source}: no such file, and not a preset ({', '.join(PRESETS)})") from None
-        except (OSError, ValueError) as e:
-            raise StorageError(f"config {source}: cannot read: {one_line(e)}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config {source}: not a text file (not UTF-8)") from None
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(f"config: cannot read it: {describe_storage_error(source, e)}") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:

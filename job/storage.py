@@ -1,21 +1,27 @@
-"""Run folders at any fsspec URL. Every file is written to a local folder first (atomically), and mirrored to
-the URL when it is remote (gs://, memory://, ...), so TensorBoard and the loop only ever touch local disk.
+"""Run folders at any fsspec URL. Every file is written to a local folder first, atomically; when the run's URL is
+remote (gs://, memory://, ...) that folder is a staging copy, mirrored to the URL by a background uploader
+(job/sync.py), so TensorBoard and the loop only ever touch local disk.
 
-A commit on an object store has no atomic rename: callers upload the payload, then its manifest, then the
-pointer, and readers trust only what the pointer (or a manifest) names and checksums.
+A commit on an object store has no atomic rename: callers write the payload, then its manifest, then the
+pointer, the uploader sends them in that order, and readers trust only what the pointer (or a manifest) names
+and checksums. The staging folder of a remote run is kept at a fixed place per URL until everything is
+uploaded, so a run whose store went away can be continued, and its files sent, by running it again.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from job.cloud import describe_storage_error, filesystem
 from job.errors import StorageError, one_line
+from job.sync import Uploader
 
 
 def _file_mode() -> int:
@@ -27,107 +33,237 @@ def _file_mode() -> int:
 FILE_MODE = _file_mode()
 
 
-class RunDir:
-    """One run's output folder: `local` is where files are written, `url` where they must end up."""
+def cache_dir(*parts: str) -> Path:
+    """The job's local cache (remote inputs, staging of remote runs): $JOB_CACHE_DIR, else ~/.cache/job."""
+    root = os.environ.get("JOB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "job"
+    )
+    return Path(root, *parts)
 
-    def __init__(self, url: str) -> None:
+
+def write_atomic(target: Path, data: bytes) -> None:
+    """Write a file whole or not at all: a temporary file beside it, fsync, rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp makes files private; a run's files are as readable as any other
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class RunDir:
+    """One run's output folder: `local` is where files are written, `url` where they must end up.
+
+    `routes` sends some of the run's files elsewhere, by their first path component (Vertex AI's TensorBoard and
+    model folders): {"tensorboard": URL, "model.pt": URL}.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        routes: dict[str, str] | None = None,
+        give_up_s: float = 120.0,
+        sync_every_s: float = 30.0,
+    ) -> None:
         self.url = url.rstrip("/") or url
-        try:
-            self.fs, self.root = url_to_fs(self.url)
-        except (ValueError, ImportError) as e:
-            raise StorageError(f"{url}: not a usable output URL: {one_line(e)}") from None
-        self.remote = not isinstance(self.fs, LocalFileSystem)
-        self.local = Path(tempfile.mkdtemp(prefix="job-staging-")) if self.remote else Path(self.root)
+        self.fs, self.root = filesystem(self.url)
+        self.routes = {prefix: filesystem(to.rstrip("/")) for prefix, to in (routes or {}).items()}
+        self.remote = not isinstance(self.fs, LocalFileSystem) or bool(self.routes)
+        if self.remote:
+            self.local = Path(os.environ.get("JOB_STAGING_DIR") or cache_dir("staging"))
+            self.local /= hashlib.sha256(self.url.encode()).hexdigest()[:16]
+        else:
+            self.local = Path(self.root)
+        self.give_up_s, self.sync_every_s = give_up_s, sync_every_s
+        self.uploader: Uploader | None = None
+        self._index: dict[str, set[str]] = {}  # remote listings, kept current as files are written and deleted
+        self._cache: dict[str, bytes] = {}  # small files read from the store
+        self._lock = None
 
     def path(self, rel: str) -> Path:
         """The local path of a file of the run (a staging copy when the run is remote)."""
         return self.local / rel
 
-    def remote_path(self, rel: str) -> str:
-        return f"{self.root.rstrip('/')}/{rel}"
+    def target(self, rel: str):
+        """(filesystem, path) where a file of the run belongs in the store."""
+        head, _, rest = rel.partition("/")
+        if head in self.routes:
+            fs, base = self.routes[head]
+            return fs, f"{base}/{rest}" if rest else base
+        return self.fs, f"{self.root.rstrip('/')}/{rel}"
 
     def prepare(self) -> None:
-        """Make sure the folder can be written, before any work is done."""
+        """Check, before any work, that every place the run writes to takes a file and gives it back."""
         try:
             self.local.mkdir(parents=True, exist_ok=True)
             probe = self.local / f".probe-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
-            if self.remote:
-                self.fs.pipe_file(self.remote_path(".probe"), b"")
-                self.fs.rm_file(self.remote_path(".probe"))
         except OSError as e:
-            raise StorageError(f"{self.url}: cannot write the output folder: {one_line(e)}") from None
+            raise StorageError(f"{self.local}: cannot write the output folder: {one_line(e)}") from None
+        if not self.remote:
+            return
+        self._lock = open(self.local / ".lock", "w")  # noqa: SIM115 (held for the whole run)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise StorageError(f"{self.url}: another run on this machine is writing to it") from None
+        for rel in {".probe", *(f"{prefix}/.probe" for prefix in self.routes)}:
+            fs, path = self.target(rel)
+            where = self.url if rel == ".probe" else f"{self.url} ({rel.split('/')[0]})"
+            try:
+                if fs.isdir(path.rsplit("/", 1)[0]) is False and isinstance(fs, LocalFileSystem):
+                    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+                token = os.urandom(8).hex().encode()
+                fs.pipe_file(path, token)
+                if fs.cat_file(path) != token:
+                    raise OSError("a probe object read back differs from what was written")
+                fs.rm_file(path)
+            except Exception as e:  # gcsfs raises HTTP errors of its own besides OSError
+                raise StorageError(f"cannot write the output folder: {describe_storage_error(where, e)}") from None
+
+    def start_sync(self) -> None:
+        """Start mirroring to the URL (remote runs); before this, staging holds only what prepare() found."""
+        if self.remote and self.uploader is None:
+            self.uploader = Uploader(self, self.give_up_s, self.sync_every_s)
+
+    def staged_files(self) -> list[str]:
+        """Files in the staging folder (left by an earlier attempt before start_sync)."""
+        if not self.local.is_dir():
+            return []
+        return sorted(
+            str(p.relative_to(self.local))
+            for p in self.local.rglob("*")
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(self.local).parts)
+        )
+
+    def clear_staging(self) -> None:
+        for entry in self.local.iterdir() if self.remote and self.local.is_dir() else []:
+            if entry.name != ".lock":
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
     def write(self, rel: str, data: bytes) -> None:
-        """Write a file of the run atomically (temporary file, fsync, rename) and upload it when remote."""
-        target = self.path(rel)
-        tmp = None
+        """Write a file of the run atomically and, when remote, queue its upload."""
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-            os.fchmod(fd, FILE_MODE)  # mkstemp makes files private; a run's files are as readable as any other
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
+            write_atomic(self.path(rel), data)
         except OSError as e:
-            if tmp is not None:
-                Path(tmp).unlink(missing_ok=True)
             raise StorageError(f"{self.url}: cannot write {rel}: {one_line(e)}") from None
         self.upload(rel)
 
     def upload(self, *rels: str) -> None:
-        """Copy local files of the run to the remote URL, in the order given (no-op for a local run)."""
-        if not self.remote:
-            return
+        """Queue local files of the run for the store, in the order given (no-op for a local run)."""
         for rel in rels:
-            try:
-                self.fs.put_file(str(self.path(rel)), self.remote_path(rel))
-            except OSError as e:
-                raise StorageError(f"{self.url}: cannot upload {rel}: {one_line(e)}") from None
+            self._cache.pop(rel, None)
+            self._indexed(rel, add=True)
+            if self.uploader is not None:
+                self.uploader.put(rel)
 
     def upload_tree(self, rel_dir: str) -> None:
-        """Upload every file under a local folder of the run (TensorBoard's event files)."""
-        base = self.path(rel_dir)
-        if self.remote and base.is_dir():
-            self.upload(*(str(p.relative_to(self.local)) for p in sorted(base.rglob("*")) if p.is_file()))
+        """Queue a sync of a folder of growing files (TensorBoard's event files): new bytes only."""
+        if self.uploader is not None:
+            self.uploader.tree(rel_dir)
 
-    def read(self, rel: str) -> bytes | None:
-        """A file of the run as stored at the URL, or None when there is none."""
-        try:
-            return self.fs.cat_file(self.remote_path(rel))
-        except FileNotFoundError:
+    def send(self, rel: str, data: bytes) -> None:
+        """Put bytes at a file's place in the store now (the uploader's thread calls this)."""
+        fs, path = self.target(rel)
+        if isinstance(fs, LocalFileSystem):
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, data)
+
+    def read(self, rel: str, store_only: bool = False) -> bytes | None:
+        """A file of the run, or None when there is none: the local copy when there is one, else the store's."""
+        local = self.path(rel)
+        if local.is_file() and not store_only:
+            return local.read_bytes()
+        if not self.remote:
             return None
-        except OSError as e:
-            raise StorageError(f"{self.url}: cannot read {rel}: {one_line(e)}") from None
+        if rel not in self._cache or store_only:
+            fs, path = self.target(rel)
+            try:
+                data = fs.cat_file(path)
+            except FileNotFoundError:
+                return None
+            except Exception as e:
+                raise StorageError(f"cannot read {rel}: {describe_storage_error(self.url, e)}") from None
+            if len(data) > 1 << 16:
+                return data
+            self._cache[rel] = data
+        return self._cache[rel]
 
     def list(self, rel_dir: str) -> list[str]:
-        """Names of the files in a folder of the run at the URL (empty when there is no such folder)."""
-        try:
-            entries = self.fs.ls(self.remote_path(rel_dir), detail=False)
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise StorageError(f"{self.url}: cannot list {rel_dir}: {one_line(e)}") from None
-        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+        """Names of the files in a folder of the run (empty when there is no such folder)."""
+        local = self.path(rel_dir)
+        names = {p.name for p in local.iterdir() if p.is_file()} if local.is_dir() else set()
+        if self.remote:
+            if rel_dir not in self._index:
+                fs, path = self.target(rel_dir)
+                try:
+                    entries = fs.ls(path, detail=False, refresh=True)
+                except FileNotFoundError:
+                    entries = []
+                except Exception as e:
+                    raise StorageError(f"cannot list {rel_dir}: {describe_storage_error(self.url, e)}") from None
+                self._index[rel_dir] = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
+            names |= self._index[rel_dir]
+        return sorted(names)
+
+    def _indexed(self, rel: str, add: bool) -> None:
+        folder, _, name = rel.rpartition("/")
+        if folder in self._index:
+            (self._index[folder].add if add else self._index[folder].discard)(name)
 
     def delete(self, rel: str) -> None:
         self.path(rel).unlink(missing_ok=True)
-        if self.remote:
+        self._cache.pop(rel, None)
+        self._indexed(rel, add=False)
+        if self.uploader is not None:
+            self.uploader.delete(rel)
+        elif self.remote:
+            fs, path = self.target(rel)
             try:
-                self.fs.rm_file(self.remote_path(rel))
+                fs.rm_file(path)
             except FileNotFoundError:
                 pass
-            except OSError as e:
-                raise StorageError(f"{self.url}: cannot delete {rel}: {one_line(e)}") from None
+            except Exception as e:
+                raise StorageError(f"cannot delete {rel}: {describe_storage_error(self.url, e)}") from None
 
     def has_run(self) -> bool:
         """Whether the folder already holds a run (its config or checkpoints)."""
         return self.read("config.yaml") is not None or bool(self.list("checkpoints"))
 
-    def close(self) -> None:
-        """Drop the local staging copy of a remote run."""
-        if self.remote:
-            shutil.rmtree(self.local, ignore_errors=True)
+    def check(self) -> None:
+        """Raise when the store has stopped taking the run's files (the uploader gave up)."""
+        if self.uploader is not None and self.uploader.error is not None:
+            raise StorageError(self._upload_failure())
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait until the store holds everything, then drop the staging copy; say what could not be sent."""
+        if self.uploader is None:
+            return
+        if not self.uploader.wait(timeout):
+            raise StorageError(self._upload_failure())
+        self.uploader.stop()
+        self.uploader = None
+        self.clear_staging()
+
+    def abandon(self) -> None:
+        """Stop uploading at once (the run failed); the staging copy stays for the next attempt."""
+        if self.uploader is not None:
+            self.uploader.stop()
+            self.uploader = None
+
+    def _upload_failure(self) -> str:
+        up = self.uploader
+        left = up.pending() if up is not None else []
+        why = up.error if up is not None and up.error else "timed out"
+        names = ", ".join(op.rel for op in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+        return (
+            f"{self.url}: the store stopped taking the run's files ({why}); {len(left)} not uploaded "
+            f"({names}), kept in {self.local}: run the same command again on this machine to upload them and continue"
+        )

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from job import checkpoint
+from job import checkpoint, cloud
 from job.config import Config, flat_items, to_yaml
 from job.data import Dataset, load_data
 from job.data.loader import BatchLoader, channel_stats, choose_storage
@@ -30,6 +30,9 @@ from job.storage import RunDir
 RESUME_SAFE = {
     "name",
     "output.dir",
+    "output.sync_every_seconds",
+    "output.upload_timeout_seconds",
+    "data.cache",
     "data.path",
     "data.placement",
     "data.device_share",
@@ -100,25 +103,68 @@ def run(
     resume: str = "auto",
     overwrite: bool = False,
     stop: StopRequest | None = None,
+    routes: dict[str, str] | None = None,
 ) -> dict:
     """Train as the config says, writing the run to `output`; returns the final summary. `stop` is the caller's
     signal watch when it installed one early (the command line does, before the slow imports)."""
     with contextlib.nullcontext(stop) if stop is not None else StopRequest(cfg.train.grace_seconds) as stop:
         stop.grace_seconds = cfg.train.grace_seconds
-        return train_run(cfg, output, device_name, resume, overwrite, stop)
+        return train_run(cfg, output, device_name, resume, overwrite, stop, routes)
 
 
-def train_run(cfg: Config, output: str, device_name: str, resume: str, overwrite: bool, stop: StopRequest) -> dict:
+def train_run(
+    cfg: Config,
+    output: str,
+    device_name: str,
+    resume: str,
+    overwrite: bool,
+    stop: StopRequest,
+    routes: dict[str, str] | None = None,
+) -> dict:
     t_start = time.perf_counter()
+    run_dir = preflight(cfg, output, resume, routes)
+    try:
+        summary = train_loop(cfg, run_dir, device_name, resume, overwrite, stop, t_start)
+    except Interrupted:
+        run_dir.finish()  # the grace period bounds the wait for the uploads
+        raise
+    except BaseException:
+        run_dir.abandon()
+        raise
+    return summary
+
+
+def preflight(cfg: Config, output: str, resume: str, routes: dict[str, str] | None) -> RunDir:
+    """Before any work: the credentials in use, the inputs there, every output location writable."""
+    urls = [u for u in (cfg.data.path, cfg.data.test_path, output, *(routes or {}).values()) if u]
+    if resume not in ("auto", "never"):
+        urls.append(resume)
+    if any(cloud.is_gcs(u) for u in urls):
+        say(f"storage: gs:// as {cloud.gcs_credentials()[1]}")
+    for url in (cfg.data.path, cfg.data.test_path):
+        if url:
+            cloud.check_input(url)
+    o = cfg.output
+    run_dir = RunDir(output, routes, give_up_s=o.upload_timeout_seconds, sync_every_s=o.sync_every_seconds)
+    run_dir.prepare()
+    if resume == "never":
+        run_dir.clear_staging()
+    else:
+        checkpoint.recover(run_dir)
+    return run_dir
+
+
+def train_loop(
+    cfg: Config, run_dir: RunDir, device_name: str, resume: str, overwrite: bool, stop: StopRequest, t_start: float
+) -> dict:
     device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)
     data = load_data(cfg.data, cfg.seed)
     model = build_model(cfg.model, data.input_shape, len(data.classes))
-    run_dir = RunDir(output)
-    run_dir.prepare()
     found = find_checkpoint(run_dir, resume, overwrite, cfg)
     if overwrite and found is None:
         clear_run(run_dir)
+    run_dir.start_sync()
     train_loader, test_loader, where = make_loaders(cfg, data, device)
     say(f"device {describe_device(device)}; data {data.describe()}, held on {where}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters; output {run_dir.url}")
@@ -170,7 +216,9 @@ def train_run(cfg: Config, output: str, device_name: str, resume: str, overwrite
     }
     run_dir.write("model.pt", state_dict_bytes(model))
     report.close(final)
-    run_dir.close()
+    if run_dir.remote:
+        say(f"uploading the run's last files to {run_dir.url}")
+    run_dir.finish()
     summary = {
         **final,
         "best_epoch": state.best_epoch,
@@ -282,6 +330,7 @@ def save(
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.capture(model, optimizer, scheduler, scaler, progress, cfg.model_dump())
     checkpoint.commit(run_dir, payload, state.epoch, state.step, metrics, cfg.train.keep_last, cfg.train.keep_best)
+    run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
 
 
 def make_step(model, optimizer, scheduler, scaler, amp):

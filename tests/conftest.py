@@ -6,9 +6,14 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
+import socket
 import subprocess
 import sys
 import tarfile
+import time
+import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +23,86 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATASETS = Path(os.environ.get("JOB_SHARED_DATASETS", ROOT.parent / "shared" / "datasets"))
 CIFAR_JPEG = SHARED_DATASETS / "cifar10-jpeg.tar.gz"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def job_cache(tmp_path_factory) -> Path:
+    """The job's local cache (remote data, staging of remote runs) for every run of the session, in and out of
+    process: a temporary folder, never the user's ~/.cache."""
+    root = tmp_path_factory.mktemp("job-cache")
+    os.environ["JOB_CACHE_DIR"] = str(root)
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory) -> str:
+    """A real GCS-compatible server (gcp-storage-emulator) on 127.0.0.1; gcsfs here and in the jobs the tests start
+    talk to it (STORAGE_EMULATOR_HOST). Yields its URL."""
+    exe = shutil.which("gcp-storage-emulator", path=str(Path(sys.executable).parent)) or shutil.which(
+        "gcp-storage-emulator"
+    )
+    assert exe, "gcp-storage-emulator is missing: pip install -r requirements-test.txt"
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("emulator") / "emulator.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket=job-tests"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).read()
+            break
+        except OSError:
+            assert proc.poll() is None and time.time() < deadline, f"the GCS emulator did not start (see {log.name})"
+            time.sleep(0.1)
+    import fsspec
+
+    os.environ.update(STORAGE_EMULATOR_HOST=url, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false")
+    for protocol in (
+        "gs",
+        "gcs",
+    ):  # fsspec.open / TensorBoard in the tests: anonymous, like the job against an emulator
+        fsspec.config.conf.setdefault(protocol, {})["token"] = "anon"
+    yield url
+    proc.terminate()
+    proc.wait(10)
+    log.close()
+
+
+class Bucket:
+    """A fresh bucket on the emulator: `url(rel)` is gs://bucket/rel, `fs` a gcsfs client without listing caches."""
+
+    def __init__(self, name: str) -> None:
+        import gcsfs
+
+        self.name = name
+        self.fs = gcsfs.GCSFileSystem(token="anon", use_listings_cache=False, skip_instance_cache=True)
+        self.fs.mkdir(name)
+
+    def url(self, rel: str = "") -> str:
+        return f"gs://{self.name}/{rel}".rstrip("/")
+
+    def put_tree(self, local: Path, rel: str) -> None:
+        files = [p for p in sorted(local.rglob("*")) if p.is_file()]
+        self.fs.put([str(p) for p in files], [f"{self.name}/{rel}/{p.relative_to(local)}" for p in files])
+
+    def names(self, rel: str = "") -> list[str]:
+        root = f"{self.name}/{rel}".rstrip("/")
+        return sorted(p[len(root) + 1 :] for p in self.fs.find(root))
+
+
+@pytest.fixture
+def bucket(gcs_server) -> Bucket:
+    return Bucket(f"b-{uuid.uuid4().hex[:12]}")
 
 
 def pattern_images(n_classes: int, per_class: int, size: int, seed: int = 0) -> tuple[np.ndarray, list[int]]:
@@ -110,11 +195,11 @@ def run_job(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict |
     )
 
 
-def start_job(*args: str, **popen_kwargs) -> subprocess.Popen:
+def start_job(*args: str, env: dict | None = None, **popen_kwargs) -> subprocess.Popen:
     """`python -m job ARGS` started in the background (to be signalled or killed), stderr captured."""
     return subprocess.Popen(
         [sys.executable, "-m", "job", *args],
-        env=job_env(),
+        env={**job_env(), **(env or {})},
         text=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -256,7 +256,7 @@ CASES = [
         "output unknown protocol",
         lambda t, r: [*iris(), "--output", "nosuch://bucket/run"],
         4,
-        "not a usable output URL",
+        "not a usable URL",
     ),
     ("config unknown protocol", lambda t, r: ["train", "--config", "nosuch://bucket/c.yaml"], 4, "cannot read"),
     # checkpoints: exit 5

@@ -2,7 +2,6 @@
 same command; the result must equal a run that never stopped, bit for bit on the CPU."""
 
 import json
-import os
 import random
 import signal
 import time
@@ -16,10 +15,24 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 TIMING_KEYS = {"samples_per_s", "wall_s"}
 
 
-@pytest.fixture(params=["local"])
+@pytest.fixture(params=["local", "gcs"])
 def output_url(request, tmp_path):
-    """Where runs are written: a parameter, so the same checks run against other storage."""
+    """Where runs are written: a local folder, or a bucket on the GCS emulator (staged, uploaded in the background)."""
+    if request.param == "gcs":
+        bucket = request.getfixturevalue("bucket")
+        return lambda name: bucket.url(name)
     return lambda name: str(tmp_path / name)
+
+
+def exists(url: str) -> bool:
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs.exists(path)
+
+
+def listdir(url: str) -> list[str]:
+    fs, path = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
 
 
 def weights(url: str) -> dict:
@@ -40,6 +53,7 @@ def train_losses(url: str) -> list[tuple[int, float]]:
 
 def committed_step(url: str) -> int:
     """The step of the run's newest commit, -1 before the first."""
+    fsspec.core.url_to_fs(url)[0].invalidate_cache()
     try:
         with fsspec.open(f"{url}/checkpoints/latest.json") as f:
             return json.load(f)["step"]
@@ -87,7 +101,7 @@ def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(output_url):
     assert final.returncode == 0, final.stderr[-2000:]
     assert kills >= 4 and len(resumed_from) >= 2, (kills, resumed_from)
     assert_same_run(output_url("reference"), out)
-    leftovers = [n for n in os.listdir(f"{out}/checkpoints") if n.startswith(".")]
+    leftovers = [n for n in listdir(f"{out}/checkpoints") if n.startswith(".")]
     assert not leftovers
 
 
@@ -108,7 +122,7 @@ def test_sigterm_mid_epoch_commits_and_resumes_exactly(output_url):
     out = output_url("stopped")
     proc = start_job("train", *args, "--output", out)
     deadline = time.time() + 60
-    while time.time() < deadline and not os.path.exists(f"{out}/metrics.jsonl"):
+    while time.time() < deadline and not exists(f"{out}/metrics.jsonl"):
         time.sleep(0.05)
     time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)

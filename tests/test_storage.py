@@ -19,24 +19,60 @@ def test_local_run_writes_in_place_atomically(tmp_path):
     assert run.list("a") == []
 
 
-def test_remote_run_stages_locally_and_mirrors():
+def test_remote_run_stages_locally_and_mirrors_in_order():
     run = RunDir("memory://bucket/runs/r1")
-    assert run.remote and run.local.is_dir()
+    assert run.remote and run.local != "memory://bucket/runs/r1"
     run.prepare()
-    run.write("checkpoints/x.json", b"{}")
-    (run.path("tensorboard")).mkdir()
+    run.start_sync()
+    for i in range(20):  # payloads, manifests and pointers in the order written
+        run.write(f"checkpoints/{i}.pt", b"p" * i)
+        run.write("checkpoints/latest.json", str(i).encode())
+    run.path("tensorboard").mkdir()
     run.path("tensorboard/events.1").write_bytes(b"e")
     run.upload_tree("tensorboard")
+    assert run.list("checkpoints")[:2] == ["0.pt", "1.pt"]  # the run's own view needs no round trip
+    run.delete("checkpoints/0.pt")
+    run.finish()
     fs = fsspec.filesystem("memory")
-    assert fs.cat_file("/bucket/runs/r1/checkpoints/x.json") == b"{}"
+    assert fs.cat_file("/bucket/runs/r1/checkpoints/latest.json") == b"19"
+    assert fs.cat_file("/bucket/runs/r1/checkpoints/19.pt") == b"p" * 19
     assert fs.cat_file("/bucket/runs/r1/tensorboard/events.1") == b"e"
-    assert not fs.exists("/bucket/runs/r1/.probe")
-    assert run.has_run() is True
-    run.delete("checkpoints/x.json")
-    assert not fs.exists("/bucket/runs/r1/checkpoints/x.json")
-    local = run.local
-    run.close()
-    assert not local.exists()
+    assert not fs.exists("/bucket/runs/r1/checkpoints/0.pt") and not fs.exists("/bucket/runs/r1/.probe")
+    assert run.staged_files() == []  # everything is in the store: the staging copy is gone
+    assert RunDir("memory://bucket/runs/r1").has_run()
+
+
+def test_growing_files_are_sent_by_their_new_bytes(bucket):
+    run = RunDir(bucket.url("run"))
+    run.prepare()
+    run.start_sync()
+    events = run.path("tensorboard/events.out.tfevents.1")
+    events.parent.mkdir(parents=True)
+    sent = b""
+    for i in range(5):
+        chunk = bytes([65 + i]) * (1000 + i)
+        with open(events, "ab") as f:
+            f.write(chunk)
+        sent += chunk
+        run.upload_tree("tensorboard")
+        assert run.uploader.wait(30)
+        assert bucket.fs.cat_file(f"{bucket.name}/run/tensorboard/events.out.tfevents.1") == sent
+    assert run.uploader.sent["tensorboard/events.out.tfevents.1"] == (len(sent), 4)  # 1 whole upload, 4 composes
+    run.finish()
+    assert bucket.names("run") == ["tensorboard/events.out.tfevents.1"]  # no compose parts left behind
+
+
+def test_routes_send_files_to_other_folders(bucket):
+    run = RunDir(bucket.url("ckpt"), routes={"tensorboard": bucket.url("logs"), "model.pt": bucket.url("m/model.pt")})
+    run.prepare()
+    run.start_sync()
+    run.write("model.pt", b"w")
+    run.write("config.yaml", b"c")
+    run.path("tensorboard").mkdir(parents=True)
+    run.path("tensorboard/events.x").write_bytes(b"e")
+    run.upload_tree("tensorboard")
+    run.finish()
+    assert bucket.names() == ["ckpt/config.yaml", "logs/events.x", "m/model.pt"]
 
 
 def test_unwritable_output_is_a_storage_error(tmp_path):
@@ -44,5 +80,5 @@ def test_unwritable_output_is_a_storage_error(tmp_path):
     blocker.write_text("x")
     with pytest.raises(StorageError, match="cannot write the output folder"):
         RunDir(str(blocker / "run")).prepare()
-    with pytest.raises(StorageError, match="not a usable output URL"):
+    with pytest.raises(StorageError, match="not a usable URL"):
         RunDir("nosuchproto://x/y")

@@ -12,11 +12,11 @@ import re
 
 import numpy as np
 import torch
-from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from job.cloud import filesystem
 from job.data import Dataset, Split
-from job.data.files import is_archive, iter_archive, read_files, resolve
+from job.data.files import read_entries
 from job.errors import DataError, one_line
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -27,12 +27,8 @@ def load_cifar10(cfg, seed: int) -> Dataset:
     url = cfg.path
     if cfg.download:
         download_if_missing(url)
-    fs, path = resolve(url)
-    if is_archive(path):
-        blobs = {m.group(1): data for name, data in iter_archive(url) if (m := BATCH_NAME.search(name))}
-    else:
-        found = [p for p in fs.find(path, maxdepth=2) if BATCH_NAME.search(p)]
-        blobs = {BATCH_NAME.search(p).group(1): data for p, data in read_files(fs, found, url).items()}
+    entries = read_entries(url, lambda name: BATCH_NAME.search(name) is not None, cfg.cache, maxdepth=2)
+    blobs = {BATCH_NAME.search(name).group(1): data for name, data in entries}
     train_names = sorted((n for n in blobs if n.startswith("data_batch_")), key=lambda n: int(n.rsplit("_", 1)[1]))
     if not train_names or "test_batch" not in blobs:
         raise DataError(
@@ -89,7 +85,7 @@ def read_pickle(blob: bytes, name: str, url: str) -> dict:
 
 def download_if_missing(url: str) -> None:
     """Fetch the official archive with torchvision's downloader when the local folder holds no batches."""
-    fs, path = url_to_fs(url)
+    fs, path = filesystem(url)
     if fs.exists(path) and fs.ls(path):
         return
     if not isinstance(fs, LocalFileSystem):

@@ -11,7 +11,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from job.data import Dataset, Split
-from job.data.files import is_archive, iter_archive, read_files, resolve
+from job.data.files import read_entries
 from job.errors import DataError, one_line
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -20,14 +20,8 @@ SPLITS = ("train", "test")
 
 def load_folder(cfg, seed: int) -> Dataset:
     url = cfg.path
-    fs, path = resolve(url)
-    if is_archive(path):
-        items = {name: data for name, data in iter_archive(url) if layout_key(name)}
-    else:
-        found = [p for p in fs.find(path) if layout_key(p[len(path) :])]
-        items = read_files(fs, found, url)
     by_split: dict[str, list[tuple[str, str, bytes]]] = {s: [] for s in SPLITS}
-    for name, data in items.items():
+    for name, data in read_entries(url, layout_key, cfg.cache):
         split, cls = layout_key(name)
         by_split[split].append((cls, name, data))
     if not by_split["train"]:

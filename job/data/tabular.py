@@ -6,10 +6,10 @@ import csv
 import io
 from importlib import resources
 
-import fsspec
 import torch
 
 from job.data import Dataset, Split
+from job.data.files import read_bytes
 from job.errors import DataError, StorageError, one_line
 
 BUNDLED_IRIS = "bundled iris.csv"
@@ -17,7 +17,7 @@ BUNDLED_IRIS = "bundled iris.csv"
 
 def load_table(cfg, seed: int) -> Dataset:
     if cfg.path:
-        header, rows = read_csv(cfg.path)
+        header, rows = read_csv(cfg.path, cfg.cache)
     else:
         text = (resources.files("job.presets") / "iris.csv").read_text()
         header, rows = parse_csv(text, BUNDLED_IRIS)
@@ -26,7 +26,7 @@ def load_table(cfg, seed: int) -> Dataset:
     classes = class_order(labels)
     y = torch.tensor([classes.index(v) for v in labels])
     if cfg.test_path:
-        test_header, test_rows = read_csv(cfg.test_path)
+        test_header, test_rows = read_csv(cfg.test_path, cfg.cache)
         if test_header != header:
             raise DataError(f"{cfg.test_path}: columns differ from {name}: {test_header} vs {header}")
         tx, tlabels = columns(test_header, test_rows, cfg.target, cfg.test_path)
@@ -47,10 +47,9 @@ def load_table(cfg, seed: int) -> Dataset:
     return Dataset(train, test, classes, f"csv {name}")
 
 
-def read_csv(url: str) -> tuple[list[str], list[list[str]]]:
+def read_csv(url: str, cache: bool = True) -> tuple[list[str], list[list[str]]]:
     try:
-        with fsspec.open(url, "rb") as f:
-            raw = f.read()
+        raw = read_bytes(url, cache)
     except FileNotFoundError:
         raise DataError(f"{url}: no such file") from None
     except IsADirectoryError:

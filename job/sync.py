@@ -1,0 +1,166 @@
+"""The background uploader of a remote run: mirrors the local staging folder to the run's URL from one thread,
+in the order the run asked, so the loop never waits on the network.
+
+Order is the commit protocol: a checkpoint's payload, then its manifest, then the pointer, each sent only after
+the one before it arrived, so a half-uploaded checkpoint is never visible as committed. A failed upload is
+retried with backoff; when the store has not accepted it for `give_up_s` seconds the uploader stops, keeps
+everything not yet sent in order, and says so (`error`): the run then ends with exit 4, its files kept locally.
+TensorBoard's event files grow by appends; each sync sends only the new bytes and joins them to the object in
+the store by a server-side compose where the store has one (gcsfs `merge`), else the whole file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from job.errors import one_line
+
+if TYPE_CHECKING:
+    from job.storage import RunDir
+
+MAX_COMPOSES = 1000  # GCS allows 1,024 components per object; past this the file is sent whole once more
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # put | delete | tree (every file under a folder, growing files by their new bytes)
+    rel: str
+
+
+class Uploader:
+    def __init__(self, run: RunDir, give_up_s: float, tree_every_s: float) -> None:
+        self.run, self.give_up_s, self.tree_every_s = run, give_up_s, tree_every_s
+        self.queue: deque[Op] = deque()
+        self.cond = threading.Condition()
+        self.trees: set[str] = set()  # folders synced every tree_every_s while the run goes on
+        self.sent: dict[str, tuple[int, int]] = {}  # growing file -> (bytes in the store, composes so far)
+        self.error: str | None = None
+        self.uploaded = 0
+        self._stop = threading.Event()
+        self._busy = False
+        self._thread = threading.Thread(target=self._work, name="job-uploader", daemon=True)
+        self._thread.start()
+
+    def put(self, rel: str) -> None:
+        self._add(Op("put", rel))
+
+    def delete(self, rel: str) -> None:
+        self._add(Op("delete", rel))
+
+    def tree(self, rel_dir: str) -> None:
+        with self.cond:
+            self.trees.add(rel_dir)
+            if Op("tree", rel_dir) not in self.queue:  # one pending sync of a folder covers every later change
+                self._add(Op("tree", rel_dir))
+
+    def _add(self, op: Op) -> None:
+        with self.cond:
+            self.queue.append(op)
+            self.cond.notify_all()
+
+    def pending(self) -> list[Op]:
+        with self.cond:
+            return list(self.queue)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until everything asked for is in the store (True), the uploader gave up, or the timeout passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while (self.queue or self._busy) and self.error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(left)
+            return self.error is None
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            with self.cond:
+                if not self.queue:
+                    self.cond.wait(self.tree_every_s)
+                    if not self.queue:  # quiet for a while: pick up what TensorBoard flushed since
+                        self.queue.extend(Op("tree", d) for d in sorted(self.trees))
+                    continue
+                op = self.queue[0]
+                self._busy = True
+            done = self._attempt(op)
+            with self.cond:
+                self._busy = False
+                if done:
+                    self.queue.popleft()
+                    self.uploaded += 1
+                self.cond.notify_all()
+            if not done:
+                return  # gave up: the rest stays queued, in order, for the caller to report
+
+    def _attempt(self, op: Op) -> bool:
+        first_failure, delay = None, 0.5
+        while not self._stop.is_set():
+            try:
+                self._do(op)
+                return True
+            except Exception as e:  # the stores' clients raise many types (HTTP, connection, timeout)
+                now = time.monotonic()
+                first_failure = first_failure or now
+                if now - first_failure >= self.give_up_s:
+                    with self.cond:
+                        self.error = f"{op.kind} {op.rel}: {one_line(e)}"
+                        self.cond.notify_all()
+                    return False
+                self._stop.wait(min(delay, self.give_up_s))
+                delay = min(delay * 2, 8.0)
+        return False
+
+    def _do(self, op: Op) -> None:
+        if op.kind == "delete":
+            fs, remote = self.run.target(op.rel)
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm_file(remote)
+        elif op.kind == "put":
+            local = self.run.path(op.rel)
+            if local.is_file():  # a file deleted since it was queued has its delete queued after it
+                self.run.send(op.rel, local.read_bytes())
+        else:
+            base = self.run.path(op.rel)
+            for path in sorted(base.rglob("*")) if base.is_dir() else []:
+                if path.is_file() and not path.name.startswith("."):
+                    self._send_growing(str(path.relative_to(self.run.local)), path)
+
+    def _send_growing(self, rel: str, path: Path) -> None:
+        """An append-only file: the new bytes only, composed onto the object in the store."""
+        size = path.stat().st_size
+        sent, composes = self.sent.get(rel, (-1, 0))
+        if size == sent:
+            return
+        fs, remote = self.run.target(rel)
+        with open(path, "rb") as f:
+            if sent < 0 or sent > size or composes >= MAX_COMPOSES or not hasattr(fs, "merge"):
+                self.run.send(rel, f.read(size))
+                self.sent[rel] = (size, 0)
+                return
+            f.seek(sent)
+            delta = f.read(size - sent)
+        part = self.run.target(f".uploads/{path.name}.part")[1]
+        fs.pipe_file(part, delta)
+        try:
+            fs.merge(remote, [remote, part])
+            stored = fs.info(remote)["size"]
+        finally:
+            with contextlib.suppress(Exception):  # a part left behind is harmless; the next sync overwrites it
+                fs.rm_file(part)
+        if stored != size:  # a retried compose can apply twice: send the file whole next time
+            self.sent.pop(rel, None)
+            raise OSError(f"{rel}: {stored} bytes in the store after a compose, {size} expected")
+        self.sent[rel] = (size, composes + 1)
