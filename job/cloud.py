@@ -5,6 +5,7 @@ user), preflight checks of every location a run touches, Vertex AI's output vari
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
@@ -17,6 +18,9 @@ from job.errors import DataError, StorageError, one_line
 # round trip per bucket on GCS, and a 60 s stall against emulators. It helps with folder renames, which this job
 # never does (commits are pointer objects), so the plain JSON API is used unless the user chose otherwise.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+# gcsfs logs each request it gives up on with a traceback; the job reports such failures itself, in one line.
+logging.getLogger("gcsfs").addHandler(logging.NullHandler())
 
 GCS_PROTOCOLS = ("gs", "gcs")
 SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"

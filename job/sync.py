@@ -56,7 +56,8 @@ class Uploader:
     def tree(self, rel_dir: str) -> None:
         with self.cond:
             self.trees.add(rel_dir)
-            if Op("tree", rel_dir) not in self.queue:  # one pending sync of a folder covers every later change
+            waiting = list(self.queue)[1:] if self._busy else self.queue  # the op under way may have read already
+            if Op("tree", rel_dir) not in waiting:  # one sync still to start covers every change before it
                 self._add(Op("tree", rel_dir))
 
     def _add(self, op: Op) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import shutil
 import socket
 import subprocess
 import sys
@@ -40,21 +39,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+EMULATOR = """
+import http.server, sys
+# The emulator serves one request at a time from a listen queue of 5: a client with many requests in flight (as
+# the job's concurrent fetches, and GCS itself, expect) overflows it, and each dropped connection waits a second
+# for TCP to try again. A longer queue keeps the emulator's answers as they are, only without those stalls.
+http.server.HTTPServer.request_queue_size = 1024
+from gcp_storage_emulator.__main__ import main
+main(sys.argv[1:])
+"""
+
+
+def start_emulator(port: int, bucket: str, log) -> subprocess.Popen:
+    """gcp-storage-emulator on 127.0.0.1:port, in memory, with one bucket."""
+    args = ["start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", f"--default-bucket={bucket}"]
+    return subprocess.Popen([sys.executable, "-c", EMULATOR, *args], stdout=log, stderr=subprocess.STDOUT)
+
+
 @pytest.fixture(scope="session")
 def gcs_server(tmp_path_factory) -> str:
     """A real GCS-compatible server (gcp-storage-emulator) on 127.0.0.1; gcsfs here and in the jobs the tests start
     talk to it (STORAGE_EMULATOR_HOST). Yields its URL."""
-    exe = shutil.which("gcp-storage-emulator", path=str(Path(sys.executable).parent)) or shutil.which(
-        "gcp-storage-emulator"
-    )
-    assert exe, "gcp-storage-emulator is missing: pip install -r requirements-test.txt"
     port = free_port()
     log = open(tmp_path_factory.mktemp("emulator") / "emulator.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket=job-tests"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_emulator(port, "job-tests", log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
     while True:

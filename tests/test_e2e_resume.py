@@ -1,6 +1,7 @@
 """Never lose work: real processes killed (SIGKILL) or stopped (SIGTERM) at random moments, then resumed with the
 same command; the result must equal a run that never stopped, bit for bit on the CPU."""
 
+import contextlib
 import json
 import random
 import signal
@@ -11,6 +12,8 @@ import pytest
 import torch
 from conftest import run_job, sets, start_job
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from job.storage import RunDir
 
 TIMING_KEYS = {"samples_per_s", "wall_s"}
 
@@ -52,13 +55,17 @@ def train_losses(url: str) -> list[tuple[int, float]]:
 
 
 def committed_step(url: str) -> int:
-    """The step of the run's newest commit, -1 before the first."""
+    """The step of the run's newest commit, -1 before the first. A remote run commits to its staging folder first
+    (the store gets it from the uploader, or from the next attempt), so the newer of the two counts."""
+    steps = [-1]
     fsspec.core.url_to_fs(url)[0].invalidate_cache()
-    try:
-        with fsspec.open(f"{url}/checkpoints/latest.json") as f:
-            return json.load(f)["step"]
-    except (FileNotFoundError, ValueError):
-        return -1
+    with contextlib.suppress(FileNotFoundError, ValueError), fsspec.open(f"{url}/checkpoints/latest.json") as f:
+        steps.append(json.load(f)["step"])
+    staged = RunDir(url).local / "checkpoints/latest.json"
+    if "://" in url:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            steps.append(json.loads(staged.read_text())["step"])
+    return max(steps)
 
 
 def assert_same_run(a: str, b: str) -> None:
