@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from job.cloud import describe_storage_error, filesystem, fuse_path
+from job.cloud import describe_storage_error, fetch_concurrency, filesystem, fuse_path
 from job.errors import DataError, StorageError, one_line
 from job.report import say
 from job.storage import cache_dir
@@ -147,7 +147,7 @@ def fetch(fs, paths: list[str], url: str) -> list[bytes]:
     if not paths:
         return []
     try:
-        got = fs.cat(paths, on_error="raise")
+        got = fs.cat(paths, on_error="raise", **fetch_concurrency(url))
     except Exception as e:
         raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
     return [got[p] for p in paths]
