@@ -125,6 +125,11 @@ class OutputConfig(Section):
         description="URL of the run folder; --output overrides it. Default: Vertex AI's AIP_CHECKPOINT_DIR when "
         "set, else ./runs/<name>.",
     )
+    staged: bool = Field(
+        False,
+        description="Also stage a local output folder and copy files to it in the background, as for a remote URL: "
+        "for a Google Drive mount in Colab, which syncs appended and rewritten files slowly.",
+    )
     sync_every_seconds: float = Field(
         30.0, gt=0, description="Remote runs: send new TensorBoard events at least this often (also at checkpoints)."
     )

@@ -61,7 +61,7 @@ class RunDir:
     """One run's output folder: `local` is where files are written, `url` where they must end up.
 
     `routes` sends some of the run's files elsewhere, by their first path component (Vertex AI's TensorBoard and
-    model folders): {"tensorboard": URL, "model.pt": URL}.
+    model folders): {"tensorboard": URL, "model.pt": URL}. `staged` stages a local folder too (a Drive mount).
     """
 
     def __init__(
@@ -70,11 +70,12 @@ class RunDir:
         routes: dict[str, str] | None = None,
         give_up_s: float = 120.0,
         sync_every_s: float = 30.0,
+        staged: bool = False,
     ) -> None:
         self.url = url.rstrip("/") or url
         self.fs, self.root = filesystem(self.url)
         self.routes = {prefix: filesystem(to.rstrip("/")) for prefix, to in (routes or {}).items()}
-        self.remote = not isinstance(self.fs, LocalFileSystem) or bool(self.routes)
+        self.remote = staged or not isinstance(self.fs, LocalFileSystem) or bool(self.routes)
         if self.remote:
             self.local = Path(os.environ.get("JOB_STAGING_DIR") or cache_dir("staging"))
             self.local /= hashlib.sha256(self.url.encode()).hexdigest()[:16]
@@ -118,7 +119,7 @@ class RunDir:
             fs, path = self.target(rel)
             where = self.url if rel == ".probe" else f"{self.url} ({rel.split('/')[0]})"
             try:
-                if fs.isdir(path.rsplit("/", 1)[0]) is False and isinstance(fs, LocalFileSystem):
+                if isinstance(fs, LocalFileSystem):
                     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
                 token = os.urandom(8).hex().encode()
                 fs.pipe_file(path, token)
@@ -173,8 +174,21 @@ class RunDir:
         """Put bytes at a file's place in the store now (the uploader's thread calls this)."""
         fs, path = self.target(rel)
         if isinstance(fs, LocalFileSystem):
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(path, data)
+            write_atomic(Path(path), data)
+        else:
+            fs.pipe_file(path, data)
+
+    @property
+    def local_store(self) -> bool:
+        """Whether the store is a local folder (a staged local output: a Drive mount), which can append."""
+        return isinstance(self.fs, LocalFileSystem) and not self.routes
+
+    def append(self, rel: str, data: bytes) -> None:
+        """Add bytes to the end of a file in a local store."""
+        with open(self.target(rel)[1], "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
 
     def read(self, rel: str, store_only: bool = False) -> bytes | None:
         """A file of the run, or None when there is none: the local copy when there is one, else the store's."""

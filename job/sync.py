@@ -147,12 +147,18 @@ class Uploader:
             return
         fs, remote = self.run.target(rel)
         with open(path, "rb") as f:
-            if sent < 0 or sent > size or composes >= MAX_COMPOSES or not hasattr(fs, "merge"):
-                self.run.send(rel, f.read(size))
-                self.sent[rel] = (size, 0)
-                return
-            f.seek(sent)
-            delta = f.read(size - sent)
+            data = f.read(size)
+        can_add = self.run.local_store or hasattr(fs, "merge")  # append to a local file, or compose in GCS
+        if sent < 0 or sent > size or composes >= MAX_COMPOSES or not can_add:
+            self.run.send(rel, data)  # the first time, or a store that can neither append nor compose: whole
+            self.sent[rel] = (size, 0)
+            return
+        delta = data[sent:]
+        if self.run.local_store:
+            self.sent.pop(rel, None)  # until the append is known to be whole
+            self.run.append(rel, delta)
+            self.sent[rel] = (size, composes)
+            return
         part = self.run.target(f".uploads/{path.name}.part")[1]
         fs.pipe_file(part, delta)
         try:

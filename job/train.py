@@ -30,6 +30,7 @@ from job.storage import RunDir
 RESUME_SAFE = {
     "name",
     "output.dir",
+    "output.staged",
     "output.sync_every_seconds",
     "output.upload_timeout_seconds",
     "data.cache",
@@ -145,7 +146,7 @@ def preflight(cfg: Config, output: str, resume: str, routes: dict[str, str] | No
         if url:
             cloud.check_input(url)
     o = cfg.output
-    run_dir = RunDir(output, routes, give_up_s=o.upload_timeout_seconds, sync_every_s=o.sync_every_seconds)
+    run_dir = RunDir(output, routes, o.upload_timeout_seconds, o.sync_every_seconds, staged=o.staged)
     run_dir.prepare()
     if resume == "never":
         run_dir.clear_staging()

@@ -75,6 +75,27 @@ def test_routes_send_files_to_other_folders(bucket):
     assert bucket.names() == ["ckpt/config.yaml", "logs/events.x", "m/model.pt"]
 
 
+def test_staged_local_output_is_copied_in_the_background(tmp_path):
+    target = tmp_path / "drive" / "MyDrive" / "run"
+    run = RunDir(str(target), staged=True)
+    assert run.remote and run.local != target
+    run.prepare()
+    run.start_sync()
+    run.write("checkpoints/a.pt", b"payload")
+    events = run.path("tensorboard/events.out.tfevents.1")
+    events.parent.mkdir(parents=True)
+    for chunk in (b"one ", b"two ", b"three"):
+        with open(events, "ab") as f:
+            f.write(chunk)
+        run.upload_tree("tensorboard")
+        assert run.uploader.wait(10)
+    assert (target / "tensorboard/events.out.tfevents.1").read_bytes() == b"one two three"
+    assert run.uploader.sent["tensorboard/events.out.tfevents.1"] == (13, 0)  # appended, not rewritten
+    run.finish()
+    assert (target / "checkpoints/a.pt").read_bytes() == b"payload"
+    assert run.staged_files() == [] and not list(target.rglob(".*"))
+
+
 def test_unwritable_output_is_a_storage_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
