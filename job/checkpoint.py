@@ -49,7 +49,14 @@ def capture(model, optimizer, scheduler, scaler, progress: dict[str, Any], confi
 
 
 def commit(
-    run: RunDir, payload: dict, epoch: int, step: int, metrics: dict, keep_last: int, keep_best: bool = False
+    run: RunDir,
+    payload: dict,
+    epoch: int,
+    step: int,
+    metrics: dict,
+    keep_last: int,
+    keep_best: bool = False,
+    run_id: str = "",
 ) -> str:
     """Write the payload, then its manifest, then the pointer; delete checkpoints beyond keep_last afterwards."""
     buf = io.BytesIO()
@@ -64,6 +71,7 @@ def commit(
         "epoch": epoch,
         "step": step,
         "metrics": metrics,
+        "run": run_id,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     text = json.dumps(manifest, indent=1).encode()
@@ -76,16 +84,21 @@ def commit(
 
 def recover(run: RunDir) -> str | None:
     """Send what an earlier attempt on this machine committed locally but never got into the store (the store was
-    down, or the machine stopped first), pointer last; then clear the staging copy. Returns the checkpoint sent."""
+    down, or the machine stopped first), pointer last; then clear the staging copy. Returns the checkpoint sent.
+    Staging left by another run at the same URL (the store's pointer names another run) is discarded."""
     if not run.remote:
         return None
     staged = run.staged_files()
-    local = pointed_name(run.path(POINTER).read_bytes() if POINTER in staged else None)
-    stored = pointed_name(run.read(POINTER, store_only=True)) if local else None
-    if local is None or (stored is not None and stored >= local):
+    local = read_pointer(run.path(POINTER).read_bytes() if POINTER in staged else None)
+    stored = read_pointer(run.read(POINTER, store_only=True)) if local else None
+    if local is not None and stored is not None and stored.get("run") not in (None, "", local.get("run")):
+        say(f"warning: {run.url} now holds another run; discarding what an earlier run left in {run.local}")
+        local = None
+    if local is None or (stored is not None and stored["file"] >= local["file"]):
         run.clear_staging()
         return None
-    say(f"uploading {len(staged)} files of checkpoint {local} that an earlier attempt left on this machine")
+    name = local["file"][: -len(".pt")]
+    say(f"uploading {len(staged)} files of checkpoint {name} that an earlier attempt left on this machine")
     first = [r for r in staged if not r.startswith(f"{FOLDER}/")]
     payloads = [r for r in staged if r.startswith(f"{FOLDER}/") and r.endswith(".pt")]
     manifests = [r for r in staged if r.startswith(f"{FOLDER}/") and r.endswith(".json") and r != POINTER]
@@ -98,14 +111,15 @@ def recover(run: RunDir) -> str | None:
                 f"it stays in {run.local} for the next try"
             ) from None
     run.clear_staging()
-    return local
+    return name
 
 
-def pointed_name(pointer: bytes | None) -> str | None:
-    """The checkpoint a pointer names, or None."""
+def read_pointer(pointer: bytes | None) -> dict | None:
+    """A pointer's manifest ("file", "run", ...), or None when there is none or it is unreadable."""
     try:
-        return json.loads(pointer)["file"][: -len(".pt")] if pointer else None
-    except (ValueError, KeyError, TypeError):
+        manifest = json.loads(pointer) if pointer else None
+        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("file"), str) else None
+    except ValueError:
         return None
 
 
@@ -226,14 +240,20 @@ def load_url(url: str) -> tuple[dict, dict | None]:
     if not exists:
         raise CheckpointError(f"{url}: no such checkpoint")
     if is_dir:
-        found = load_latest(RunDir(url))
+        found = load_latest(RunDir(url, store_only=True))
         if found is None:
             raise CheckpointError(f"{url}: no checkpoints in this folder")
         return found
     manifest = None
-    if path.endswith(".pt") and fs.exists(path[: -len(".pt")] + ".json"):
-        manifest = read_manifest(fs.cat_file(path[: -len(".pt")] + ".json"), url)
-    return load_payload(fs.cat_file(path), manifest, url), manifest
+    try:
+        if path.endswith(".pt") and fs.exists(path[: -len(".pt")] + ".json"):
+            manifest = read_manifest(fs.cat_file(path[: -len(".pt")] + ".json"), url)
+        data = fs.cat_file(path)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise StorageError(f"cannot read the checkpoint: {describe_storage_error(url, e)}") from None
+    return load_payload(data, manifest, url), manifest
 
 
 def restore(payload: dict, model, optimizer, scheduler, scaler) -> None:

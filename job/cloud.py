@@ -51,6 +51,12 @@ def gcs_credentials() -> tuple[Any, str]:
         ) from None
     except (OSError, ValueError) as e:  # a malformed key file
         raise StorageError(f"gs://: the Google Cloud credentials cannot be used: {one_line(e)}") from None
+    try:  # an expired login or a revoked key shows here, in seconds, rather than as retries of every request
+        from google.auth.transport.requests import Request
+
+        credentials.refresh(Request())
+    except Exception as e:  # google-auth raises RefreshError, TransportError, and the transport's own errors
+        raise StorageError(f"gs://: the Google Cloud credentials were refused: {one_line(e)}") from None
     if key:
         source = f"key file {key}"
     elif type(credentials).__module__.startswith("google.auth.compute_engine"):
@@ -68,7 +74,9 @@ def _gcs_filesystem():
     import gcsfs
 
     token, _ = gcs_credentials()
-    return gcsfs.GCSFileSystem(token=token)
+    # A request that hangs fails after this long and is retried (gcsfs retries 6 times); aiohttp's default, 5
+    # minutes, would hold a run's last uploads for half an hour against a store that stopped answering.
+    return gcsfs.GCSFileSystem(token=token, requests_timeout=60)
 
 
 def filesystem(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -115,10 +123,8 @@ def check_input(url: str) -> None:
             return
         if is_gcs(url):
             fs.info(path.split("/", 1)[0])  # the bucket: FileNotFoundError when it does not exist
-    except FileNotFoundError as e:
-        raise StorageError(describe_storage_error(url, e)) from None
-    except OSError as e:
-        raise StorageError(describe_storage_error(url, e)) from None
+    except Exception as e:  # gcsfs raises HTTP errors of its own besides OSError (and ValueError for bad names)
+        raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
     raise DataError(f"{url}: no such file or folder")
 
 

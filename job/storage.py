@@ -62,6 +62,7 @@ class RunDir:
 
     `routes` sends some of the run's files elsewhere, by their first path component (Vertex AI's TensorBoard and
     model folders): {"tensorboard": URL, "model.pt": URL}. `staged` stages a local folder too (a Drive mount).
+    `store_only` reads the store alone (evaluating a run folder another process may be writing).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class RunDir:
         give_up_s: float = 120.0,
         sync_every_s: float = 30.0,
         staged: bool = False,
+        store_only: bool = False,
     ) -> None:
         self.url = url.rstrip("/") or url
         self.fs, self.root = filesystem(self.url)
@@ -78,11 +80,14 @@ class RunDir:
         self.remote = staged or not isinstance(self.fs, LocalFileSystem) or bool(self.routes)
         if self.remote:
             self.local = Path(os.environ.get("JOB_STAGING_DIR") or cache_dir("staging"))
-            self.local /= hashlib.sha256(self.url.encode()).hexdigest()[:16]
+            where = self.url if "://" in self.url else os.path.abspath(self.url)
+            self.local /= hashlib.sha256(where.encode()).hexdigest()[:16]
         else:
             self.local = Path(self.root)
         self.give_up_s, self.sync_every_s = give_up_s, sync_every_s
+        self.store_only = store_only  # read what the store holds, never this machine's staging copy
         self.uploader: Uploader | None = None
+        self.deleting: set[str] = set()  # files queued for deletion, whose local copies wait for their turn
         self._index: dict[str, set[str]] = {}  # remote listings, kept current as files are written and deleted
         self._cache: dict[str, bytes] = {}  # small files read from the store
         self._lock = None
@@ -115,9 +120,14 @@ class RunDir:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             raise StorageError(f"{self.url}: another run on this machine is writing to it") from None
-        for rel in {".probe", *(f"{prefix}/.probe" for prefix in self.routes)}:
-            fs, path = self.target(rel)
-            where = self.url if rel == ".probe" else f"{self.url} ({rel.split('/')[0]})"
+        probes = {".probe": self.target(".probe")}
+        for prefix in self.routes:  # a route to a file (model.pt) is probed in the folder that will hold it
+            fs, path = self.target(prefix)
+            probes[prefix] = (
+                (fs, f"{path.rsplit('/', 1)[0]}/.probe") if "." in prefix else self.target(f"{prefix}/.probe")
+            )
+        for rel, (fs, path) in probes.items():
+            where = self.url if rel == ".probe" else f"{self.url} ({rel})"
             try:
                 if isinstance(fs, LocalFileSystem):
                     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
@@ -192,8 +202,10 @@ class RunDir:
 
     def read(self, rel: str, store_only: bool = False) -> bytes | None:
         """A file of the run, or None when there is none: the local copy when there is one, else the store's."""
+        if rel in self.deleting:
+            return None
         local = self.path(rel)
-        if local.is_file() and not store_only:
+        if local.is_file() and not store_only and not self.store_only:
             return local.read_bytes()
         if not self.remote:
             return None
@@ -225,7 +237,7 @@ class RunDir:
                     raise StorageError(f"cannot list {rel_dir}: {describe_storage_error(self.url, e)}") from None
                 self._index[rel_dir] = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
             names |= self._index[rel_dir]
-        return sorted(names)
+        return sorted(n for n in names if f"{rel_dir}/{n}" not in self.deleting)
 
     def _indexed(self, rel: str, add: bool) -> None:
         folder, _, name = rel.rpartition("/")
@@ -233,12 +245,14 @@ class RunDir:
             (self._index[folder].add if add else self._index[folder].discard)(name)
 
     def delete(self, rel: str) -> None:
-        self.path(rel).unlink(missing_ok=True)
         self._cache.pop(rel, None)
         self._indexed(rel, add=False)
-        if self.uploader is not None:
+        if self.uploader is not None:  # the uploader deletes the local copy after the store's, in queue order
+            self.deleting.add(rel)
             self.uploader.delete(rel)
-        elif self.remote:
+            return
+        self.path(rel).unlink(missing_ok=True)
+        if self.remote:
             fs, path = self.target(rel)
             try:
                 fs.rm_file(path)

@@ -12,6 +12,7 @@ the store by a server-side compose where the store has one (gcsfs `merge`), else
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from job.errors import one_line
 if TYPE_CHECKING:
     from job.storage import RunDir
 
+SNAPSHOT_BYTES = 1 << 20
 MAX_COMPOSES = 1000  # GCS allows 1,024 components per object; past this the file is sent whole once more
 
 
@@ -31,6 +33,7 @@ MAX_COMPOSES = 1000  # GCS allows 1,024 components per object; past this the fil
 class Op:
     kind: str  # put | delete | tree (every file under a folder, growing files by their new bytes)
     rel: str
+    data: bytes | None = None  # put: the file as it was when queued (small files, rewritten in place)
 
 
 class Uploader:
@@ -48,7 +51,11 @@ class Uploader:
         self._thread.start()
 
     def put(self, rel: str) -> None:
-        self._add(Op("put", rel))
+        """Queue a file. Small files are read now: a pointer rewritten by the next commit must still arrive as it
+        was, after its own checkpoint and before the next one. Large files (payloads) are never rewritten."""
+        path = self.run.path(rel)
+        small = path.is_file() and path.stat().st_size <= SNAPSHOT_BYTES
+        self._add(Op("put", rel, path.read_bytes() if small else None))
 
     def delete(self, rel: str) -> None:
         self._add(Op("delete", rel))
@@ -125,14 +132,14 @@ class Uploader:
         return False
 
     def _do(self, op: Op) -> None:
-        if op.kind == "delete":
+        if op.kind == "delete":  # the local copy goes after the store's, so puts queued before never miss it
             fs, remote = self.run.target(op.rel)
             with contextlib.suppress(FileNotFoundError):
                 fs.rm_file(remote)
+            self.run.path(op.rel).unlink(missing_ok=True)
+            self.run.deleting.discard(op.rel)
         elif op.kind == "put":
-            local = self.run.path(op.rel)
-            if local.is_file():  # a file deleted since it was queued has its delete queued after it
-                self.run.send(op.rel, local.read_bytes())
+            self.run.send(op.rel, op.data if op.data is not None else self.run.path(op.rel).read_bytes())
         else:
             base = self.run.path(op.rel)
             for path in sorted(base.rglob("*")) if base.is_dir() else []:
@@ -159,7 +166,8 @@ class Uploader:
             self.run.append(rel, delta)
             self.sent[rel] = (size, composes)
             return
-        part = self.run.target(f".uploads/{path.name}.part")[1]
+        # The part sits beside its object (compose needs one bucket), named so TensorBoard never reads it.
+        part = f"{remote.rsplit('/', 1)[0]}/.job-part-{hashlib.sha256(rel.encode()).hexdigest()[:12]}"
         fs.pipe_file(part, delta)
         try:
             fs.merge(remote, [remote, part])

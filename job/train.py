@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
+import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -20,7 +21,7 @@ from job.config import Config, flat_items, to_yaml
 from job.data import Dataset, load_data
 from job.data.loader import BatchLoader, channel_stats, choose_storage
 from job.env import describe_device, pick_device, seed_everything
-from job.errors import ConfigError, Interrupted
+from job.errors import ConfigError, Interrupted, StorageError
 from job.models import build_model
 from job.report import Report, say
 from job.stop import StopRequest
@@ -58,6 +59,7 @@ class Progress:
     samples_since_eval: int = 0
     best_accuracy: float = -1.0
     best_epoch: int = 0
+    run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
 
 
 class LossLog:
@@ -123,19 +125,24 @@ def train_run(
     routes: dict[str, str] | None = None,
 ) -> dict:
     t_start = time.perf_counter()
-    run_dir = preflight(cfg, output, resume, routes)
+    run_dir = preflight(cfg, output, resume, overwrite, routes)
     try:
         summary = train_loop(cfg, run_dir, device_name, resume, overwrite, stop, t_start)
-    except Interrupted:
-        run_dir.finish()  # the grace period bounds the wait for the uploads
+    except Interrupted as e:
+        try:
+            run_dir.finish()  # the grace period's timer ends the process if this takes too long
+        except StorageError as failed:  # still exit 75: a retry continues from what the store holds
+            raise Interrupted(f"{e}; but {failed}") from None
         raise
     except BaseException:
+        with contextlib.suppress(Exception):  # send what was committed before the failure, for a retry elsewhere
+            run_dir.finish(timeout=30)
         run_dir.abandon()
         raise
     return summary
 
 
-def preflight(cfg: Config, output: str, resume: str, routes: dict[str, str] | None) -> RunDir:
+def preflight(cfg: Config, output: str, resume: str, overwrite: bool, routes: dict[str, str] | None) -> RunDir:
     """Before any work: the credentials in use, the inputs there, every output location writable."""
     urls = [u for u in (cfg.data.path, cfg.data.test_path, output, *(routes or {}).values()) if u]
     if resume not in ("auto", "never"):
@@ -148,10 +155,19 @@ def preflight(cfg: Config, output: str, resume: str, routes: dict[str, str] | No
     o = cfg.output
     run_dir = RunDir(output, routes, o.upload_timeout_seconds, o.sync_every_seconds, staged=o.staged)
     run_dir.prepare()
+    if resume == "never" and run_dir.staged_files() and not overwrite:
+        raise ConfigError(
+            f"{run_dir.url}: an earlier attempt left files on this machine ({run_dir.local}): --resume auto "
+            "uploads them and continues, --overwrite discards them"
+        )
     if resume == "never":
         run_dir.clear_staging()
     else:
         checkpoint.recover(run_dir)
+    if run_dir.remote:  # the store's checkpoints and their manifests, read now rather than from the loop
+        for name in run_dir.list(checkpoint.FOLDER):
+            if checkpoint.is_manifest(name):
+                run_dir.read(f"{checkpoint.FOLDER}/{name}")
     return run_dir
 
 
@@ -176,13 +192,13 @@ def train_loop(
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer, cfg.train.epochs * len(train_loader))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
-    state, log = Progress(), LossLog(device, cfg.train.log_every_steps)
+    state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
         payload, manifest = found
         checkpoint.restore(payload, model, optimizer, scheduler, scaler)
         saved = dict(payload["progress"])
         log.sums.copy_(torch.tensor(saved.pop("loss_sums")))
-        state = Progress(**saved)
+        state = Progress(**{"run_id": state.run_id, **saved})
         say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({manifest['file']})")
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
         raise Interrupted(
@@ -330,7 +346,9 @@ def save(
     progress = {**asdict(state), "loss_sums": log.sums.tolist()}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.capture(model, optimizer, scheduler, scaler, progress, cfg.model_dump())
-    checkpoint.commit(run_dir, payload, state.epoch, state.step, metrics, cfg.train.keep_last, cfg.train.keep_best)
+    checkpoint.commit(
+        run_dir, payload, state.epoch, state.step, metrics, cfg.train.keep_last, cfg.train.keep_best, state.run_id
+    )
     run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
 
 

@@ -1,6 +1,7 @@
 import io
 import json
 
+import fsspec
 import pytest
 import torch
 from torch import nn
@@ -118,3 +119,30 @@ def test_keep_best_keeps_the_most_accurate_beside_the_newest(tmp_path):
     assert stems == ["e00002-s0000000020", "e00004-s0000000040"]
     _, manifest = checkpoint.load_latest(run)
     assert manifest["epoch"] == 4
+
+
+def test_recover_sends_what_an_earlier_attempt_left_unless_the_store_holds_another_run(capsys):
+    def leftover(url: str, name: str, run_id: str) -> RunDir:
+        """A staging folder as an attempt leaves it when the store went away after a local commit."""
+        run = RunDir(url)
+        run.prepare()
+        pointer = json.dumps({"file": f"{name}.pt", "run": run_id}).encode()
+        for rel, data in ((f"checkpoints/{name}.pt", b"payload"), ("checkpoints/latest.json", pointer)):
+            run.path(rel).parent.mkdir(parents=True, exist_ok=True)
+            run.path(rel).write_bytes(data)
+        return run
+
+    fs = fsspec.filesystem("memory")
+    stored = {"file": "e00001-s0000000001.pt", "run": "a"}
+    fs.pipe_file("/rec/same/checkpoints/latest.json", json.dumps(stored).encode())
+    same = leftover("memory://rec/same", "e00002-s0000000002", "a")
+    assert checkpoint.recover(same) == "e00002-s0000000002"
+    assert fs.cat_file("/rec/same/checkpoints/e00002-s0000000002.pt") == b"payload"
+    assert json.loads(fs.cat_file("/rec/same/checkpoints/latest.json"))["file"] == "e00002-s0000000002.pt"
+    assert same.staged_files() == []
+
+    fs.pipe_file("/rec/other/checkpoints/latest.json", json.dumps({**stored, "run": "b"}).encode())
+    other = leftover("memory://rec/other", "e00009-s0000000009", "a")
+    assert checkpoint.recover(other) is None
+    assert "now holds another run" in capsys.readouterr().err
+    assert not fs.exists("/rec/other/checkpoints/e00009-s0000000009.pt") and other.staged_files() == []

@@ -249,6 +249,9 @@ def test_store_down_exits_4_keeps_the_checkpoint_then_the_same_command_continues
         staging = RunDir(bucket.url("run")).local
         kept = json.loads((staging / "checkpoints/latest.json").read_text())
         assert kept["step"] > stored["step"]  # newer work than the store has, kept on this machine
+        never = run_job(*args, "--resume", "never", "--output", bucket.url("run"))
+        assert never.returncode == 2 and "left files on this machine" in never.stderr  # and they stay
+        assert json.loads((staging / "checkpoints/latest.json").read_text()) == kept
         proxy.down = False
         again = run_job(*args, "--output", bucket.url("run"), env={"STORAGE_EMULATOR_HOST": proxy.url})
     finally:

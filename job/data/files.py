@@ -10,11 +10,14 @@ mount when there is one (Vertex AI mounts buckets at /gcs); folders are not, as 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import os
 import tarfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -75,8 +78,9 @@ def local_file(url: str, cache: bool = True) -> str:
     if target.is_file() and target.stat().st_size == info.get("size"):
         say(f"data: {url} from the local cache ({target.parent})")
         return str(target)
+    if not writable(target.parent):
+        return url
     t0 = time.perf_counter()
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.part")
     try:
         fs.get_file(path, str(partial))
@@ -101,15 +105,16 @@ def folder_entries(url: str, fs, path: str, keep, cache: bool, maxdepth: int | N
             chunk = names[start : start + FETCH_CHUNK]
             yield from zip(chunk, fetch(fs, [root + n for n in chunk], url))
         return
-    versions = "\n".join(
-        f"{n} {next((str(wanted[n][k]) for k in VERSION_KEYS if wanted[n].get(k)), '')} {wanted[n].get('size')}"
-        for n in names
-    )
-    key = hashlib.sha256(f"{url}\n{versions}".encode()).hexdigest()[:32]
-    target = cache_dir("data", key, "files.tar")
+    versions = [next((str(wanted[n][k]) for k in VERSION_KEYS if wanted[n].get(k)), None) for n in names]
+    listing = "\n".join(f"{n} {v} {wanted[n].get('size')}" for n, v in zip(names, versions))
+    target = cache_dir("data", hashlib.sha256(f"{url}\n{listing}".encode()).hexdigest()[:32], "files.tar")
+    if None in versions or not writable(target.parent):  # a changed object could not be told: no cache
+        for start in range(0, len(names), FETCH_CHUNK):
+            chunk = names[start : start + FETCH_CHUNK]
+            yield from zip(chunk, fetch(fs, [root + n for n in chunk], url))
+        return
     if not target.is_file():
         t0 = time.perf_counter()
-        target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".files.{os.getpid()}.part")
         try:
             with tarfile.open(partial, "w") as tar:
@@ -120,6 +125,8 @@ def folder_entries(url: str, fs, path: str, keep, cache: bool, maxdepth: int | N
                         member.size = len(data)
                         tar.addfile(member, _Reader(data))
             os.replace(partial, target)
+        except OSError as e:
+            raise StorageError(f"cannot write the data cache in {target.parent}: {one_line(e)}") from None
         finally:
             partial.unlink(missing_ok=True)
         mb = target.stat().st_size / 1e6
@@ -142,6 +149,15 @@ class _Reader:
         return out
 
 
+def writable(folder: Path) -> bool:
+    """Whether the cache can use a folder (made if need be); a read-only or full home means no cache, not a failure."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.access(folder, os.W_OK)
+    except OSError:
+        return False
+
+
 def fetch(fs, paths: list[str], url: str) -> list[bytes]:
     """Contents of many files, in order; remote filesystems fetch them concurrently in one call."""
     if not paths:
@@ -162,10 +178,10 @@ def iter_archive(url: str) -> Iterator[tuple[str, bytes]]:
                 if member.isfile():
                     data = tar.extractfile(member)
                     yield member.name, data.read() if data else b""
-    except (tarfile.TarError, EOFError, OSError) as e:
-        if isinstance(e, (FileNotFoundError, PermissionError)):
-            raise StorageError(f"{url}: cannot read: {one_line(e)}") from None
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise DataError(f"{url}: not a readable tar archive (truncated or corrupt?): {one_line(e)}") from None
+    except Exception as e:  # the store's errors while streaming (HTTP, connection), or the local disk's
+        raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
 
 
 def read_bytes(url: str, cache: bool = True) -> bytes:
