@@ -48,6 +48,13 @@ def capture(model, optimizer, scheduler, scaler, progress: dict[str, Any], confi
     }
 
 
+def to_bytes(obj: Any) -> bytes:
+    """What torch.save writes for tensors and plain values (a zip archive), in memory."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 def commit(
     run: RunDir,
     payload: dict,
@@ -59,9 +66,7 @@ def commit(
     run_id: str = "",
 ) -> str:
     """Write the payload, then its manifest, then the pointer; delete checkpoints beyond keep_last afterwards."""
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getvalue()
+    data = to_bytes(payload)
     name = checkpoint_name(epoch, step)
     manifest = {
         "format": FORMAT,

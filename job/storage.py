@@ -145,8 +145,8 @@ class RunDir:
             self.uploader = Uploader(self, self.give_up_s, self.sync_every_s)
 
     def staged_files(self) -> list[str]:
-        """Files in the staging folder (left by an earlier attempt before start_sync)."""
-        if not self.local.is_dir():
+        """Files in the staging folder (left by an earlier attempt before start_sync); none for an unstaged run."""
+        if not self.remote or not self.local.is_dir():
             return []
         return sorted(
             str(p.relative_to(self.local))
@@ -205,7 +205,7 @@ class RunDir:
         if rel in self.deleting:
             return None
         local = self.path(rel)
-        if local.is_file() and not store_only and not self.store_only:
+        if local.is_file() and not (self.remote and (store_only or self.store_only)):
             return local.read_bytes()
         if not self.remote:
             return None

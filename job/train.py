@@ -468,8 +468,4 @@ def clear_run(run_dir: RunDir) -> None:
 
 
 def state_dict_bytes(model) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, buf)
-    return buf.getvalue()
+    return checkpoint.to_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()})
