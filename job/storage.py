@@ -188,13 +188,8 @@ class RunDir:
         else:
             fs.pipe_file(path, data)
 
-    @property
-    def local_store(self) -> bool:
-        """Whether the store is a local folder (a staged local output: a Drive mount), which can append."""
-        return isinstance(self.fs, LocalFileSystem) and not self.routes
-
     def append(self, rel: str, data: bytes) -> None:
-        """Add bytes to the end of a file in a local store."""
+        """Add bytes to the end of a file whose place in the store is a local folder (a staged Drive mount)."""
         with open(self.target(rel)[1], "ab") as f:
             f.write(data)
             f.flush()

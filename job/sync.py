@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fsspec.implementations.local import LocalFileSystem
+
 from job.errors import one_line
 
 if TYPE_CHECKING:
@@ -155,13 +157,14 @@ class Uploader:
         fs, remote = self.run.target(rel)
         with open(path, "rb") as f:
             data = f.read(size)
-        can_add = self.run.local_store or hasattr(fs, "merge")  # append to a local file, or compose in GCS
+        local = isinstance(fs, LocalFileSystem)
+        can_add = local or hasattr(fs, "merge")  # append to a local file, or compose in GCS
         if sent < 0 or sent > size or composes >= MAX_COMPOSES or not can_add:
             self.run.send(rel, data)  # the first time, or a store that can neither append nor compose: whole
             self.sent[rel] = (size, 0)
             return
         delta = data[sent:]
-        if self.run.local_store:
+        if local:
             self.sent.pop(rel, None)  # until the append is known to be whole
             self.run.append(rel, delta)
             self.sent[rel] = (size, composes)

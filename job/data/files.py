@@ -100,30 +100,23 @@ def folder_entries(url: str, fs, path: str, keep, cache: bool, maxdepth: int | N
         raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
     wanted = {p[len(root) :]: info for p, info in listing.items() if p.startswith(root) and keep(p[len(root) :])}
     names = sorted(wanted)
-    if isinstance(fs, LocalFileSystem) or not cache or not names:
-        for start in range(0, len(names), FETCH_CHUNK):
-            chunk = names[start : start + FETCH_CHUNK]
-            yield from zip(chunk, fetch(fs, [root + n for n in chunk], url))
-        return
     versions = [next((str(wanted[n][k]) for k in VERSION_KEYS if wanted[n].get(k)), None) for n in names]
     listing = "\n".join(f"{n} {v} {wanted[n].get('size')}" for n, v in zip(names, versions))
     target = cache_dir("data", hashlib.sha256(f"{url}\n{listing}".encode()).hexdigest()[:32], "files.tar")
-    if None in versions or not writable(target.parent):  # a changed object could not be told: no cache
-        for start in range(0, len(names), FETCH_CHUNK):
-            chunk = names[start : start + FETCH_CHUNK]
-            yield from zip(chunk, fetch(fs, [root + n for n in chunk], url))
+    # No cache for local folders, when turned off, or when a changed object could not be told from the old one.
+    cacheable = cache and names and not isinstance(fs, LocalFileSystem) and None not in versions
+    if not (cacheable and writable(target.parent)):
+        yield from fetch_all(fs, root, names, url)
         return
     if not target.is_file():
         t0 = time.perf_counter()
         partial = target.with_name(f".files.{os.getpid()}.part")
         try:
             with tarfile.open(partial, "w") as tar:
-                for start in range(0, len(names), FETCH_CHUNK):
-                    chunk = names[start : start + FETCH_CHUNK]
-                    for name, data in zip(chunk, fetch(fs, [root + n for n in chunk], url)):
-                        member = tarfile.TarInfo(name)
-                        member.size = len(data)
-                        tar.addfile(member, _Reader(data))
+                for name, data in fetch_all(fs, root, names, url):
+                    member = tarfile.TarInfo(name)
+                    member.size = len(data)
+                    tar.addfile(member, _Reader(data))
             os.replace(partial, target)
         except OSError as e:
             raise StorageError(f"cannot write the data cache in {target.parent}: {one_line(e)}") from None
@@ -156,6 +149,13 @@ def writable(folder: Path) -> bool:
         return os.access(folder, os.W_OK)
     except OSError:
         return False
+
+
+def fetch_all(fs, root: str, names: list[str], url: str) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of each file root + name, fetched FETCH_CHUNK at a time (concurrently within a chunk)."""
+    for start in range(0, len(names), FETCH_CHUNK):
+        chunk = names[start : start + FETCH_CHUNK]
+        yield from zip(chunk, fetch(fs, [root + n for n in chunk], url))
 
 
 def fetch(fs, paths: list[str], url: str) -> list[bytes]:
