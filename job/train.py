@@ -62,6 +62,41 @@ class Progress:
     run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
 
 
+class TrainClock:
+    """Seconds spent in training epochs, excluding evaluations and checkpoints, without waiting for the device:
+    on a GPU, CUDA events mark each stretch of epochs and are read only after the device has caught up."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.open = False
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        if not self.open:
+            self.marks.append(self.mark())
+            self.open = True
+
+    def stop(self) -> None:
+        if self.open:
+            self.marks.append(self.mark())
+            self.open = False
+
+    def seconds(self) -> float:
+        self.stop()
+        pairs = zip(self.marks[::2], self.marks[1::2])
+        if self.cuda:
+            torch.cuda.synchronize()
+            return sum(a.elapsed_time(b) for a, b in pairs) / 1000
+        return sum(b - a for a, b in pairs)
+
+
 class LossLog:
     """Training loss summed on the device: [sum over the current log window, sum since the last evaluation].
 
@@ -208,18 +243,21 @@ def train_loop(
     run_dir.write("config.yaml", to_yaml(cfg).encode())
     report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(train_loader), state.step + 1 if found else 0)
     step_fn = make_step(model, optimizer, scheduler, scaler, autocast(cfg, device))
-    t_eval = time.perf_counter()
+    t_eval, clock, first_epoch = time.perf_counter(), TrainClock(device), state.epoch
     for epoch in range(state.epoch, cfg.train.epochs):
         report.start_epoch(epoch, state.epoch_step)
+        clock.start()
         finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
         if finished:
             state.epoch, state.epoch_step = epoch + 1, 0
         last = state.epoch == cfg.train.epochs
         report.end_epoch()
         if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
+            clock.stop()
             t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
         stopping = stop.signal is not None and not last
         if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
+            clock.stop()
             save(run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report)
         if stopping:
             raise Interrupted(
@@ -242,6 +280,8 @@ def train_loop(
         "epochs": state.epoch,
         "steps": state.step,
         "seconds": round(time.perf_counter() - t_start, 2),
+        "train_seconds": round(clock.seconds(), 4),  # in this process's training epochs only
+        "epochs_run": state.epoch - first_epoch,
         "output": run_dir.url,
     }
     say(
