@@ -33,6 +33,7 @@ class BatchLoader:
         hflip: bool = False,
         mean: torch.Tensor | None = None,
         std: torch.Tensor | None = None,
+        channels_last: bool = False,
     ) -> None:
         self.device, self.storage = device, storage
         # Host-held batches are gathered into page-locked memory so their copy to the GPU is asynchronous.
@@ -43,6 +44,7 @@ class BatchLoader:
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.crop_padding, self.hflip = crop_padding, hflip
         self.is_image = self.x.dtype == torch.uint8
+        self.layout = torch.channels_last if channels_last and self.is_image else torch.contiguous_format
         self.mean = mean.to(device).view(1, -1, 1, 1) if mean is not None else None
         self.std = std.to(device).view(1, -1, 1, 1) if std is not None else None
 
@@ -93,7 +95,7 @@ class BatchLoader:
         """uint8 images to float in [0, 1], then normalised; tables pass through."""
         if not self.is_image:
             return x
-        x = x.float().div_(255)
+        x = x.to(torch.float32, memory_format=self.layout).div_(255)
         if self.mean is not None:
             x = x.sub_(self.mean).div_(self.std)
         return x
