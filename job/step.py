@@ -204,7 +204,7 @@ class CpuTracedStep(EagerStep):
                 fn = torch.jit.trace(graph, (*[a.clone() for a in self.args], x, y), check_trace=False)
             self.check(fn, x, y)
         except Exception as e:  # every way tracing can fail means the same: run this model eagerly
-            self.failed = one_line(e)
+            self.failed = why_not_traced(e)
             self.description = f"eager (the step could not be traced: {self.failed})"
             return None
         self.traced[key] = fn
@@ -240,6 +240,15 @@ class CpuTracedStep(EagerStep):
             torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, traced)
         ):
             raise RuntimeError("the traced step does not compute what the eager step computes")
+
+
+def why_not_traced(e: Exception) -> str:
+    text = one_line(e)
+    if "_local_scalar_dense" in text or "data-dependent" in text:
+        return "the model reads its data's values on the host (a Python branch on a tensor, or .item())"
+    if "unsupported argument type in the JIT tracer" in text:
+        return "one of its backward operations takes arguments TorchScript's tracer does not (as convolutions do)"
+    return text[:200]
 
 
 def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> float:
