@@ -262,6 +262,8 @@ def train_loop(
     capture = "off" if t.compile else t.step_capture
     amp = autocast(cfg, device)
     step_fn = build_step(step_model, optimizer, scheduler, scaler, amp, log.sums, device, capture, step_flops)
+    if t.compile:
+        step_fn.description = "the compiled model in eager steps (step capture is off with torch.compile)"
     layout = ", channels-last" if channels_last else ""
     compiled = ", torch.compile" if t.compile else ""
     say(f"step: {precision}{layout}{compiled}; {step_fn.description}")

@@ -172,3 +172,12 @@ def test_out_of_memory_while_training_is_one_line_naming_the_batch_size(tmp_path
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: out of memory on cpu at data.batch_size=full")
     assert "find-batch-size" in last and "Traceback" not in r.stderr
+
+
+def test_torch_compile_option_trains_the_same_model(tmp_path, capsys):
+    eager, w_eager, _ = train(tmp_path, "eager", ["train.epochs=20", "train.step_capture=off"], capsys)
+    compiled, w_compiled, said = train(tmp_path, "compiled", ["train.epochs=20", "train.compile=true"], capsys)
+    assert "torch.compile; the compiled model in eager steps" in said
+    assert list(w_compiled) == list(w_eager)  # the plain module's names, without torch.compile's prefix
+    for k in w_eager:
+        assert torch.allclose(w_eager[k], w_compiled[k], rtol=1e-4, atol=1e-6), k
