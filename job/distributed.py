@@ -60,6 +60,12 @@ def is_writer() -> bool:
 def start(device_name: str, stop: StopRequest) -> None:
     """Under torchrun: take this worker's device (cuda:LOCAL_RANK) and join the group; otherwise nothing."""
     global _control
+    size = os.environ.get("WORLD_SIZE", "1").strip()
+    if not launched() and size.isdigit() and int(size) > 1:
+        raise ConfigError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but this process was not started by torchrun (Vertex AI sets it to "
+            "the number of machines): launch it through torchrun (docs/distributed.md), or every machine trains alone"
+        )
     if not launched() or active():
         return
     local_rank = int(os.environ["LOCAL_RANK"])
