@@ -114,6 +114,55 @@ def info(as_json: bool = typer.Option(False, "--json", help="Print the report as
     print(json.dumps(report, indent=1) if as_json else format_info(report))
 
 
+@app.command()
+def bench(
+    config: str = typer.Option("iris", "--config", "-c", help=CONFIG_HELP),
+    overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
+    devices: str = typer.Option("", "--devices", help="Comma list, e.g. cpu,cuda; default: cpu, and cuda if present."),
+    epochs: int = typer.Option(0, "--epochs", min=0, help="Train this many epochs in both loops; 0: the config's."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """The recipe trained by the tutorials' naive loop and by this job, on each device: s/epoch, samples/s,
+    test accuracy and the speed-ups."""
+    with user_errors():
+        from job.bench import bench as measure
+        from job.bench import format_table, parse_devices
+        from job.config import load_config
+
+        cfg = load_config(config, [*overrides, *([f"train.epochs={epochs}"] if epochs else [])])
+        result = measure(cfg, parse_devices(devices))
+        print(json.dumps(result, indent=1) if as_json else format_table(result))
+
+
+@app.command("find-batch-size")
+def find_batch_size(
+    config: str = typer.Option("iris", "--config", "-c", help=CONFIG_HELP),
+    overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
+    device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
+    memory_gib: float = typer.Option(
+        None,
+        "--memory-gib",
+        min=0.01,
+        help="Memory the run may use; default: the whole GPU, or 80% of free host memory.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """The largest training batch that fits on the device, found by training on doubling, then bisected, batches."""
+    with user_errors():
+        from job.batch_size import find_batch_size as search
+        from job.config import load_config
+
+        result = search(load_config(config, overrides), device, memory_gib)
+        if as_json:
+            print(json.dumps(result))
+        else:
+            print(
+                f"largest batch that fits on {result['device']} ({result['memory']}): {result['batch_size']}"
+                f"{' (the whole training split)' if result['limited_by'] != 'memory' else ''}; "
+                f"train with --set data.batch_size={result['batch_size']} or less"
+            )
+
+
 def main() -> None:
     """Run the command line; a usage error (unknown option, missing value) is one line and exit 2 as well."""
     try:

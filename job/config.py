@@ -105,8 +105,26 @@ class OptimConfig(Section):
 
 class TrainConfig(Section):
     epochs: int = Field(10, gt=0, description="Epochs to train.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="fp32, or autocast to bf16 or fp16 (fp16 with a gradient scaler)."
+    precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
+        "fp32",
+        description="fp32, or autocast to bf16 or fp16 (fp16 with a gradient scaler); auto: bf16 on a GPU that "
+        "computes it natively (compute capability 8.0 on), else fp32.",
+    )
+    channels_last: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Convolutions in channels-last memory layout; auto: on a GPU with bf16 or fp16, where tensor "
+        "cores want it.",
+    )
+    step_capture: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="auto: replay each training step as one CUDA graph on a GPU, and trace small steps into one graph "
+        "on a CPU, where the model allows it (the run says what it chose and why); on: the same; off: eager steps.",
+    )
+    compile: bool = Field(False, description="Run the model through torch.compile (step capture is then off).")
+    cpu_threads: int | Literal["auto"] = Field(
+        "auto",
+        description="CPU training: threads for PyTorch's operations; auto: one for a small model (a step under "
+        "2e7 FLOPs), where waking more costs more than it saves, else PyTorch's default.",
     )
     log_every_steps: int = Field(100, gt=0, description="Log the mean training loss every this many steps.")
     eval_every_epochs: int = Field(1, gt=0, description="Evaluate on the test split every this many epochs.")
@@ -117,6 +135,21 @@ class TrainConfig(Section):
         20.0, gt=0, description="After SIGTERM or SIGINT: time to finish the step and commit before giving up."
     )
     deterministic: bool = Field(False, description="Use deterministic algorithms (slower on a GPU).")
+
+    @field_validator("channels_last", "step_capture", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        """YAML reads a bare on/off as a boolean."""
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        return v
+
+    @field_validator("cpu_threads", mode="before")
+    @classmethod
+    def _cpu_threads(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError("expected a positive integer or 'auto'")
 
 
 class OutputConfig(Section):

@@ -17,13 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from job import checkpoint, cloud, distributed
+from job.batch_size import is_out_of_memory, out_of_memory_error
 from job.config import Config, flat_items, to_yaml
 from job.data import Dataset, load_data
 from job.data.loader import BatchLoader, channel_stats, choose_storage
-from job.env import describe_device, pick_device, seed_everything
+from job.env import describe_device, pick_device, resolve_precision, seed_everything
 from job.errors import ConfigError, Interrupted, StorageError
 from job.models import build_model
 from job.report import Report, say
+from job.step import SMALL_STEP_FLOPS, build_step, forward_flops
 from job.stop import StopRequest
 from job.storage import RunDir
 
@@ -45,6 +47,10 @@ RESUME_SAFE = {
     "train.checkpoint_every_epochs",
     "train.keep_last",
     "train.precision",
+    "train.channels_last",
+    "train.step_capture",
+    "train.compile",
+    "train.cpu_threads",
 }
 
 
@@ -109,9 +115,6 @@ class LossLog:
         self.sums = torch.zeros(2, device=device)
         self.pending: deque = deque()
 
-    def add(self, loss: torch.Tensor) -> None:
-        self.sums += loss
-
     def close_window(self, step: int, lr: float) -> None:
         host = torch.empty(1, pin_memory=self.device.type == "cuda")
         distributed.mean_(self.sums[:1])  # under torchrun: the group's window (nccl: queued, no host sync)
@@ -160,12 +163,13 @@ def train_run(
     stop: StopRequest,
     routes: dict[str, str] | None = None,
 ) -> dict:
-    t_start = time.perf_counter()
+    t_start, threads = time.perf_counter(), torch.get_num_threads()
     distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
     try:
         return train_rank(cfg, output, device_name, resume, overwrite, stop, routes, t_start)
     finally:
         distributed.finish()
+        torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after it
 
 
 def train_rank(
@@ -188,10 +192,13 @@ def train_rank(
         except StorageError as failed:  # still exit 75: a retry continues from what the store holds
             raise Interrupted(f"{e}; but {failed}") from None
         raise
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(Exception):  # send what was committed before the failure, for a retry elsewhere
             run_dir.finish(timeout=30)
         run_dir.abandon()
+        if is_out_of_memory(e):
+            batch = cfg.data.batch_size
+            raise out_of_memory_error(batch, pick_device(device_name)) from None
         raise
     return summary
 
@@ -232,17 +239,25 @@ def train_loop(
     seed_everything(cfg.seed, cfg.train.deterministic)
     data = load_data(cfg.data, cfg.seed)
     model = build_model(cfg.model, data.input_shape, len(data.classes))
+    t = cfg.train
+    precision = resolve_precision(t.precision, device)
+    batch = len(data.train) if cfg.data.batch_size == "full" else cfg.data.batch_size
+    step_flops = forward_flops(model, data.input_shape) * min(batch, len(data.train))
+    if device.type == "cpu":
+        small = step_flops < SMALL_STEP_FLOPS
+        torch.set_num_threads(t.cpu_threads if t.cpu_threads != "auto" else 1 if small else torch.get_num_threads())
+    channels_last = use_channels_last(t.channels_last, model, device, precision)
     found = distributed.share_checkpoint(lambda: open_run(run_dir, resume, overwrite, cfg))
-    train_loader, test_loader, where = make_loaders(cfg, data, device)
+    train_loader, test_loader, where = make_loaders(cfg, data, device, channels_last)
     say(f"device {describe_device(device)}; data {data.describe()}, held on {where}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters; output {run_dir.url}")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not cfg.train.deterministic
-    model.to(device)
+    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
     model.train()
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer, cfg.train.epochs * len(train_loader))
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.train.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
         payload, manifest = found
@@ -262,12 +277,26 @@ def train_loop(
     else:
         run_dir.write("config.yaml", to_yaml(cfg).encode())
         report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(train_loader), state.step + 1 if found else 0)
-    step_fn = make_step(distributed.wrap(model, device), optimizer, scheduler, scaler, autocast(cfg, device))
-    t_eval, clock, first_epoch = time.perf_counter(), TrainClock(device), state.epoch
+    step_model = distributed.wrap(model, device)
+    step_model = torch.compile(step_model) if t.compile else step_model  # checkpoints keep the plain module's names
+    capture = "off" if t.compile or step_model is not model else t.step_capture
+    amp = autocast(cfg, device)
+    step_fn = build_step(step_model, optimizer, scheduler, scaler, amp, log.sums, device, capture, step_flops)
+    if t.compile:
+        step_fn.description = "the compiled model in eager steps (step capture is off with torch.compile)"
+    elif distributed.world() > 1:
+        step_fn.description = "eager (DistributedDataParallel reduces gradients from autograd hooks: no capture)"
+    layout = ", channels-last" if channels_last else ""
+    compiled = ", torch.compile" if t.compile else ""
+    say(f"step: {precision}{layout}{compiled}; {step_fn.description}")
+    t_eval, clock, first_epoch, described = time.perf_counter(), TrainClock(device), state.epoch, step_fn.description
     for epoch in range(state.epoch, cfg.train.epochs):
         report.start_epoch(epoch, state.epoch_step)
         clock.start()
         finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
+        if step_fn.description != described:  # a fallback found on the first batch: say so once
+            described = step_fn.description
+            say(f"step: {described}")
         if finished:
             state.epoch, state.epoch_step = epoch + 1, 0
         last = state.epoch == cfg.train.epochs
@@ -334,7 +363,7 @@ def train_epoch(
     """One epoch from where the state says it stands; False when a stop was requested before its end."""
     every = log.every
     for x, y in loader.batches(epoch, state.epoch_step):
-        log.add(step_fn(x, y, loader.loss_weight(state.epoch_step)))
+        step_fn(x, y, loader.loss_weight(state.epoch_step))
         state.step += 1
         state.epoch_step += 1
         state.steps_since_eval += 1
@@ -422,35 +451,21 @@ def save(
     run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
 
 
-def make_step(model, optimizer, scheduler, scaler, amp):
-    """One optimizer step on a batch; returns the loss as a device tensor (never read here)."""
-
-    def step(x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
-        with amp():
-            loss = F.cross_entropy(model(x), y)
-            if weight != 1.0:  # a process's uneven part of a global batch (torchrun)
-                loss = loss * weight
-        optimizer.zero_grad(set_to_none=True)
-        if scaler.is_enabled():
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        return loss.detach()
-
-    return step
-
-
 def autocast(cfg: Config, device: torch.device):
-    """A context factory for the configured precision (fp32: none)."""
-    if cfg.train.precision == "fp32":
+    """A context factory for the configured precision (fp32: none). Without autocast's weight cache, which a
+    captured CUDA graph cannot hold across replays."""
+    precision = resolve_precision(cfg.train.precision, device)
+    if precision == "fp32":
         return contextlib.nullcontext
-    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float16
-    return lambda: torch.autocast(device.type, dtype=dtype)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype, cache_enabled=False)
+
+
+def use_channels_last(setting: str, model, device: torch.device, precision: str) -> bool:
+    """channels_last for a model with 2-d convolutions: when asked, or (auto) on a GPU computing in bf16 or fp16."""
+    if setting == "off" or not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+        return False
+    return setting == "on" or (device.type == "cuda" and precision in ("bf16", "fp16"))
 
 
 def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
@@ -477,7 +492,9 @@ def make_scheduler(cfg: Config, optimizer, total_steps: int):
     return None
 
 
-def make_loaders(cfg: Config, data: Dataset, device: torch.device) -> tuple[BatchLoader, BatchLoader, str]:
+def make_loaders(
+    cfg: Config, data: Dataset, device: torch.device, channels_last: bool = False
+) -> tuple[BatchLoader, BatchLoader, str]:
     d = cfg.data
     storage = choose_storage(data.train.x.nbytes + data.test.x.nbytes, device, d.placement, d.device_share)
     mean = std = None
@@ -504,11 +521,21 @@ def make_loaders(cfg: Config, data: Dataset, device: torch.device) -> tuple[Batc
         mean=mean,
         std=std,
         shard=(rank, world),
+        channels_last=channels_last,
         **image_aug,
     )
     if len(train) == 0:
         raise ConfigError(f"data.drop_last: the training split ({len(data.train)}) is smaller than one batch")
-    test = BatchLoader(data.test, d.eval_batch_size or batch, device, storage, mean=mean, std=std, shard=(rank, world))
+    test = BatchLoader(
+        data.test,
+        d.eval_batch_size or batch,
+        device,
+        storage,
+        mean=mean,
+        std=std,
+        shard=(rank, world),
+        channels_last=channels_last,
+    )
     where = "the device" if storage.type == device.type and device.type != "cpu" else "the host"
     return train, test, where
 

@@ -40,7 +40,7 @@ def test_overrides_are_typed_and_nested():
         ("train.epochs=0", "train.epochs: input should be greater than 0"),
         ("optim.lr=fast", "optim.lr: input should be a valid number"),
         ("optim.lr=-1", "optim.lr: input should be greater than 0"),
-        ("train.precision=fp8", "train.precision: input should be 'fp32', 'bf16' or 'fp16'"),
+        ("train.precision=fp8", "train.precision: input should be 'fp32', 'bf16', 'fp16' or 'auto'"),
         ("data.batch_size=-4", "data.batch_size: expected a positive integer or 'full'"),
         ("data.batch_size=half", "data.batch_size: expected a positive integer or 'full'"),
         ("model.name=transformer", "model.name: expected one of mlp, cifar_cnn, resnet18"),

@@ -11,17 +11,19 @@ from job.data import load_data
 from job.data.loader import BatchLoader
 from job.models import build_model
 from job.report import Report
+from job.step import CudaGraphStep, build_step
 from job.stop import StopRequest
 from job.storage import RunDir
-from job.train import LossLog, Progress, autocast, make_loaders, make_optimizer, make_step, train_epoch
+from job.train import LossLog, Progress, autocast, make_loaders, make_optimizer, train_epoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 CUDA = torch.device("cuda")
 
 
+@pytest.mark.parametrize("capture", ["auto", "off"])
 @pytest.mark.parametrize("placement", ["device", "host"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision):
+def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, capture):
     root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=40, size=32)
     cfg = load_config(
         "cifar10",
@@ -42,24 +44,29 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision):
     data = load_data(cfg.data, cfg.seed)
     model = build_model(cfg.model, data.input_shape, len(data.classes)).to(CUDA)
     optimizer = make_optimizer(cfg, model)
-    total = 2 * 10
+    total = 3 * 10
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=total)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     train, _, where = make_loaders(cfg, data, CUDA)
     assert where == ("the device" if placement == "device" else "the host")
-    step = make_step(model, optimizer, scheduler, scaler, autocast(cfg, CUDA))
     state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
+    step = build_step(model, optimizer, scheduler, scaler, autocast(cfg, CUDA), log.sums, CUDA, capture, 1e9)
+    assert isinstance(step, CudaGraphStep) == (capture == "auto")
     report = Report(RunDir(str(tmp_path / "run")), {}, 2, len(train), 0)
     with StopRequest(20) as stop:
-        train_epoch(step, optimizer, train, 0, state, log, report, stop)  # warm-up: cuDNN picks its kernels
+        for _ in range(2):  # warm-up: cuDNN picks its kernels, then each batch shape is captured
+            train_epoch(step, optimizer, train, 0, state, log, report, stop)
+            state.epoch_step = 0
         torch.cuda.synchronize()
+        if capture == "auto":
+            assert len(step.graphs) == 1  # 160 images in batches of 16: one shape, captured after 3 eager steps
         state.epoch, state.epoch_step = 1, 0
         torch.cuda.set_sync_debug_mode("error")
         try:
             train_epoch(step, optimizer, train, 1, state, log, report, stop)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert state.step == 2 * len(train)
+    assert state.step == 3 * len(train)
     assert torch.isfinite(log.sums).all()
 
 
@@ -96,3 +103,28 @@ def test_train_on_cuda_end_to_end(tmp_path, precision):
     assert last["test_accuracy"] >= 0.9
     weights = torch.load(out / "model.pt", weights_only=True)
     assert all(t.device.type == "cpu" for t in weights.values())
+
+
+@pytest.mark.parametrize("overrides", [[], ["optim.momentum=0.9", "optim.schedule=cosine"], ["train.precision=fp16"]])
+def test_cuda_graph_steps_train_as_eager_steps(tmp_path, overrides):
+    """The same run replayed as CUDA graphs and run eagerly ends with the same weights (up to cuDNN's choices)."""
+    root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=30, size=32)
+    common = ["--device", "cuda", *sum((["--set", o] for o in overrides), [])]
+    common += ["--set", "data.kind=folder", "--set", f"data.path={root}", "--set", "data.batch_size=16"]
+    common += ["--set", "train.epochs=3", "--set", "train.deterministic=true"]
+    results = {}
+    for capture in ("auto", "off"):
+        out = tmp_path / capture
+        args = [*common, "--set", f"train.step_capture={capture}", "--output", str(out)]
+        r = run_job("train", "--config", "cifar10", *args)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert ("CUDA graph" in r.stderr) == (capture == "auto")
+        results[capture] = torch.load(out / "model.pt", weights_only=True)
+    for k, v in results["off"].items():
+        assert torch.allclose(v, results["auto"][k], rtol=1e-4, atol=1e-5), k
+
+
+def test_iris_preset_on_the_gpu_is_captured_whole(tmp_path):
+    r = run_job("train", "--device", "cuda", "--set", "train.epochs=2000", "--output", str(tmp_path / "iris"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "one CUDA graph per batch shape (forward, backward and SGD step)" in r.stderr

@@ -34,6 +34,7 @@ class BatchLoader:
         mean: torch.Tensor | None = None,
         std: torch.Tensor | None = None,
         shard: tuple[int, int] = (0, 1),
+        channels_last: bool = False,
     ) -> None:
         self.device, self.storage = device, storage
         self.rank, self.world = shard  # this process takes its slice of every batch (data-parallel training)
@@ -45,6 +46,7 @@ class BatchLoader:
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.crop_padding, self.hflip = crop_padding, hflip
         self.is_image = self.x.dtype == torch.uint8
+        self.layout = torch.channels_last if channels_last and self.is_image else torch.contiguous_format
         self.mean = mean.to(device).view(1, -1, 1, 1) if mean is not None else None
         self.std = std.to(device).view(1, -1, 1, 1) if std is not None else None
 
@@ -112,7 +114,7 @@ class BatchLoader:
         """uint8 images to float in [0, 1], then normalised; tables pass through."""
         if not self.is_image:
             return x
-        x = x.float().div_(255)
+        x = x.to(torch.float32, memory_format=self.layout).div_(255)
         if self.mean is not None:
             x = x.sub_(self.mean).div_(self.std)
         return x

@@ -1,0 +1,93 @@
+"""The job against the tutorials' own loops (the baseline scripts seed_iris.py and seed_cifar.py), on the same
+machine in the same run, interleaved, as whole processes and per training epoch.
+
+    python bench/vs_tutorials.py --baselines ../shared/baselines [--device cpu|cuda] [--repeats 3]
+        [--cifar-python DIR --cifar-pt DIR] [--cifar-epochs 1]
+
+Iris: the iris preset (20,000 full-batch epochs) against `seed_iris.py DEVICE every200`, wall time of each whole
+process. CIFAR-10 (when both data folders are given: CIFAR-10's python-version folder for the job, the folder
+prep_cifar.py writes for the seed script): the cifar10 preset against `seed_cifar.py`, seconds per training
+epoch (the job's from its own clock, which leaves out evaluation and checkpoints; the seed's from its output)
+and whole processes. Prints medians and ratios job/seed; lower is better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The job in a fresh process, as `python -m job train` runs it, printing the run's summary as JSON.
+JOB = (
+    "import json, sys; from job.config import load_config; from job.train import run; "
+    "cfg = load_config(sys.argv[1], sys.argv[4:]); print(json.dumps(run(cfg, sys.argv[2], sys.argv[3], 'never', True)))"
+)
+
+
+def timed(cmd: list[str]) -> tuple[float, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - t0
+    if r.returncode != 0:
+        sys.exit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
+    return seconds, r.stdout.strip().splitlines()[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baselines", type=Path, required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cifar-python", type=Path)
+    ap.add_argument("--cifar-pt", type=Path)
+    ap.add_argument("--cifar-epochs", type=int, default=1)
+    args = ap.parse_args()
+    py, out = sys.executable, Path(tempfile.mkdtemp(prefix="vs-tutorials-"))
+    rows = []
+
+    job_s, seed_s = [], []
+    for i in range(args.repeats):
+        cli = [py, "-m", "job", "train", "--config", "iris", "--device", args.device, "--output", str(out / f"iris{i}")]
+        job_s.append(timed(cli)[0])
+        seed_s.append(timed([py, str(args.baselines / "seed_iris.py"), args.device, "every200"])[0])
+    rows.append(("iris, whole process", job_s, seed_s))
+
+    if args.cifar_python and args.cifar_pt:
+        epochs = args.cifar_epochs
+        job_epoch, seed_epoch, job_s, seed_s = [], [], [], []
+        for i in range(args.repeats if args.device != "cpu" else 1):
+            sets = [f"data.path={args.cifar_python}", f"train.epochs={epochs}"]
+            s, line = timed([py, "-c", JOB, "cifar10", str(out / f"cifar{i}"), args.device, *sets])
+            summary = json.loads(line)
+            job_s.append(s)
+            job_epoch.append(summary["train_seconds"] / summary["epochs_run"])
+            s, line = timed(
+                [py, str(args.baselines / "seed_cifar.py"), str(args.cifar_pt), str(epochs), args.device, str(out)]
+            )
+            seed_s.append(s)
+            seed_epoch.append(statistics.median(json.loads(line)["train_epoch_s"]))
+        rows.append(("cifar10, seconds per training epoch", job_epoch, seed_epoch))
+        rows.append((f"cifar10 {epochs} epoch(s), whole process", job_s, seed_s))
+
+    import torch
+
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{os.cpu_count()}-core CPU"
+    print(f"{where}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, {args.repeats} repeat(s)")
+    print(f"{'what':40s} {'job s':>9s} {'seed s':>9s} {'job/seed':>9s}")
+    for what, job, seed in rows:
+        ratios = [j / s for j, s in zip(job, seed)]
+        print(
+            f"{what:40s} {statistics.median(job):9.3f} {statistics.median(seed):9.3f} {statistics.median(ratios):9.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

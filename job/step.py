@@ -1,0 +1,301 @@
+"""The training step, and how it runs: eagerly, captured as one graph per batch shape, or through torch.compile.
+
+A small model's step is bound by per-operation overhead, not by arithmetic: each kernel launch on a GPU and
+each dispatched operation on a CPU costs microseconds that the work itself does not. Capture removes that
+overhead without changing what the step computes:
+
+- CUDA: forward, loss and backward (and the optimizer step, for SGD without a schedule or loss scaler) are
+  captured once as a CUDA graph and replayed for every batch of that shape. The first steps of each shape run
+  eagerly on a side stream (cuDNN picks its kernels, lazy state is made), as real steps of the run.
+- CPU: forward, loss and backward are traced once into a graph of ATen operations that TorchScript's
+  interpreter runs without Python or autograd bookkeeping per operation; the first traced step is checked
+  against the eager step on the same batch and used only when they agree. Worth it for small steps only.
+
+A batch of another shape (the last, partial batch of an epoch) gets its own graph. Where capture is not
+possible the step runs eagerly, and the run says why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from job.errors import one_line
+
+# A CPU step whose forward pass does less arithmetic than this is dominated by per-operation overhead: it is
+# traced, and it runs on one thread (waking a second thread costs more than it saves at this size).
+SMALL_STEP_FLOPS = 2e7
+
+
+class EagerStep:
+    """Forward, loss, backward and optimizer step as plain PyTorch calls; the loss is added to `sums` on the device."""
+
+    def __init__(self, model: nn.Module, optimizer, scheduler, scaler, amp: Callable, sums: torch.Tensor) -> None:
+        self.model, self.optimizer, self.scheduler, self.scaler, self.amp = model, optimizer, scheduler, scaler, amp
+        self.sums = sums
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.description = "eager"
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
+        """`weight` scales the loss: a process's uneven part of a global batch under torchrun (1.0 otherwise)."""
+        with self.amp():
+            loss = F.cross_entropy(self.model(x), y)
+            if weight != 1.0:
+                loss = loss * weight
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled():
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        self.sums += loss.detach()
+        self.update()
+
+    def update(self) -> None:
+        """The optimizer step on the gradients in place, then the schedule."""
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def set_grads(self, grads: list[torch.Tensor]) -> None:
+        if self.params and self.params[0].grad is not grads[0]:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+
+
+def shape_key(x: torch.Tensor, y: torch.Tensor) -> tuple:
+    return tuple(x.shape), x.dtype, tuple(y.shape), x.is_contiguous(memory_format=torch.channels_last)
+
+
+class CudaGraphStep(EagerStep):
+    """The step replayed as a CUDA graph per batch shape, after `warmup` eager steps of that shape."""
+
+    def __init__(self, *args, warmup: int = 3) -> None:
+        super().__init__(*args)
+        # The whole step fits in the graph when the optimizer's arithmetic does not change between steps on the
+        # host's side: SGD with a constant rate. Otherwise the graph ends at the gradients.
+        self.whole = (
+            isinstance(self.optimizer, torch.optim.SGD) and self.scheduler is None and not self.scaler.is_enabled()
+        )
+        self.warmup = warmup
+        self.seen: Counter = Counter()
+        self.graphs: dict[tuple, tuple] = {}
+        self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.side = torch.cuda.Stream()
+        what = "forward, backward and SGD step" if self.whole else "forward and backward; optimizer step eager"
+        self.description = f"one CUDA graph per batch shape ({what})"
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
+        if weight != 1.0:  # never in one process, where captured steps are used
+            return super().__call__(x, y, weight)
+        key = shape_key(x, y)
+        if key not in self.inputs:
+            self.inputs[key] = (torch.empty_like(x), torch.empty_like(y))
+        sx, sy = self.inputs[key]
+        sx.copy_(x)
+        sy.copy_(y)
+        entry = self.graphs.get(key)
+        if entry is None:
+            self.seen[key] += 1
+            if self.seen[key] <= self.warmup:
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    super().__call__(sx, sy)
+                torch.cuda.current_stream().wait_stream(self.side)
+                return
+            entry = self.graphs[key] = self.capture(sx, sy)
+        graph, grads = entry
+        graph.replay()
+        if not self.whole:
+            self.set_grads(grads)
+            self.update()
+
+    def capture(self, sx: torch.Tensor, sy: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+        graph = torch.cuda.CUDAGraph()
+        self.optimizer.zero_grad(set_to_none=True)  # gradients are made inside the graph, in its own memory
+        with torch.cuda.graph(graph):
+            with self.amp():
+                loss = F.cross_entropy(self.model(sx), sy)
+            (self.scaler.scale(loss) if self.scaler.is_enabled() else loss).backward()
+            if self.whole:
+                self.optimizer.step()
+            self.sums += loss.detach()
+        return graph, [p.grad for p in self.params]
+
+
+class CpuTracedStep(EagerStep):
+    """Forward, loss and backward (and a plain SGD update) as one traced graph per batch shape, run by
+    TorchScript's interpreter."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        groups = self.optimizer.param_groups
+        # Plain SGD (one group, no momentum, a constant rate) is two operations per tensor: traced with the rest,
+        # and checked against torch.optim's own step on the first batch like everything else.
+        self.whole = (
+            isinstance(self.optimizer, torch.optim.SGD)
+            and self.scheduler is None
+            and not self.scaler.is_enabled()
+            and len(groups) == 1
+            and groups[0]["momentum"] == 0
+            and not groups[0]["maximize"]
+            and not isinstance(groups[0]["lr"], torch.Tensor)
+        )
+        named = [(n, p) for n, p in self.model.named_parameters()]
+        self.names = [n for n, p in named if p.requires_grad]
+        self.frozen = [(n, p.detach()) for n, p in named if not p.requires_grad]
+        self.buffers = list(self.model.named_buffers())
+        self.args = [p.detach() for p in self.params] + [t for _, t in self.frozen] + [b for _, b in self.buffers]
+        self.traced: dict[tuple, Callable] = {}
+        self.failed = ""
+        what = "forward, backward and SGD step" if self.whole else "forward and backward"
+        self.description = f"traced on the CPU ({what} as one graph per batch shape)"
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
+        key = shape_key(x, y)
+        fn = None if weight != 1.0 else self.traced.get(key)
+        if fn is None:
+            if self.failed or weight != 1.0:
+                return super().__call__(x, y, weight)
+            fn = self.trace(key, x, y)
+            if fn is None:
+                return super().__call__(x, y)
+        with torch.no_grad():
+            loss, *grads = fn(*self.args, x, y)
+        self.sums += loss
+        if not self.whole:
+            self.set_grads(grads)
+            self.update()
+
+    def joint(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(loss, *gradients) from (*trainable, *frozen, *buffers, x, y): the function that is traced."""
+        k, f = len(self.names), len(self.frozen)
+        leaves = [t.detach().requires_grad_() for t in tensors[:k]]
+        state = dict(zip(self.names, leaves))
+        state.update(zip([n for n, _ in self.frozen], tensors[k : k + f]))
+        state.update(zip([n for n, _ in self.buffers], tensors[k + f : -2]))
+        x, y = tensors[-2:]
+        with torch.enable_grad(), self.amp():
+            loss = F.cross_entropy(torch.func.functional_call(self.model, state, (x,)), y)
+        grads = torch.autograd.grad(loss.float(), leaves)
+        if not self.whole:
+            return (loss.detach().float(), *grads)
+        group = self.optimizer.param_groups[0]
+        with torch.no_grad():
+            for p, g in zip(tensors[:k], grads):
+                if group["weight_decay"]:
+                    g = g.add(p, alpha=group["weight_decay"])
+                p.add_(g, alpha=-group["lr"])
+        return (loss.detach().float(),)
+
+    def trace(self, key: tuple, x: torch.Tensor, y: torch.Tensor) -> Callable | None:
+        """Trace the step for this batch shape and check it against the eager one; None (and a reason) if not."""
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        try:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript's deprecation notice: nothing the user can act on
+                # Tracing runs the step for real, so on copies. A model that reads its data's values on the host
+                # (branches on them, calls .item()) cannot be traced, and says so here.
+                graph = make_fx(self.joint, tracing_mode="real")(*[a.clone() for a in self.args], x, y)
+                fn = torch.jit.trace(graph, (*[a.clone() for a in self.args], x, y), check_trace=False)
+            self.check(fn, x, y)
+        except Exception as e:  # every way tracing can fail means the same: run this model eagerly
+            self.failed = why_not_traced(e)
+            self.description = f"eager (the step could not be traced: {self.failed})"
+            return None
+        self.traced[key] = fn
+        return fn
+
+    def check(self, fn: Callable, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The traced step must do what the eager step does: the same loss, gradients (or updated weights) and
+        buffers, from the same random draws. Both run on the batch; the state is put back after each."""
+        rng = torch.get_rng_state()
+        state = [t.detach() for t in self.params] + [b for _, b in self.buffers]
+        before = [t.clone() for t in state]
+
+        def put_back() -> None:
+            with torch.no_grad():
+                for t, saved in zip(state, before):
+                    t.copy_(saved)
+            torch.set_rng_state(rng)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.amp():
+            loss = F.cross_entropy(self.model(x), y)
+        loss.backward()
+        if self.whole:
+            self.optimizer.step()
+        eager = [loss.detach().float(), *([] if self.whole else [p.grad for p in self.params])]
+        eager += [t.clone() for t in state]
+        self.optimizer.zero_grad(set_to_none=True)
+        put_back()
+        with torch.no_grad():
+            traced = [*fn(*self.args, x, y), *[t.clone() for t in state]]
+        put_back()
+        if len(traced) != len(eager) or not all(
+            torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, traced)
+        ):
+            raise RuntimeError("the traced step does not compute what the eager step computes")
+
+
+def why_not_traced(e: Exception) -> str:
+    text = one_line(e)
+    if "_local_scalar_dense" in text or "data-dependent" in text:
+        return "the model reads its data's values on the host (a Python branch on a tensor, or .item())"
+    if "unsupported argument type in the JIT tracer" in text:
+        return "one of its backward operations takes arguments TorchScript's tracer does not (as convolutions do)"
+    return text[:200]
+
+
+def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> float:
+    """Floating-point operations of one forward pass per sample, counted on a batch of 2 on the CPU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(torch.zeros(2, *input_shape))
+        return counter.get_total_flops() / 2
+    except Exception:  # an operation the counter does not know: treat the model as large
+        return float("inf")
+    finally:
+        model.train(was_training)
+
+
+def build_step(
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    scaler,
+    amp: Callable,
+    sums: torch.Tensor,
+    device: torch.device,
+    capture: str,
+    step_flops: float,
+) -> EagerStep:
+    """The step for this device: captured when `capture` is auto and it can be, else eager (its description says)."""
+    args = (model, optimizer, scheduler, scaler, amp, sums)
+    if capture == "off":
+        step = EagerStep(*args)
+        step.description = "eager (train.step_capture off)"
+        return step
+    if device.type == "cuda":
+        return CudaGraphStep(*args)
+    if device.type == "cpu" and step_flops < SMALL_STEP_FLOPS:
+        return CpuTracedStep(*args)
+    step = EagerStep(*args)
+    if device.type == "cpu":
+        step.description = "eager (a CPU step this large is bound by arithmetic; capture would not help)"
+    else:
+        step.description = f"eager (no step capture on {device.type})"
+    return step

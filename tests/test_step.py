@@ -1,0 +1,183 @@
+"""How the step runs on a CPU: traced into one graph where the model allows it, eager otherwise, and either way the
+same run. The CUDA graph path is in test_gpu.py."""
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, job_env, run_job, sets
+
+from job.config import load_config
+from job.train import run
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def train(tmp_path, name, overrides, capsys):
+    cfg = load_config("iris", ["train.epochs=150", "train.eval_every_epochs=50", *overrides])
+    summary = run(cfg, str(tmp_path / name), "cpu", "never", True)
+    said = capsys.readouterr().err
+    weights = torch.load(tmp_path / name / "model.pt", weights_only=True)
+    return summary, weights, said
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],  # the tutorials' plain SGD: the whole step is one graph
+        ["data.batch_size=32"],  # a partial last batch: a second graph
+        ["optim.momentum=0.9", "optim.nesterov=true", "data.batch_size=48"],
+        ["optim.schedule=onecycle", "optim.weight_decay=0.01"],
+        ["optim.name=adamw", "optim.lr=0.003"],
+        ["optim.weight_decay=0.05"],
+    ],
+)
+def test_traced_cpu_step_trains_exactly_as_the_eager_step(tmp_path, capsys, overrides):
+    eager, w_eager, said_eager = train(tmp_path, "eager", [*overrides, "train.step_capture=off"], capsys)
+    traced, w_traced, said = train(tmp_path, "traced", overrides, capsys)
+    assert "step: fp32; eager (train.step_capture off)" in said_eager
+    assert "traced on the CPU" in said and "could not be traced" not in said
+    whole = not overrides or overrides == ["optim.weight_decay=0.05"] or overrides == ["data.batch_size=32"]
+    assert ("SGD step as one graph" in said) == whole
+    assert w_eager.keys() == w_traced.keys()
+    for k in w_eager:
+        assert torch.equal(w_eager[k], w_traced[k]), k
+    assert eager["final_test_loss"] == traced["final_test_loss"]
+
+
+MODELS = '''
+import torch
+from torch import nn
+
+
+class Branchy(nn.Module):
+    """Decides on the host from its data's values: cannot be captured."""
+
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.fc = nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if h.mean() > 10:
+            h = h * 0.5
+        return h
+
+
+class Noisy(nn.Module):
+    """Batch norm (buffers updated in place) and dropout (random draws) in training."""
+
+    def __init__(self, num_classes=3):
+        super().__init__()
+        layers = [nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, num_classes)]
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+'''
+
+
+@pytest.fixture
+def user_models(tmp_path, monkeypatch):
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "stepmodels.py").write_text(MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    yield
+    sys.modules.pop("stepmodels", None)
+
+
+def test_a_model_that_reads_its_data_on_the_host_runs_eagerly_and_says_why(tmp_path, capsys, user_models):
+    _, w_eager, _ = train(tmp_path, "eager", ["model.name=stepmodels:Branchy", "train.step_capture=off"], capsys)
+    _, w_auto, said = train(tmp_path, "auto", ["model.name=stepmodels:Branchy"], capsys)
+    assert "step: eager (the step could not be traced:" in said
+    assert "the model reads its data's values on the host" in said
+    for k in w_eager:
+        assert torch.equal(w_eager[k], w_auto[k]), k
+
+
+def test_batch_norm_and_dropout_train_the_same_captured_or_not(tmp_path, capsys, user_models):
+    overrides = ["model.name=stepmodels:Noisy", "data.batch_size=40"]
+    _, w_eager, _ = train(tmp_path, "eager", [*overrides, "train.step_capture=off"], capsys)
+    _, w_auto, said = train(tmp_path, "auto", overrides, capsys)
+    assert "step: fp32; " in said
+    assert "running_mean" in " ".join(w_auto)  # the buffers are saved, and moved as in eager training
+    for k in w_eager:
+        assert torch.equal(w_eager[k], w_auto[k]), k
+
+
+def test_cpu_threads_one_for_a_small_model_else_as_set(tmp_path, capsys):
+    _, _, said = train(tmp_path, "auto", ["train.epochs=2"], capsys)
+    assert "device cpu (1 threads)" in said
+    _, _, said = train(tmp_path, "two", ["train.epochs=2", "train.cpu_threads=2"], capsys)
+    assert "device cpu (2 threads)" in said
+
+
+def test_a_large_cpu_step_runs_eagerly_on_all_threads(tmp_path, capsys):
+    cfg = load_config("iris", ["train.epochs=2", "model.hidden=[4096, 4096]"])
+    threads = torch.get_num_threads()
+    run(cfg, str(tmp_path / "big"), "cpu", "never", True)
+    said = capsys.readouterr().err
+    assert "eager (a CPU step this large is bound by arithmetic" in said
+    assert f"device cpu ({threads} threads)" in said
+    assert torch.get_num_threads() == threads  # the run's setting does not outlive it
+
+
+def test_find_batch_size_is_the_training_split_when_memory_is_plenty():
+    r = run_job("find-batch-size", "--config", "iris", "--device", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["batch_size"] == 120 and result["limited_by"] == "the training split"
+    assert [t["batch_size"] for t in result["trials"]] == [1, 2, 4, 8, 16, 32, 64, 120]
+
+
+def test_find_batch_size_doubles_then_bisects_against_a_real_memory_limit():
+    # A 4-2^20-3 MLP holds ~20 MB of activations and gradients per sample: 0.6 GiB fits a few dozen.
+    r = run_job(
+        "find-batch-size", "--config", "iris", "--device", "cpu", "--memory-gib", "0.6", "--json",
+        *sets("model.hidden=[1048576]"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    found, trials = result["batch_size"], result["trials"]
+    assert result["limited_by"] == "memory" and 2 <= found < 120
+    assert any(t["batch_size"] == found and t["fits"] for t in trials)
+    failed = [t["batch_size"] for t in trials if not t["fits"]]
+    assert failed and min(failed) > found and min(failed) - found <= max(1, found // 32)
+    sizes = [t["batch_size"] for t in trials]
+    assert sizes[:3] == [1, 2, 4]  # doubling first
+
+
+def test_out_of_memory_while_training_is_one_line_naming_the_batch_size(tmp_path):
+    # A real allocation failure: the address space is capped 1 GiB above what the process has mapped.
+    code = (
+        "import resource, sys; from job.batch_size import virtual_size; "
+        "resource.setrlimit(resource.RLIMIT_AS, (virtual_size() + 2**30, resource.RLIM_INFINITY)); "
+        "from job.cli import main; sys.argv[0] = 'job'; main()"
+    )
+    out = tmp_path / "run"
+    args = ["train", "--config", "iris", "--device", "cpu", "--output", str(out)]
+    args += sets("model.hidden=[4194304]", "train.epochs=3")
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=job_env(), cwd=ROOT, timeout=300
+    )
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: out of memory on cpu at data.batch_size=full")
+    assert "find-batch-size" in last and "Traceback" not in r.stderr
+
+
+def test_torch_compile_option_trains_the_same_model(tmp_path, capsys):
+    eager, w_eager, _ = train(tmp_path, "eager", ["train.epochs=20", "train.step_capture=off"], capsys)
+    compiled, w_compiled, said = train(tmp_path, "compiled", ["train.epochs=20", "train.compile=true"], capsys)
+    assert "torch.compile; the compiled model in eager steps" in said
+    assert list(w_compiled) == list(w_eager)  # the plain module's names, without torch.compile's prefix
+    for k in w_eager:
+        assert torch.allclose(w_eager[k], w_compiled[k], rtol=1e-4, atol=1e-6), k
