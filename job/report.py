@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -15,7 +16,9 @@ CURVES = "curves.png"
 
 
 def say(message: str) -> None:
-    """One line for the user on the console."""
+    """One line for the user on the console; under torchrun from rank 0 only (every rank prints its errors, cli.py)."""
+    if os.environ.get("LOCAL_RANK") is not None and os.environ.get("RANK", "0") != "0":
+        return
     print(message, file=sys.stderr, flush=True)
 
 

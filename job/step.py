@@ -41,9 +41,12 @@ class EagerStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.description = "eager"
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
+        """`weight` scales the loss: a process's uneven part of a global batch under torchrun (1.0 otherwise)."""
         with self.amp():
             loss = F.cross_entropy(self.model(x), y)
+            if weight != 1.0:
+                loss = loss * weight
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler.is_enabled():
             self.scaler.scale(loss).backward()
@@ -90,7 +93,9 @@ class CudaGraphStep(EagerStep):
         what = "forward, backward and SGD step" if self.whole else "forward and backward; optimizer step eager"
         self.description = f"one CUDA graph per batch shape ({what})"
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
+        if weight != 1.0:  # never in one process, where captured steps are used
+            return super().__call__(x, y, weight)
         key = shape_key(x, y)
         if key not in self.inputs:
             self.inputs[key] = (torch.empty_like(x), torch.empty_like(y))
@@ -154,12 +159,12 @@ class CpuTracedStep(EagerStep):
         what = "forward, backward and SGD step" if self.whole else "forward and backward"
         self.description = f"traced on the CPU ({what} as one graph per batch shape)"
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         key = shape_key(x, y)
-        fn = self.traced.get(key)
+        fn = None if weight != 1.0 else self.traced.get(key)
         if fn is None:
-            if self.failed:
-                return super().__call__(x, y)
+            if self.failed or weight != 1.0:
+                return super().__call__(x, y, weight)
             fn = self.trace(key, x, y)
             if fn is None:
                 return super().__call__(x, y)

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from job.report import say
@@ -19,7 +20,9 @@ class StopRequest:
 
     def __init__(self, grace_seconds: float) -> None:
         self.grace_seconds = grace_seconds
-        self.signal: int | None = None
+        self.signal: int | None = None  # the signal the loop acts on
+        self.received: int | None = None  # the signal this process was sent
+        self.combine: Callable[[int], int] | None = None  # in a process group: every process's signal, combined
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
 
@@ -35,16 +38,36 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
+    def share(self, combine: Callable[[int], int]) -> None:
+        """Join a group of processes (torchrun): from now on the loop acts on a signal at sync() only, where every
+        process learns whether any of them was sent one, so all stop at the same step."""
+        self.combine = combine
+        self.signal = None
+
+    def sync(self) -> None:
+        """At a point every process of the group reaches together (alone: nothing to do, signals act at once)."""
+        if self.combine is not None and self.signal is None:
+            sig = self.combine(self.received or 0)
+            if sig:
+                self.signal = sig
+                self._start_grace()
+
     def _handle(self, sig: int, frame) -> None:
-        if self.signal is not None:
+        if self.received is not None:
             if sig == signal.SIGINT:
                 raise KeyboardInterrupt
             return
-        self.signal = sig
-        self._timer = threading.Timer(self.grace_seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        self.received = sig
+        if self.combine is None:
+            self.signal = sig
+        self._start_grace()
         say(f"{signal.Signals(sig).name}: finishing the current step, then checkpointing")
+
+    def _start_grace(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(self.grace_seconds, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
 
     def _expire(self) -> None:
         say(

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from job import checkpoint, cloud
+from job import checkpoint, cloud, distributed
 from job.batch_size import is_out_of_memory, out_of_memory_error
 from job.config import Config, flat_items, to_yaml
 from job.data import Dataset, load_data
@@ -117,6 +117,7 @@ class LossLog:
 
     def close_window(self, step: int, lr: float) -> None:
         host = torch.empty(1, pin_memory=self.device.type == "cuda")
+        distributed.mean_(self.sums[:1])  # under torchrun: the group's window (nccl: queued, no host sync)
         host.copy_(self.sums[:1], non_blocking=True)
         event = None
         if self.device.type == "cuda":
@@ -163,7 +164,26 @@ def train_run(
     routes: dict[str, str] | None = None,
 ) -> dict:
     t_start, threads = time.perf_counter(), torch.get_num_threads()
-    run_dir = preflight(cfg, output, resume, overwrite, routes)
+    distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
+    try:
+        return train_rank(cfg, output, device_name, resume, overwrite, stop, routes, t_start)
+    finally:
+        distributed.finish()
+        torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after it
+
+
+def train_rank(
+    cfg: Config,
+    output: str,
+    device_name: str,
+    resume: str,
+    overwrite: bool,
+    stop: StopRequest,
+    routes: dict[str, str] | None,
+    t_start: float,
+) -> dict:
+    # Rank 0 checks and opens the run folder; the other processes of a group only name it and never write to it.
+    run_dir = distributed.on_writer(lambda: preflight(cfg, output, resume, overwrite, routes)) or RunDir(output)
     try:
         summary = train_loop(cfg, run_dir, device_name, resume, overwrite, stop, t_start)
     except Interrupted as e:
@@ -180,8 +200,6 @@ def train_run(
             batch = cfg.data.batch_size
             raise out_of_memory_error(batch, pick_device(device_name)) from None
         raise
-    finally:
-        torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after it
     return summary
 
 
@@ -229,10 +247,7 @@ def train_loop(
         small = step_flops < SMALL_STEP_FLOPS
         torch.set_num_threads(t.cpu_threads if t.cpu_threads != "auto" else 1 if small else torch.get_num_threads())
     channels_last = use_channels_last(t.channels_last, model, device, precision)
-    found = find_checkpoint(run_dir, resume, overwrite, cfg)
-    if overwrite and found is None:
-        clear_run(run_dir)
-    run_dir.start_sync()
+    found = distributed.share_checkpoint(lambda: open_run(run_dir, resume, overwrite, cfg))
     train_loader, test_loader, where = make_loaders(cfg, data, device, channels_last)
     say(f"device {describe_device(device)}; data {data.describe()}, held on {where}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters; output {run_dir.url}")
@@ -251,19 +266,26 @@ def train_loop(
         log.sums.copy_(torch.tensor(saved.pop("loss_sums")))
         state = Progress(**{"run_id": state.run_id, **saved})
         say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({manifest['file']})")
+    stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
         raise Interrupted(
             f"stopped by {signal.Signals(stop.signal).name} before training began: "
             "run the same command again to continue"
         )
-    run_dir.write("config.yaml", to_yaml(cfg).encode())
-    report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(train_loader), state.step + 1 if found else 0)
-    step_model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
-    capture = "off" if t.compile else t.step_capture
+    if not distributed.is_writer():
+        report = distributed.FollowerReport()
+    else:
+        run_dir.write("config.yaml", to_yaml(cfg).encode())
+        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(train_loader), state.step + 1 if found else 0)
+    step_model = distributed.wrap(model, device)
+    step_model = torch.compile(step_model) if t.compile else step_model  # checkpoints keep the plain module's names
+    capture = "off" if t.compile or step_model is not model else t.step_capture
     amp = autocast(cfg, device)
     step_fn = build_step(step_model, optimizer, scheduler, scaler, amp, log.sums, device, capture, step_flops)
     if t.compile:
         step_fn.description = "the compiled model in eager steps (step capture is off with torch.compile)"
+    elif distributed.world() > 1:
+        step_fn.description = "eager (DistributedDataParallel reduces gradients from autograd hooks: no capture)"
     layout = ", channels-last" if channels_last else ""
     compiled = ", torch.compile" if t.compile else ""
     say(f"step: {precision}{layout}{compiled}; {step_fn.description}")
@@ -285,19 +307,16 @@ def train_loop(
         stopping = stop.signal is not None and not last
         if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
             clock.stop()
-            save(run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report)
+            distributed.mean_(log.sums)  # under torchrun: every process holds the group's loss sums
+            distributed.on_writer(lambda: save(run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report))
         if stopping:
             raise Interrupted(
                 f"stopped by {signal.Signals(stop.signal).name} at epoch {state.epoch}, step {state.step}; "
                 f"checkpoint committed to {run_dir.url}: run the same command again to continue"
             )
-    final = {
-        "best_accuracy": state.best_accuracy,
-        "final_accuracy": report.records[-1]["test_accuracy"],
-        "final_test_loss": report.records[-1]["test_loss"],
-    }
-    run_dir.write("model.pt", state_dict_bytes(model))
-    report.close(final)
+    final = distributed.on_writer(lambda: write_results(run_dir, model, state, report))
+    if not distributed.is_writer():  # rank 0 has written the results and uploads them
+        return {"rank": distributed.rank(), "epochs": state.epoch, "steps": state.step}
     if run_dir.remote:
         say(f"uploading the run's last files to {run_dir.url}")
     run_dir.finish()
@@ -319,6 +338,18 @@ def train_loop(
     return summary
 
 
+def write_results(run_dir: RunDir, model, state: Progress, report: Report) -> dict:
+    """The final weights, hparams and curves; returns the final metrics."""
+    final = {
+        "best_accuracy": state.best_accuracy,
+        "final_accuracy": report.records[-1]["test_accuracy"],
+        "final_test_loss": report.records[-1]["test_loss"],
+    }
+    run_dir.write("model.pt", state_dict_bytes(model))
+    report.close(final)
+    return final
+
+
 def train_epoch(
     step_fn,
     optimizer,
@@ -332,7 +363,7 @@ def train_epoch(
     """One epoch from where the state says it stands; False when a stop was requested before its end."""
     every = log.every
     for x, y in loader.batches(epoch, state.epoch_step):
-        step_fn(x, y)
+        step_fn(x, y, loader.loss_weight(state.epoch_step))
         state.step += 1
         state.epoch_step += 1
         state.steps_since_eval += 1
@@ -342,6 +373,7 @@ def train_epoch(
             for step, loss, lr in log.ready():
                 report.loss(step, loss, lr)
             report.advance(every)
+            stop.sync()  # under torchrun the processes agree here whether to stop, every `every` steps
         if stop.signal is not None:
             break
     return state.epoch_step == len(loader)
@@ -373,7 +405,7 @@ def evaluation(
 ) -> float:
     """Test the model and report it with the training loss and throughput since the previous evaluation
     (which ended at t_eval); returns when this one ended."""
-    sums = torch.cat([evaluate(model, loader, amp), log.sums[1:]]).tolist()  # the evaluation's one host sync
+    sums = distributed.totals(evaluate(model, loader, amp), log.sums[1:]).tolist()  # the evaluation's one host sync
     now = time.perf_counter()
     for step, loss, lr in log.ready(wait=True):
         report.loss(step, loss, lr)
@@ -469,6 +501,14 @@ def make_loaders(
     if data.is_image and d.normalize:
         mean, std = channel_stats(data.train.x)
     batch = len(data.train) if d.batch_size == "full" else d.batch_size
+    rank, world = distributed.shard()
+    size = min(batch, len(data.train))
+    smallest = len(data.train) % size if len(data.train) % size and not d.drop_last else size
+    if smallest < world:
+        raise ConfigError(
+            f"data.batch_size: a training batch of {smallest} samples cannot be split over {world} processes; "
+            "use a larger batch, fewer processes, or data.drop_last=true"
+        )
     image_aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip} if data.is_image else {}
     train = BatchLoader(
         data.train,
@@ -480,16 +520,33 @@ def make_loaders(
         drop_last=d.drop_last,
         mean=mean,
         std=std,
+        shard=(rank, world),
         channels_last=channels_last,
         **image_aug,
     )
     if len(train) == 0:
         raise ConfigError(f"data.drop_last: the training split ({len(data.train)}) is smaller than one batch")
     test = BatchLoader(
-        data.test, d.eval_batch_size or batch, device, storage, mean=mean, std=std, channels_last=channels_last
+        data.test,
+        d.eval_batch_size or batch,
+        device,
+        storage,
+        mean=mean,
+        std=std,
+        shard=(rank, world),
+        channels_last=channels_last,
     )
     where = "the device" if storage.type == device.type and device.type != "cpu" else "the host"
     return train, test, where
+
+
+def open_run(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
+    """Rank 0's part of setting up: the checkpoint to continue from, an overwritten run cleared, uploads started."""
+    found = find_checkpoint(run_dir, resume, overwrite, cfg)
+    if overwrite and found is None:
+        clear_run(run_dir)
+    run_dir.start_sync()
+    return found
 
 
 def find_checkpoint(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:

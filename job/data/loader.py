@@ -33,9 +33,11 @@ class BatchLoader:
         hflip: bool = False,
         mean: torch.Tensor | None = None,
         std: torch.Tensor | None = None,
+        shard: tuple[int, int] = (0, 1),
         channels_last: bool = False,
     ) -> None:
         self.device, self.storage = device, storage
+        self.rank, self.world = shard  # this process takes its slice of every batch (data-parallel training)
         # Host-held batches are gathered into page-locked memory so their copy to the GPU is asynchronous.
         self.pin = storage.type == "cpu" and device.type == "cuda"
         self.x, self.y = split.x.to(storage), split.y.to(storage)
@@ -56,7 +58,7 @@ class BatchLoader:
         """The epoch's batches from step `start` on, as (inputs, labels) on the training device."""
         order, crops, flips = self.draws(epoch)
         for i in range(start, len(self)):
-            lo, hi = i * self.batch_size, min(self.n, (i + 1) * self.batch_size)
+            lo, hi = self.slice(i)
             if order is None:
                 x, y = self.x[lo:hi], self.y[lo:hi]
             else:
@@ -73,6 +75,23 @@ class BatchLoader:
                     flips[lo:hi] if flips is not None else None,
                 )
             yield self.scale(x), y
+
+    def slice(self, i: int) -> tuple[int, int]:
+        """Where batch i lies in the epoch's order; in a group of processes, this process's contiguous part of it.
+        Every process draws the same order, so the parts cover each global batch once, without communication."""
+        lo, hi = i * self.batch_size, min(self.n, (i + 1) * self.batch_size)
+        size = hi - lo
+        return lo + size * self.rank // self.world, lo + size * (self.rank + 1) // self.world
+
+    def loss_weight(self, i: int) -> float:
+        """What this process's mean loss on batch i is multiplied by so that the average DDP takes over the
+        processes is the mean over the global batch: its share of the batch times the number of processes.
+        1.0 whenever the batch splits evenly (and for one process)."""
+        if self.world == 1:
+            return 1.0
+        lo, hi = self.slice(i)
+        size = min(self.n, (i + 1) * self.batch_size) - i * self.batch_size
+        return (hi - lo) * self.world / size
 
     def draws(self, epoch: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The epoch's order, crop offsets and flips, drawn on the CPU from (seed, epoch), placed once per epoch."""

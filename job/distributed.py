@@ -1,0 +1,253 @@
+"""Data-parallel training under torchrun: joining the process group, what only rank 0 does, and what the processes
+exchange (loss sums, evaluation sums, the stop flag, rank 0's checkpoint and its errors).
+
+`torchrun --nproc_per_node N -m job train ...` starts N copies of the job. Each joins the group (nccl on GPUs, gloo
+on CPUs), trains a DistributedDataParallel copy of the model on its contiguous slice of every global batch, and
+evaluates its slice of the test split. Rank 0 alone reads and writes the run folder; the others wait for its
+commits and learn its errors, so every process ends with the same exit code. Without torchrun nothing here does
+anything. Everything lives in torch.distributed's default group, so the loop needs no handle to pass around.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from job import checkpoint, errors
+from job.env import pick_device
+from job.errors import ConfigError, Interrupted, JobError, one_line
+from job.stop import StopRequest
+
+T = TypeVar("T")
+
+# How long a process waits for the others at a collective: long enough for rank 0 to read a checkpoint from a
+# bucket or commit one, short enough that a process whose peer vanished without a word does not hang for good.
+TIMEOUT = timedelta(minutes=10)
+
+# A second group over gloo for host-side exchanges (stop flag, rank 0's outcome) when the main group is nccl:
+# reading them never waits for the GPU. None when the main group is gloo already.
+_control: Any = None
+
+
+def launched() -> bool:
+    """Started by torchrun (which sets these for each worker; Vertex AI alone sets RANK and WORLD_SIZE per machine)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def is_writer() -> bool:
+    """Whether this process writes the run's files (rank 0, or the only process)."""
+    return rank() == 0
+
+
+def start(device_name: str, stop: StopRequest) -> None:
+    """Under torchrun: take this worker's device (cuda:LOCAL_RANK) and join the group; otherwise nothing."""
+    global _control
+    size = os.environ.get("WORLD_SIZE", "1").strip()
+    if not launched() and size.isdigit() and int(size) > 1:
+        raise ConfigError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but this process was not started by torchrun (Vertex AI sets it to "
+            "the number of machines): launch it through torchrun (docs/distributed.md), or every machine trains alone"
+        )
+    if not launched() or active():
+        return
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device_name not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {device_name}: under torchrun each process takes cuda:LOCAL_RANK; use cuda or cpu")
+    if device_name != "cpu" and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ConfigError(
+                f"torchrun started more processes on this machine than it has GPUs ({count}): "
+                f"use --nproc_per_node {count}, or --device cpu"
+            )
+        torch.cuda.set_device(local_rank)  # pick_device then gives cuda:LOCAL_RANK
+    device = pick_device(device_name)
+    if device.type == "mps":
+        raise ConfigError("--device mps: torchrun needs cuda or cpu (no collective backend for MPS)")
+    try:
+        if device.type == "cuda":
+            dist.init_process_group("nccl", timeout=TIMEOUT, device_id=device)
+            _control = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        else:
+            dist.init_process_group("gloo", timeout=TIMEOUT)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"torchrun: cannot join the process group: {one_line(e)}") from None
+    stop.share(combined_signal)
+
+
+def finish() -> None:
+    """Leave the group (at the end of a run, whatever its outcome)."""
+    global _control
+    if active():
+        dist.destroy_process_group()
+    _control = None
+
+
+def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model as the training step should call it: a DistributedDataParallel copy in a group, else itself.
+
+    DDP averages the gradients over the processes, which is why each process's loss carries its share of the
+    global batch (BatchLoader.loss_weight). On GPUs BatchNorm becomes SyncBatchNorm, so its statistics are those of
+    the global batch as in one process; on CPUs (no SyncBatchNorm there) each process normalises its own slice.
+    """
+    if not active():
+        return model
+    if device.type == "cuda":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters, in place
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def shard() -> tuple[int, int]:
+    """(rank, world): which slice of every batch this process takes."""
+    return rank(), world()
+
+
+def mean_(t: torch.Tensor) -> torch.Tensor:
+    """Replace a tensor by its mean over the processes, in place. With nccl this is queued on the device like a
+    kernel (no host sync); with gloo on the CPU it waits for the others, as DDP's own reductions do."""
+    if active() and world() > 1:
+        peer_call(dist.all_reduce, t)
+        t.div_(world())
+    return t
+
+
+def totals(sums: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """Evaluation sums added up over the processes, followed by the loss sums averaged over them: one reduction."""
+    both = torch.cat([sums, means / world()])
+    if active() and world() > 1:
+        peer_call(dist.all_reduce, both)
+    return both
+
+
+def combined_signal(received: int) -> int:
+    """The highest signal number any process was sent (0: none). A gloo reduction of one integer on the host."""
+    flag = torch.tensor([received], dtype=torch.int64)
+    peer_call(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=_control)
+    return int(flag.item())
+
+
+def on_writer(work: Callable[[], T], share: Callable[[T], tuple[dict, bytes]] | None = None) -> T | None:
+    """Rank 0 does `work`; the others wait until it is done. A fault on rank 0 is raised on every process, as the
+    same error (so all exit with the same code). `share` turns rank 0's result into a header and bytes that the
+    others receive as (header, bytes); without it they get None. Alone, this is `work()`."""
+    if not active() or world() == 1:
+        return work()
+    if not is_writer():
+        header, blob = receive()
+        if "error" in header:
+            raise rebuild(header)
+        return (header, blob) if share is not None else None
+    try:
+        result = work()
+        header, blob = share(result) if share is not None else ({}, b"")
+    except JobError as e:
+        send({"error": type(e).__name__, "message": str(e)}, b"")
+        raise
+    except BaseException as e:
+        send({"error": "", "message": f"{type(e).__name__}: {one_line(e)}"}, b"")
+        raise
+    send(header, blob)
+    return result
+
+
+def share_checkpoint(find: Callable[[], tuple[dict, dict | None] | None]) -> tuple[dict, dict | None] | None:
+    """The checkpoint to resume from, found and verified by rank 0 and sent to the others as the bytes torch.save
+    writes (loaded with weights_only=True, like any checkpoint: nothing is unpickled)."""
+
+    def encode(found):
+        return ({"manifest": found[1]}, checkpoint.to_bytes(found[0])) if found is not None else ({}, b"")
+
+    got = on_writer(find, encode)
+    if is_writer() or got is None:
+        return got
+    header, blob = got
+    if "manifest" not in header:
+        return None
+    return checkpoint.load_payload(blob, None, "the checkpoint sent by rank 0"), header["manifest"]
+
+
+def send(header: dict, blob: bytes) -> None:
+    data = json.dumps(header).encode()
+    sizes = torch.tensor([len(data), len(blob)], dtype=torch.int64)
+    peer_call(dist.broadcast, sizes, src=0, group=_control)
+    peer_call(dist.broadcast, torch.frombuffer(bytearray(data + blob), dtype=torch.uint8), src=0, group=_control)
+
+
+def receive() -> tuple[dict, bytes]:
+    sizes = torch.zeros(2, dtype=torch.int64)
+    peer_call(dist.broadcast, sizes, src=0, group=_control)
+    n_header, n_blob = sizes.tolist()
+    buf = torch.empty(n_header + n_blob, dtype=torch.uint8)
+    peer_call(dist.broadcast, buf, src=0, group=_control)
+    data = buf.numpy().tobytes()
+    return json.loads(data[:n_header]), data[n_header:]
+
+
+def rebuild(header: dict) -> BaseException:
+    """Rank 0's error as this process raises it: the same class and line for the user's faults."""
+    cls = getattr(errors, header["error"], None) if header["error"] else None
+    if isinstance(cls, type) and issubclass(cls, JobError):
+        return cls(header["message"])
+    return Interrupted(
+        f"rank 0 failed ({header['message']}); the last committed checkpoint stands: "
+        "run the same command again to continue once that is fixed"
+    )
+
+
+def peer_call(fn: Callable, *args, **kwargs) -> None:
+    """A collective whose failure means another process is gone: one line and exit 75 here, no traceback (the
+    process that failed reports its own fault; torchrun names it)."""
+    try:
+        fn(*args, **kwargs)
+    except RuntimeError as e:  # DistBackendError and gloo's connection errors are RuntimeErrors
+        raise Interrupted(
+            f"rank {rank()}: another process of the run is gone ({one_line(e)[:160]}); the last committed "
+            "checkpoint stands: run the same command again to continue"
+        ) from None
+
+
+class FollowerReport:
+    """What ranks other than 0 report: nothing. They keep the evaluation records, which every rank computes alike."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def evaluation(self, record: dict) -> None:
+        self.records.append(record)
+
+    def loss(self, *args) -> None:
+        pass
+
+    def start_epoch(self, *args) -> None:
+        pass
+
+    def advance(self, *args) -> None:
+        pass
+
+    def end_epoch(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, *args) -> None:
+        pass

@@ -1,0 +1,263 @@
+"""Data-parallel training through torchrun with real processes (gloo on the CPU): two processes equal one with the
+same global batch, outputs are written once, a killed group resumes exactly, one preempted rank stops them all with
+75, a different number of processes continues a run, and a fault on one rank ends every rank with its line."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import job_env, run_job, sets, write_cifar_batches
+
+TIMING_KEYS = {"samples_per_s", "wall_s"}
+
+
+def torchrun_args(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "job"]
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node N -m job ARGS`, as a user runs it (a free port per run)."""
+    return subprocess.run(
+        [*torchrun_args(nproc=nproc), *args], capture_output=True, text=True, timeout=timeout, env=job_env()
+    )
+
+
+def start_torchrun(*args: str, nproc: int = 2) -> subprocess.Popen:
+    """torchrun in the background, in a session of its own so the whole group can be killed."""
+    return subprocess.Popen(
+        [*torchrun_args(nproc=nproc), *args],
+        env=job_env(),
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def weights(run: Path) -> dict:
+    return torch.load(run / "model.pt", weights_only=True)
+
+
+def metrics(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
+
+
+def assert_close_runs(a: Path, b: Path) -> None:
+    """Same weights within float tolerance (the reductions add in another order), the same evaluations."""
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    bad = {k: (wa[k] - wb[k]).abs().max().item() for k in wa if not torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-5)}
+    assert not bad, bad
+    ma, mb = metrics(a), metrics(b)
+    assert [(r["epoch"], r["step"]) for r in ma] == [(r["epoch"], r["step"]) for r in mb]
+    for ra, rb in zip(ma, mb):
+        assert ra["test_accuracy"] == pytest.approx(rb["test_accuracy"], abs=1e-6)
+        assert ra["test_loss"] == pytest.approx(rb["test_loss"], rel=1e-4, abs=1e-5)
+        assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-4, abs=1e-5)
+
+
+def assert_written_once(run: Path, checkpoints: int) -> None:
+    events = glob.glob(str(run / "tensorboard" / "**" / "events.out.tfevents.*"), recursive=True)
+    assert len(events) == 1, events
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len([n for n in names if n.endswith(".pt")]) == checkpoints and "latest.json" in names, names
+    assert not [n for n in names if n.startswith(".")], names
+
+
+def committed(run: Path) -> dict | None:
+    try:
+        return json.loads((run / "checkpoints" / "latest.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def wait_for_commit(run: Path, proc: subprocess.Popen, after_step: int = -1, timeout: float = 120) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        pointer = committed(run)
+        if pointer is not None and pointer["step"] > after_step:
+            return pointer
+        time.sleep(0.05)
+    raise AssertionError(f"no checkpoint committed in {run}: {proc.stderr.read()[-2000:] if proc.poll() else ''}")
+
+
+def workers(torchrun_pid: int) -> dict[int, int]:
+    """{rank: pid} of torchrun's worker processes, read from /proc."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != torchrun_pid:
+                continue
+            env = dict(kv.split("=", 1) for kv in (stat.parent / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(stat.parent.name)
+    return found
+
+
+IRIS = ["--config", "iris", "--device", "cpu"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("train.epochs=300", "train.eval_every_epochs=100", "train.checkpoint_every_epochs=150"),  # full batch, 60 each
+        ("data.batch_size=25", "train.epochs=20", "train.log_every_steps=7", "train.checkpoint_every_epochs=10"),
+    ],
+    ids=["full-batch", "uneven-25"],
+)
+def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, overrides):
+    """Batches of 25 split 12/13 over two processes: their loss weights keep the gradient the global batch's."""
+    one = run_job("train", *IRIS, *sets(*overrides), "--output", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = torchrun("train", *IRIS, *sets(*overrides), "--output", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_close_runs(tmp_path / "one", tmp_path / "two")
+    assert_written_once(tmp_path / "two", checkpoints=2)
+    assert two.stderr.count("done:") == 1 and two.stderr.count("model mlp") == 1  # only rank 0 talks
+    assert "Traceback" not in two.stderr
+
+
+def test_cifar10_subset_two_processes_equal_one(tmp_path):
+    data = write_cifar_batches(tmp_path / "cifar-10-batches-py", n_train=300, n_test=100)
+    args = [
+        "--config",
+        "cifar10",
+        "--device",
+        "cpu",
+        *sets(
+            f"data.path={data}",
+            "data.batch_size=32",
+            "data.eval_batch_size=64",
+            "data.random_crop_padding=2",
+            "data.random_hflip=true",
+            "train.epochs=2",
+            "train.log_every_steps=4",
+        ),
+    ]
+    one = run_job("train", *args, "--output", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = torchrun("train", *args, "--output", str(tmp_path / "two"))
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_close_runs(tmp_path / "one", tmp_path / "two")
+    assert_written_once(tmp_path / "two", checkpoints=2)
+    assert len(metrics(tmp_path / "two")) == 2
+
+
+RESUMABLE = [
+    *IRIS,
+    *sets(
+        "data.batch_size=25",
+        "train.epochs=600",
+        "train.eval_every_epochs=100",
+        "train.checkpoint_every_epochs=20",
+        "train.log_every_steps=10",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def reference_two(tmp_path_factory) -> Path:
+    """An uninterrupted two-process run of RESUMABLE."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    done = torchrun("train", *RESUMABLE, "--output", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_sigkill_of_the_whole_group_then_resume_equals_uninterrupted(tmp_path, reference_two):
+    out = tmp_path / "killed"
+    proc = start_torchrun("train", *RESUMABLE, "--output", str(out))
+    wait_for_commit(out, proc)
+    ranks = workers(proc.pid)
+    time.sleep(0.3)  # somewhere after the first commit: mid-step, mid-reduction or mid-commit
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun puts each worker in a session of its own: kill them too
+    for pid in ranks.values():
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    pointer = committed(out)
+    assert pointer is not None and pointer["epoch"] < 600
+    again = torchrun("train", *RESUMABLE, "--output", str(out))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming iris from epoch {pointer['epoch']}, step {pointer['step']}" in again.stderr
+    wa, wb = weights(reference_two), weights(out)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # same processes, same order of additions: bit for bit
+    assert metrics(reference_two) == metrics(out)
+
+
+def test_sigterm_to_one_worker_stops_all_with_75_and_resumes_exactly(tmp_path, reference_two):
+    out = tmp_path / "stopped"
+    proc = start_torchrun("train", *RESUMABLE, "--output", str(out))
+    first = wait_for_commit(out, proc)
+    ranks = workers(proc.pid)
+    assert sorted(ranks) == [0, 1], ranks
+    os.kill(ranks[1], signal.SIGTERM)  # one preempted process, not torchrun
+    sent = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - sent < 20, "the group did not stop within the grace period"
+    # torchrun exits 1 when any worker exits non-zero; it names each worker's exit code.
+    assert proc.returncode == 1, err[-3000:]
+    assert err.count("exitcode  : 75") == 2, err[-3000:]
+    assert "stopped by SIGTERM" in err and "run the same command again" in err
+    pointer = committed(out)
+    assert pointer["step"] > first["step"] and pointer["epoch"] < 600
+    again = torchrun("train", *RESUMABLE, "--output", str(out))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"from epoch {pointer['epoch']}, step {pointer['step']}" in again.stderr
+    wa, wb = weights(reference_two), weights(out)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert metrics(reference_two) == metrics(out)
+
+
+def test_resume_with_another_number_of_processes_continues_the_same_run(tmp_path):
+    """The global batch and its order do not depend on the number of processes: a run checkpointed by two
+    processes continues in one, and ends where a one-process run ends (within float tolerance)."""
+    args = [*IRIS, *sets("data.batch_size=25", "train.eval_every_epochs=20", "train.checkpoint_every_epochs=20")]
+    one = run_job("train", *args, "--set", "train.epochs=60", "--output", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    first = torchrun("train", *args, "--set", "train.epochs=40", "--output", str(tmp_path / "mixed"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    then = run_job("train", *args, "--set", "train.epochs=60", "--output", str(tmp_path / "mixed"))
+    assert then.returncode == 0, then.stderr[-2000:]
+    assert "resuming iris from epoch 40, step 200" in then.stderr
+    assert_close_runs(tmp_path / "one", tmp_path / "mixed")
+
+
+def test_faults_end_every_rank_with_their_line_and_code(tmp_path):
+    bad = torchrun("train", *IRIS, "--set", "train.epochs=ten", "--output", str(tmp_path / "bad"), timeout=120)
+    assert bad.returncode == 1  # torchrun's own code for any failed worker
+    assert bad.stderr.count("error: train.epochs: input should be a valid integer") == 2, bad.stderr[-3000:]
+    assert "exitcode  : 2" in bad.stderr  # the first failure; torchrun may stop the other before it exits
+    # Found by rank 0 alone (the checkpoint to resume from), raised on every rank as the same error.
+    missing = torchrun("train", *IRIS, "--resume", str(tmp_path / "nothing.pt"), "--output", str(tmp_path / "m"))
+    assert missing.stderr.count("nothing.pt: no such checkpoint") == 2, missing.stderr[-3000:]
+    assert "exitcode  : 5" in missing.stderr
+    odd = torchrun("train", *IRIS, *sets("data.batch_size=119"), "--output", str(tmp_path / "odd"))
+    assert odd.stderr.count("a training batch of 1 samples cannot be split over 2 processes") == 2, odd.stderr[-3000:]
+    for run in (bad, missing, odd):  # torchrun prints its own traceback; the job's processes print none
+        assert "/job/" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_nccl_on_one_gpu_equals_a_plain_run(tmp_path):
+    """Sanity of the nccl path where there is a GPU: torchrun with one process (DDP over nccl) equals a plain run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU for the nccl backend (this machine has none)")
+    args = ["--config", "iris", "--device", "cuda", *sets("train.epochs=300", "train.eval_every_epochs=100")]
+    one = run_job("train", *args, "--output", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    ddp = torchrun("train", *args, "--output", str(tmp_path / "ddp"), nproc=1)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert "cuda:0" in ddp.stderr
+    assert_close_runs(tmp_path / "one", tmp_path / "ddp")
+    assert_written_once(tmp_path / "ddp", checkpoints=1)
