@@ -21,7 +21,7 @@ from torchvision.transforms import v2
 from job.config import Config
 from job.data import Dataset, Split
 from job.data.loader import channel_stats
-from job.env import seed_everything
+from job.env import resolve_precision, seed_everything
 from job.errors import ConfigError
 from job.models import build_model
 from job.train import make_optimizer, make_scheduler
@@ -86,7 +86,7 @@ def train_naive(cfg: Config, data: Dataset, device: torch.device) -> dict:
     train_loader, test_loader = make_data_loaders(cfg, data)
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer, cfg.train.epochs * len(train_loader))
-    precision = cfg.train.precision
+    precision = resolve_precision(cfg.train.precision, device)
     half = torch.bfloat16 if precision == "bf16" else torch.float16
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     step, train_seconds, logged, result = 0, 0.0, [], {}
