@@ -38,7 +38,8 @@ def timed(cmd: list[str]) -> tuple[float, str]:
     seconds = time.perf_counter() - t0
     if r.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
-    return seconds, r.stdout.strip().splitlines()[-1]
+    lines = r.stdout.strip().splitlines()
+    return seconds, lines[-1] if lines else ""
 
 
 def main() -> None:
