@@ -10,10 +10,12 @@ of the exact limit: closer is noise, since fragmentation moves the limit between
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import resource
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -25,36 +27,60 @@ GIB = 1024**3
 
 def is_out_of_memory(e: BaseException) -> bool:
     """An allocation failure on any device (CPU allocations fail as a RuntimeError with errno 12)."""
-    if isinstance(e, torch.OutOfMemoryError):
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(e)
     return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
 
 
-def out_of_memory_error(batch: int, device: torch.device) -> ConfigError:
+def out_of_memory_error(setting: str, device: torch.device) -> ConfigError:
+    """The one line for an out-of-memory: `setting` names the batch size in use (key=value), or where it happened."""
+    if "=" not in setting:
+        return ConfigError(f"out of memory on {device} {setting}: the data set or the model does not fit here")
     return ConfigError(
-        f"out of memory on {device} at data.batch_size={batch}: use a smaller batch; `python -m job "
-        "find-batch-size` with the same --config and --set finds the largest that fits"
+        f"out of memory on {device} at {setting}: use a smaller batch; `python -m job "
+        "find-batch-size` with the same --config and --set finds the largest training batch that fits"
     )
 
 
-def limit_memory(device: torch.device, gib: float | None) -> str:
-    """Cap what this process may allocate on the device: `gib`, or (CPU, by default) 80% of what the host has
-    free, so that a batch that does not fit fails as an allocation error rather than waking the kernel's
-    out-of-memory killer. Returns a description of the cap."""
+@contextlib.contextmanager
+def memory_guard(setting: str, device: torch.device) -> Iterator[None]:
+    """Turn an out-of-memory inside the block into the one line naming the batch size in use."""
+    try:
+        yield
+    except Exception as e:
+        if is_out_of_memory(e):
+            raise out_of_memory_error(setting, device) from None
+        raise
+
+
+@contextlib.contextmanager
+def memory_limit(device: torch.device, gib: float | None) -> Iterator[str]:
+    """Cap what this process may allocate on the device while the block runs: `gib`, or (CPU, by default) 80% of
+    what the host has free, so that a batch that does not fit fails as an allocation error rather than waking
+    the kernel's out-of-memory killer. Yields a description of the cap; the previous limit is put back after."""
     if device.type == "cuda":
         if gib is None:
-            return "the whole GPU"
+            yield "the whole GPU"
+            return
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), device)
-        return f"{gib:g} GiB of the GPU"
+        try:
+            yield f"{gib:g} GiB of the GPU"
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return
     if device.type != "cpu":
-        return f"all of {device}"
+        yield f"all of {device}"
+        return
     budget = gib * GIB if gib is not None else 0.8 * available_host_memory()
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     cap = int(virtual_size() + budget)
     resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
-    return f"{budget / GIB:.2f} GiB of host memory" + (" (80% of what is free)" if gib is None else "")
+    try:
+        yield f"{budget / GIB:.2f} GiB of host memory" + (" (80% of what is free)" if gib is None else "")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def available_host_memory() -> float:
@@ -81,7 +107,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     from job.env import describe_device, pick_device, resolve_precision, seed_everything
     from job.models import build_model
     from job.report import say
-    from job.step import EagerStep
+    from job.step import CudaGraphStep, build_step
     from job.train import autocast, make_optimizer, use_channels_last
 
     device = pick_device(device_name)
@@ -95,22 +121,26 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
         torch.backends.cudnn.benchmark = not cfg.train.deterministic
     optimizer = make_optimizer(cfg, model)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    step = EagerStep(model, optimizer, None, scaler, autocast(cfg, device), torch.zeros(2, device=device))
+    sums, amp = torch.zeros(2, device=device), autocast(cfg, device)
+    # On a GPU the run's own step: a CUDA graph holds its own memory besides the eager steps before it.
+    capture = cfg.train.step_capture if device.type == "cuda" and not cfg.train.compile else "off"
     mean = std = None
     if data.is_image and cfg.data.normalize:
         mean, std = channel_stats(data.train.x)
     storage = choose_storage(data.train.x.nbytes, device, cfg.data.placement, cfg.data.device_share)
     n = len(data.train)
-    cap = limit_memory(device, memory_gib)
-    say(f"device {describe_device(device)}, {cap}; model {cfg.model.name}, {precision}; training split {n} samples")
 
     def fits(batch: int) -> bool:
         loader = BatchLoader(
             data.train, batch, device, storage, seed=cfg.seed, mean=mean, std=std, channels_last=channels_last
         )
+        step = build_step(model, optimizer, None, scaler, amp, sums, device, capture, float("inf"))
+        # Two steps hold the optimizer's state as training does; a captured step also its warm-up and graph.
+        count = 2 + (step.warmup if isinstance(step, CudaGraphStep) else 0)
         t0 = time.perf_counter()
         try:
-            for _, (x, y) in zip(range(2), loader.batches()):
+            for _ in range(count):
+                x, y = next(loader.batches())
                 step(x, y)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -120,7 +150,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
                 raise
             ok = False
         finally:
-            del loader
+            del loader, step
             optimizer.zero_grad(set_to_none=True)
             gc.collect()
             if device.type == "cuda":
@@ -129,25 +159,27 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
         say(f"  batch {batch}: {'fits' if ok else 'out of memory'}")
         return ok
 
-    trials: list[dict] = []
-    good, bad = 0, None
-    batch = 1
-    while True:  # doubling
-        if not fits(batch):
-            bad = batch
-            break
-        good = batch
-        if batch >= n:
-            break
-        batch = min(2 * batch, n)
-    while bad is not None and bad - good > max(1, good // 32):  # bisection, to within 3%
-        mid = (good + bad) // 2
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
+    with memory_limit(device, memory_gib) as cap:
+        say(f"device {describe_device(device)}, {cap}; model {cfg.model.name}, {precision}; training split {n} samples")
+        trials: list[dict] = []
+        good, bad = 0, None
+        batch = 1
+        while True:  # doubling
+            if not fits(batch):
+                bad = batch
+                break
+            good = batch
+            if batch >= n:
+                break
+            batch = min(2 * batch, n)
+        while bad is not None and bad - good > max(1, good // 32):  # bisection, to within 3%
+            mid = (good + bad) // 2
+            if fits(mid):
+                good = mid
+            else:
+                bad = mid
     if good == 0:
-        raise out_of_memory_error(1, device)
+        raise out_of_memory_error("data.batch_size=1", device)
     return {
         "batch_size": good,
         "limited_by": "memory" if bad is not None else "the training split",

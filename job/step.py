@@ -83,9 +83,16 @@ class CudaGraphStep(EagerStep):
         # The whole step fits in the graph when the optimizer's arithmetic does not change between steps on the
         # host's side: SGD with a constant rate. Otherwise the graph ends at the gradients.
         self.whole = (
-            isinstance(self.optimizer, torch.optim.SGD) and self.scheduler is None and not self.scaler.is_enabled()
+            isinstance(self.optimizer, torch.optim.SGD)
+            and self.scheduler is None
+            and not self.scaler.is_enabled()
+            and not any(isinstance(g["lr"], torch.Tensor) for g in self.optimizer.param_groups)
         )
         self.warmup = warmup
+        self.failed = ""
+        # One memory pool for every shape's graph: each graph's outputs (gradients, loss) stay referenced, and the
+        # graphs replay one at a time on one stream, so their intermediates may share memory.
+        self.pool = torch.cuda.graph_pool_handle()
         self.seen: Counter = Counter()
         self.graphs: dict[tuple, tuple] = {}
         self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -94,7 +101,7 @@ class CudaGraphStep(EagerStep):
         self.description = f"one CUDA graph per batch shape ({what})"
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
-        if weight != 1.0:  # never in one process, where captured steps are used
+        if weight != 1.0 or self.failed:  # weight: never in one process, where captured steps are used
             return super().__call__(x, y, weight)
         key = shape_key(x, y)
         if key not in self.inputs:
@@ -111,23 +118,40 @@ class CudaGraphStep(EagerStep):
                     super().__call__(sx, sy)
                 torch.cuda.current_stream().wait_stream(self.side)
                 return
-            entry = self.graphs[key] = self.capture(sx, sy)
+            entry = self.capture(sx, sy)
+            if entry is None:
+                return super().__call__(sx, sy)
+            self.graphs[key] = entry
         graph, grads = entry
         graph.replay()
         if not self.whole:
             self.set_grads(grads)
             self.update()
 
-    def capture(self, sx: torch.Tensor, sy: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    def capture(self, sx: torch.Tensor, sy: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]] | None:
+        """The graph of one step on these static inputs (capturing runs nothing); None, with the reason kept,
+        when the model cannot be captured: it then runs eagerly from this batch on."""
+        from job.batch_size import is_out_of_memory
+
         graph = torch.cuda.CUDAGraph()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are made inside the graph, in its own memory
-        with torch.cuda.graph(graph):
-            with self.amp():
-                loss = F.cross_entropy(self.model(sx), sy)
-            (self.scaler.scale(loss) if self.scaler.is_enabled() else loss).backward()
-            if self.whole:
-                self.optimizer.step()
-            self.sums += loss.detach()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                with self.amp():
+                    loss = F.cross_entropy(self.model(sx), sy)
+                (self.scaler.scale(loss) if self.scaler.is_enabled() else loss).backward()
+                if self.whole:
+                    self.optimizer.step()
+                self.sums += loss.detach()
+        except Exception as e:  # a host read, a CPU tensor or a sync inside the step: it cannot be a graph
+            if is_out_of_memory(e):
+                raise
+            torch.cuda.synchronize()
+            self.optimizer.zero_grad(set_to_none=True)  # some may point into the abandoned graph's memory
+            self.graphs.clear()
+            self.failed = one_line(e)[:200]
+            self.description = f"eager (the step could not be captured as a CUDA graph: {self.failed})"
+            return None
         return graph, [p.grad for p in self.params]
 
 
@@ -238,9 +262,11 @@ class CpuTracedStep(EagerStep):
         eager += [t.clone() for t in state]
         self.optimizer.zero_grad(set_to_none=True)
         put_back()
-        with torch.no_grad():
-            traced = [*fn(*self.args, x, y), *[t.clone() for t in state]]
-        put_back()
+        try:
+            with torch.no_grad():
+                traced = [*fn(*self.args, x, y), *[t.clone() for t in state]]
+        finally:
+            put_back()
         if len(traced) != len(eager) or not all(
             torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, traced)
         ):
@@ -291,10 +317,12 @@ def build_step(
         return step
     if device.type == "cuda":
         return CudaGraphStep(*args)
-    if device.type == "cpu" and step_flops < SMALL_STEP_FLOPS:
+    if device.type == "cpu" and step_flops < SMALL_STEP_FLOPS and not scaler.is_enabled():
         return CpuTracedStep(*args)
     step = EagerStep(*args)
-    if device.type == "cpu":
+    if device.type == "cpu" and scaler.is_enabled():
+        step.description = "eager (fp16's loss scaler on a CPU)"
+    elif device.type == "cpu":
         step.description = "eager (a CPU step this large is bound by arithmetic; capture would not help)"
     else:
         step.description = f"eager (no step capture on {device.type})"

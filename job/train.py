@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from job import checkpoint, cloud, distributed
-from job.batch_size import is_out_of_memory, out_of_memory_error
+from job.batch_size import is_out_of_memory, memory_guard, out_of_memory_error
 from job.config import Config, flat_items, to_yaml
 from job.data import Dataset, load_data
 from job.data.loader import BatchLoader, channel_stats, choose_storage
@@ -196,9 +196,8 @@ def train_rank(
         with contextlib.suppress(Exception):  # send what was committed before the failure, for a retry elsewhere
             run_dir.finish(timeout=30)
         run_dir.abandon()
-        if is_out_of_memory(e):
-            batch = cfg.data.batch_size
-            raise out_of_memory_error(batch, pick_device(device_name)) from None
+        if is_out_of_memory(e):  # the loop names its batch sizes itself: this is setting up (data, model)
+            raise out_of_memory_error("while setting up the run", pick_device(device_name)) from None
         raise
     return summary
 
@@ -284,7 +283,7 @@ def train_loop(
     step_fn = build_step(step_model, optimizer, scheduler, scaler, amp, log.sums, device, capture, step_flops)
     if t.compile:
         step_fn.description = "the compiled model in eager steps (step capture is off with torch.compile)"
-    elif distributed.world() > 1:
+    elif step_model is not model:
         step_fn.description = "eager (DistributedDataParallel reduces gradients from autograd hooks: no capture)"
     layout = ", channels-last" if channels_last else ""
     compiled = ", torch.compile" if t.compile else ""
@@ -293,7 +292,8 @@ def train_loop(
     for epoch in range(state.epoch, cfg.train.epochs):
         report.start_epoch(epoch, state.epoch_step)
         clock.start()
-        finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
+        with memory_guard(f"data.batch_size={cfg.data.batch_size}", device):
+            finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
         if step_fn.description != described:  # a fallback found on the first batch: say so once
             described = step_fn.description
             say(f"step: {described}")
@@ -303,7 +303,8 @@ def train_loop(
         report.end_epoch()
         if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
             clock.stop()
-            t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
+            with memory_guard(f"data.eval_batch_size={test_loader.batch_size}", device):
+                t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
         stopping = stop.signal is not None and not last
         if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
             clock.stop()
