@@ -10,6 +10,7 @@ anything. Everything lives in torch.distributed's default group, so the loop nee
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -93,10 +94,16 @@ def start(device_name: str, stop: StopRequest) -> None:
     stop.share(combined_signal)
 
 
-def finish() -> None:
-    """Leave the group (at the end of a run, whatever its outcome)."""
+def finish(together: bool = False) -> None:
+    """Leave the group (at the end of a run, whatever its outcome). `together` (a run that ended well): wait for
+    every process first, since one that tears its group down while a peer is still finishing (rank 0 uploads
+    and writes the results last) can make the peer's transport threads abort it at exit. Not after a stop or
+    a failure: torchrun ends the others as soon as one process exits non-zero, and they exit 75 by themselves."""
     global _control
     if active():
+        if together:
+            with contextlib.suppress(Exception):  # a peer that is gone already: nothing to wait for
+                dist.monitored_barrier(group=_control, timeout=timedelta(seconds=120))
         dist.destroy_process_group()
     _control = None
 

@@ -165,10 +165,13 @@ def train_run(
 ) -> dict:
     t_start, threads = time.perf_counter(), torch.get_num_threads()
     distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
+    together = False
     try:
-        return train_rank(cfg, output, device_name, resume, overwrite, stop, routes, t_start)
+        summary = train_rank(cfg, output, device_name, resume, overwrite, stop, routes, t_start)
+        together = True
+        return summary
     finally:
-        distributed.finish()
+        distributed.finish(together)
         torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after it
 
 
