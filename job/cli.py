@@ -66,7 +66,7 @@ def train(
     from job.stop import StopRequest
 
     # Watch for SIGTERM from the start: a preemption during the slow imports and data loading still exits 75.
-    with user_errors(), StopRequest(grace_seconds=20.0) as stop:
+    with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
         from job.cloud import vertex_outputs
         from job.config import load_config
         from job.report import say

@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from job.errors import Interrupted
 from job.report import say
 
 
@@ -18,8 +19,9 @@ class StopRequest:
     longer than the grace period the process exits 75 anyway, leaving the previous commit as the one to resume
     (commits are atomic, so stopping in the middle of one is safe). A second SIGINT stops at once."""
 
-    def __init__(self, grace_seconds: float) -> None:
+    def __init__(self, grace_seconds: float, exits_after: bool = False) -> None:
         self.grace_seconds = grace_seconds
+        self.exits_after = exits_after  # the command line: the process ends when the block does
         self.signal: int | None = None  # the signal the loop acts on
         self.received: int | None = None  # the signal this process was sent
         self.combine: Callable[[int], int] | None = None  # in a process group: every process's signal, combined
@@ -32,11 +34,14 @@ class StopRequest:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, value, traceback) -> None:
         if self._timer is not None:
             self._timer.cancel()
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # A process leaving with the checkpoint committed, to exit 75: a further SIGTERM (torchrun ends a group's
+            # other processes as soon as one exits) must not turn that exit into a kill.
+            stopping = self.exits_after and sig == signal.SIGTERM and kind is not None and issubclass(kind, Interrupted)
+            signal.signal(sig, signal.SIG_IGN if stopping else handler)
 
     def share(self, combine: Callable[[int], int]) -> None:
         """Join a group of processes (torchrun): from now on the loop acts on a signal at sync() only, where every
