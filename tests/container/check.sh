@@ -9,7 +9,7 @@
 # image with `docker compose build` and runs it as a user would: `docker compose up` interrupted by `docker
 # compose stop` (exit 75, a committed checkpoint), then `docker compose run` continuing to the end; it reads the
 # run back from the host, checks the image (user, entrypoint, no credentials), lints the Dockerfile, validates the
-# compose file, builds the CUDA target (on the substitute base where NVIDIA's cannot be pulled) and trains on a
+# compose file, trains with torchrun across two containers on one network (compose-ddp.yml), builds the CUDA target (on the substitute base where NVIDIA's cannot be pulled) and trains on a
 # GPU only where one is: otherwise that line says SKIPPED, never passed. Exit status 0 only if nothing failed;
 # tooling that cannot be installed or started is a failure.
 #
@@ -261,8 +261,9 @@ RUNS="$WORK/runs"
 mkdir -p "$RUNS"
 if is_root; then chown "$JOB_USER_ID:$JOB_USER_ID" "$RUNS"; else export JOB_UID JOB_GID; JOB_UID=$(id -u) JOB_GID=$(id -g); fi
 export JOB_RUNS_DIR=$RUNS JOB_CONFIG=iris JOB_OUTPUT=/runs/iris
-# 2,000 full-batch epochs, a test line every 100: long enough to be stopped mid-run, short on two busy cores.
-export JOB_ARGS="--set train.epochs=2000 --set train.eval_every_epochs=100 --set train.checkpoint_every_epochs=1000"
+# The Iris preset's 20,000 full-batch epochs, a test line every 1,000: several seconds with the traced step, long
+# enough to be stopped mid-run, short on two busy cores.
+export JOB_ARGS="--set train.epochs=20000 --set train.eval_every_epochs=1000 --set train.checkpoint_every_epochs=1000"
 RUN="$RUNS/iris"
 "${COMPOSE[@]}" --profile cpu up -d train-cpu >"$WORK/up.log" 2>&1 || { tail -5 "$WORK/up.log"; die "docker compose up -d train-cpu failed"; }
 CID=$("${COMPOSE[@]}" ps -a -q train-cpu)
@@ -276,10 +277,10 @@ CODE=$(docker inspect -f '{{.State.ExitCode}}' "$CID")
 docker logs "$CID" >"$WORK/stopped.log" 2>&1
 sed 's/^/  | /' "$WORK/stopped.log" | tail -6
 STOPPED_AT=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["epoch"])' "$RUN/checkpoints/latest.json" 2>/dev/null)
-if [ "$CODE" = 75 ] && [ -n "$STOPPED_AT" ] && [ "$STOPPED_AT" -lt 2000 ] && grep -q SIGTERM "$WORK/stopped.log"; then
+if [ "$CODE" = 75 ] && [ -n "$STOPPED_AT" ] && [ "$STOPPED_AT" -lt 20000 ] && grep -q SIGTERM "$WORK/stopped.log"; then
     pass "docker compose stop: SIGTERM reached the job through init, exit code 75, checkpoint committed at epoch $STOPPED_AT (checkpoints/latest.json on the volume)"
 else
-    fail "docker compose stop: exit code $CODE (want 75), latest.json epoch '${STOPPED_AT:-none}' (want < 2000)"
+    fail "docker compose stop: exit code $CODE (want 75), latest.json epoch '${STOPPED_AT:-none}' (want < 20000)"
 fi
 "${COMPOSE[@]}" rm -f train-cpu >/dev/null 2>&1
 
@@ -297,15 +298,15 @@ log "the run's outputs, read from the host"
 # torch.load and TensorBoard's reader run on this machine's python when it has them, else in the image.
 if python3 -c 'import torch, tensorboard' 2>/dev/null; then
     READ_BY="this machine's python"
-    python3 tests/container/run_facts.py "$RUN" 2000 100
+    python3 tests/container/run_facts.py "$RUN" 20000 1000
 else
     READ_BY="python in $IMAGE_CPU (this machine's has no torch)"
     docker run --rm --entrypoint python -v "$RUNS:/runs:ro" -v "$PWD/tests/container:/check:ro" "$IMAGE_CPU" \
-        /check/run_facts.py /runs/iris 2000 100
+        /check/run_facts.py /runs/iris 20000 1000
 fi
 # shellcheck disable=SC2181 # the status of whichever reader ran above
 if [ $? = 0 ]; then
-    pass "outputs on the volume: config.yaml, metrics.jsonl (epochs 100..2000 once each), checkpoints/latest.json (sha256 verified), model.pt (torch.load weights_only=True), TensorBoard events; read by $READ_BY"
+    pass "outputs on the volume: config.yaml, metrics.jsonl (epochs 1000..20000 once each), checkpoints/latest.json (sha256 verified), model.pt (torch.load weights_only=True), TensorBoard events; read by $READ_BY"
 else
     fail "the run's outputs (above)"
 fi
@@ -338,6 +339,25 @@ if grep -q 'iris/tensorboard' <<<"$SERVED"; then
     pass "docker compose up tensorboard: serves the run's events on 127.0.0.1:$TENSORBOARD_PORT (runs: $SERVED)"
 else
     fail "docker compose up tensorboard: no run served on 127.0.0.1:$TENSORBOARD_PORT ($(tail -2 "$WORK/tensorboard.log"))"
+fi
+
+# ---------------------------------------------------------------------------------------------------------------
+log "torchrun across two CPU containers on one network (tests/container/compose-ddp.yml)"
+DDP=("${COMPOSE[@]}" -p "$PROJECT-ddp" -f tests/container/compose-ddp.yml)
+export JOB_DDP_IMAGE=$IMAGE_CPU
+timeout 600 "${DDP[@]}" up --no-build --pull never >"$WORK/ddp.log" 2>&1
+CODES=""
+for node in node0 node1; do
+    CODES+="$node:$(docker inspect -f '{{.State.ExitCode}}' "$("${DDP[@]}" ps -a -q "$node")" 2>/dev/null) "
+done
+"${DDP[@]}" down -v >/dev/null 2>&1
+EVENTS=$(find "$RUNS/ddp/tensorboard" -name 'events.out.tfevents.*' 2>/dev/null | wc -l)
+if [ "$CODES" = "node0:0 node1:0 " ] && [ -f "$RUNS/ddp/model.pt" ] && [ "$EVENTS" = 1 ] &&
+    grep -q "node0.*done: 300 epochs" "$WORK/ddp.log" && ! grep -q "node1.*done:" "$WORK/ddp.log"; then
+    pass "two containers, one torchrun node each: both exit 0, 300 epochs trained together, rank 0 alone wrote the run (one event file, model.pt)"
+else
+    sed 's/^/  | /' "$WORK/ddp.log" | tail -12
+    fail "torchrun across two containers: exit codes $CODES, $EVENTS event files, model.pt $([ -f "$RUNS/ddp/model.pt" ] && echo present || echo missing)"
 fi
 
 # ---------------------------------------------------------------------------------------------------------------
