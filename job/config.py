@@ -19,6 +19,13 @@ PRESETS = ("iris", "cifar10")
 USER_MODEL_HINT = "package.module:ClassName"
 
 
+def positive_int_or(word: str, v: Any) -> Any:
+    """A positive integer (not a boolean, which YAML and Python also count as integers), or the one word."""
+    if v == word or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+        return v
+    raise ValueError(f"expected a positive integer or '{word}'")
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -64,9 +71,7 @@ class DataConfig(Section):
     @field_validator("batch_size", mode="before")
     @classmethod
     def _batch_size(cls, v: Any) -> Any:
-        if v == "full" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-            return v
-        raise ValueError("expected a positive integer or 'full'")
+        return positive_int_or("full", v)
 
 
 class ModelConfig(Section):
@@ -147,9 +152,7 @@ class TrainConfig(Section):
     @field_validator("cpu_threads", mode="before")
     @classmethod
     def _cpu_threads(cls, v: Any) -> Any:
-        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v > 0):
-            return v
-        raise ValueError("expected a positive integer or 'auto'")
+        return positive_int_or("auto", v)
 
 
 class OutputConfig(Section):
