@@ -243,14 +243,14 @@ def train_loop(
     model = build_model(cfg.model, data.input_shape, len(data.classes))
     t = cfg.train
     precision = resolve_precision(t.precision, device)
-    batch = len(data.train) if cfg.data.batch_size == "full" else cfg.data.batch_size
-    step_flops = forward_flops(model, data.input_shape) * min(batch, len(data.train))
-    if device.type == "cpu":
-        small = step_flops < SMALL_STEP_FLOPS
-        torch.set_num_threads(t.cpu_threads if t.cpu_threads != "auto" else 1 if small else torch.get_num_threads())
     channels_last = use_channels_last(t.channels_last, model, device, precision)
     found = distributed.share_checkpoint(lambda: open_run(run_dir, resume, overwrite, cfg))
     train_loader, test_loader, where = make_loaders(cfg, data, device, channels_last)
+    step_flops = float("inf")  # what a step costs matters on a CPU only (threads, tracing)
+    if device.type == "cpu":
+        step_flops = forward_flops(model, data.input_shape) * train_loader.batch_size
+        small = step_flops < SMALL_STEP_FLOPS
+        torch.set_num_threads(t.cpu_threads if t.cpu_threads != "auto" else 1 if small else torch.get_num_threads())
     say(f"device {describe_device(device)}; data {data.describe()}, held on {where}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters; output {run_dir.url}")
     if device.type == "cuda":
