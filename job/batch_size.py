@@ -64,11 +64,12 @@ def memory_limit(device: torch.device, gib: float | None) -> Iterator[str]:
             yield "the whole GPU"
             return
         total = torch.cuda.get_device_properties(device).total_memory
+        before = torch.cuda.get_per_process_memory_fraction(device)
         torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), device)
         try:
             yield f"{gib:g} GiB of the GPU"
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.set_per_process_memory_fraction(before, device)
         return
     if device.type != "cpu":
         yield f"all of {device}"
@@ -102,13 +103,13 @@ def virtual_size() -> int:
 
 def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | None = None) -> dict:
     """The largest batch size that trains on the device; a dict with the search's trials."""
-    from job.data import load_data
+    from job.data import Split, load_data
     from job.data.loader import BatchLoader, channel_stats, choose_storage
     from job.env import describe_device, pick_device, resolve_precision, seed_everything
     from job.models import build_model
     from job.report import say
     from job.step import CudaGraphStep, build_step
-    from job.train import autocast, make_optimizer, use_channels_last
+    from job.train import autocast, fuse_optimizer, make_optimizer, use_channels_last
 
     device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)
@@ -119,7 +120,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format).train()
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not cfg.train.deterministic
-    optimizer = make_optimizer(cfg, model)
+    optimizer = make_optimizer(cfg, model, fuse_optimizer(device, precision))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     sums, amp = torch.zeros(2, device=device), autocast(cfg, device)
     # On a GPU the run's own step: a CUDA graph holds its own memory besides the eager steps before it.
@@ -127,21 +128,42 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     mean = std = None
     if data.is_image and cfg.data.normalize:
         mean, std = channel_stats(data.train.x)
-    storage = choose_storage(data.train.x.nbytes, device, cfg.data.placement, cfg.data.device_share)
     n = len(data.train)
+    held: dict[str, Split] = {}
 
     def fits(batch: int) -> bool:
-        loader = BatchLoader(
-            data.train, batch, device, storage, seed=cfg.seed, mean=mean, std=std, channels_last=channels_last
-        )
-        step = build_step(model, optimizer, None, scaler, amp, sums, device, capture, float("inf"))
-        # Two steps hold the optimizer's state as training does; a captured step also its warm-up and graph.
-        count = 2 + (step.warmup if isinstance(step, CudaGraphStep) else 0)
+        """Two training steps (after a captured step's warm-up and capture) and one evaluation batch: training
+        and evaluation share the device, and a captured step keeps its memory while evaluation runs."""
         t0 = time.perf_counter()
+        loader = step = None
         try:
+            loader = BatchLoader(
+                held["train"],
+                batch,
+                device,
+                held["train"].x.device,
+                seed=cfg.seed,
+                mean=mean,
+                std=std,
+                channels_last=channels_last,
+            )
+            step = build_step(model, optimizer, None, scaler, amp, sums, device, capture, float("inf"))
+            count = 2 + (step.warmup if isinstance(step, CudaGraphStep) else 0)
             for _ in range(count):
                 x, y = next(loader.batches())
                 step(x, y)
+            test = BatchLoader(
+                held["test"],
+                cfg.data.eval_batch_size or batch,
+                device,
+                held["test"].x.device,
+                mean=mean,
+                std=std,
+                channels_last=channels_last,
+            )
+            model.eval()
+            with torch.no_grad(), amp():
+                model(next(test.batches())[0])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             ok = True
@@ -150,6 +172,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
                 raise
             ok = False
         finally:
+            model.train()
             del loader, step
             optimizer.zero_grad(set_to_none=True)
             gc.collect()
@@ -161,6 +184,13 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
 
     with memory_limit(device, memory_gib) as cap:
         say(f"device {describe_device(device)}, {cap}; model {cfg.model.name}, {precision}; training split {n} samples")
+        # Both splits where training keeps them, placed once inside the limit.
+        nbytes = data.train.x.nbytes + data.test.x.nbytes
+        storage = choose_storage(nbytes, device, cfg.data.placement, cfg.data.device_share)
+        with memory_guard("holding the data set", device):
+            held.update(
+                {k: Split(s.x.to(storage), s.y.to(storage)) for k, s in (("train", data.train), ("test", data.test))}
+            )
         trials: list[dict] = []
         good, bad = 0, None
         batch = 1

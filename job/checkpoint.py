@@ -261,11 +261,18 @@ def load_url(url: str) -> tuple[dict, dict | None]:
     return load_payload(data, manifest, url), manifest
 
 
+HOW_KEYS = ("fused", "foreach", "capturable")
+
+
 def restore(payload: dict, model, optimizer, scheduler, scaler) -> None:
     """Put a checkpoint's state back into freshly built objects, RNGs included."""
     try:
         model.load_state_dict(payload["model"])
+        # How the optimizer runs (fused kernels, or not) belongs to this device, not to the one that saved.
+        how = [{k: g[k] for k in HOW_KEYS if k in g} for g in optimizer.param_groups]
         optimizer.load_state_dict(payload["optimizer"])
+        for group, kept in zip(optimizer.param_groups, how):
+            group.update(kept)
         if scheduler is not None and payload.get("scheduler") is not None:
             scheduler.load_state_dict(payload["scheduler"])
         if scaler.is_enabled() and payload.get("scaler") is not None:

@@ -139,7 +139,11 @@ class TrainConfig(Section):
     grace_seconds: float = Field(
         20.0, gt=0, description="After SIGTERM or SIGINT: time to finish the step and commit before giving up."
     )
-    deterministic: bool = Field(False, description="Use deterministic algorithms (slower on a GPU).")
+    deterministic: bool = Field(
+        False,
+        description="Use deterministic algorithms (slower on a GPU); an operation that has none "
+        "warns once and runs as it can.",
+    )
 
     @field_validator("channels_last", "step_capture", mode="before")
     @classmethod

@@ -17,9 +17,10 @@ possible the step runs eagerly, and the run says why.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,11 @@ class EagerStep:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         """`weight` scales the loss: a process's uneven part of a global batch under torchrun (1.0 otherwise)."""
+        self.backward(x, y, weight)
+        self.update()
+
+    def backward(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
+        """Forward, loss and backward: fresh gradients in `.grad`, the loss added to the sums."""
         with self.amp():
             loss = F.cross_entropy(self.model(x), y)
             if weight != 1.0:
@@ -53,7 +59,6 @@ class EagerStep:
         else:
             loss.backward()
         self.sums += loss.detach()
-        self.update()
 
     def update(self) -> None:
         """The optimizer step on the gradients in place, then the schedule."""
@@ -90,8 +95,9 @@ class CudaGraphStep(EagerStep):
         )
         self.warmup = warmup
         self.failed = ""
-        # One memory pool for every shape's graph: each graph's outputs (gradients, loss) stay referenced, and the
-        # graphs replay one at a time on one stream, so their intermediates may share memory.
+        # One memory pool for every shape's graph: each graph's outputs (gradients, loss) stay referenced, the
+        # graphs replay one at a time on one stream, and a replay's gradients are used up before another graph
+        # replays, so their intermediates may share memory. (Gradients kept across shapes would break this.)
         self.pool = torch.cuda.graph_pool_handle()
         self.seen: Counter = Counter()
         self.graphs: dict[tuple, tuple] = {}
@@ -115,7 +121,10 @@ class CudaGraphStep(EagerStep):
             if self.seen[key] <= self.warmup:
                 self.side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.side):
-                    super().__call__(sx, sy)
+                    if self.seen[key] < self.warmup:
+                        super().__call__(sx, sy)
+                    else:
+                        self.last_warmup(sx, sy)
                 torch.cuda.current_stream().wait_stream(self.side)
                 return
             entry = self.capture(sx, sy)
@@ -128,6 +137,24 @@ class CudaGraphStep(EagerStep):
             self.set_grads(grads)
             self.update()
 
+    def last_warmup(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The last eager step before a capture, watched for the host waiting on the GPU (`.item()`, a Python
+        branch on a tensor's value): a step that does cannot be a graph, and is known as such before capturing."""
+        with host_waits() as waits:
+            self.backward(x, y)
+            if self.whole:
+                self.update()
+        if not self.whole:
+            self.update()
+        if waits:
+            self.give_up(f"the step waits for the GPU on the host ({waits[0]}; a .item() or a branch on a value)")
+
+    def give_up(self, reason: str) -> None:
+        """Every shape runs eagerly from now on; the graphs' memory goes back to the allocator."""
+        self.graphs.clear()
+        self.failed = reason[:200]
+        self.description = f"eager (the step could not be captured as a CUDA graph: {self.failed})"
+
     def capture(self, sx: torch.Tensor, sy: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]] | None:
         """The graph of one step on these static inputs (capturing runs nothing); None, with the reason kept,
         when the model cannot be captured: it then runs eagerly from this batch on."""
@@ -135,24 +162,43 @@ class CudaGraphStep(EagerStep):
 
         graph = torch.cuda.CUDAGraph()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are made inside the graph, in its own memory
+        stream = torch.cuda.current_stream()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the loader's pinning thread may use CUDA while this thread captures.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 with self.amp():
                     loss = F.cross_entropy(self.model(sx), sy)
                 (self.scaler.scale(loss) if self.scaler.is_enabled() else loss).backward()
                 if self.whole:
                     self.optimizer.step()
                 self.sums += loss.detach()
-        except Exception as e:  # a host read, a CPU tensor or a sync inside the step: it cannot be a graph
+        except Exception as e:  # a CPU tensor or an operation CUDA graphs do not allow: it cannot be a graph
+            # A failed capture leaves torch's capture stream current (its context is not exited): put ours back.
+            torch.cuda.set_stream(stream)
             if is_out_of_memory(e):
                 raise
             torch.cuda.synchronize()
             self.optimizer.zero_grad(set_to_none=True)  # some may point into the abandoned graph's memory
-            self.graphs.clear()
-            self.failed = one_line(e)[:200]
-            self.description = f"eager (the step could not be captured as a CUDA graph: {self.failed})"
+            # The capture's end reports "a previous error during capture"; the error itself is its context.
+            self.give_up(one_line(e.__context__ if isinstance(e.__context__, Exception) else e))
             return None
         return graph, [p.grad for p in self.params]
+
+
+@contextlib.contextmanager
+def host_waits() -> Iterator[list[str]]:
+    """The places inside the block where the host waited for the GPU, as torch's sync debug mode reports them
+    (it covers blocking copies to the host and stream synchronisations); the block itself runs as usual."""
+    found: list[str] = []
+    mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    found.extend(one_line(str(w.message)) for w in caught if "synchronizing CUDA operation" in str(w.message))
 
 
 class CpuTracedStep(EagerStep):

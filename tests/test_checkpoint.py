@@ -146,3 +146,23 @@ def test_recover_sends_what_an_earlier_attempt_left_unless_the_store_holds_anoth
     assert checkpoint.recover(other) is None
     assert "now holds another run" in capsys.readouterr().err
     assert not fs.exists("/rec/other/checkpoints/e00009-s0000000009.pt") and other.staged_files() == []
+
+
+def test_restore_keeps_how_this_device_runs_the_optimizer():
+    """A checkpoint from a GPU's fused optimizer resumes on a CPU with the CPU's kernels, state and rate intact."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=True)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    saved = checkpoint.capture(model, opt, None, scaler, {"epoch": 1, "step": 1}, {"name": "t"})
+    buf = io.BytesIO()
+    torch.save(saved, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    other = nn.Linear(3, 2)
+    fresh = torch.optim.SGD(other.parameters(), lr=0.5, momentum=0.9, foreach=False)
+    checkpoint.restore(loaded, other, fresh, None, scaler)
+    group = fresh.param_groups[0]
+    assert group["foreach"] is False and group["lr"] == 0.1
+    assert torch.equal(fresh.state[other.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])

@@ -14,7 +14,7 @@ from job.report import Report
 from job.step import CudaGraphStep, build_step
 from job.stop import StopRequest
 from job.storage import RunDir
-from job.train import LossLog, Progress, autocast, make_loaders, make_optimizer, train_epoch
+from job.train import LossLog, Progress, autocast, fuse_optimizer, make_loaders, make_optimizer, train_epoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 CUDA = torch.device("cuda")
@@ -22,7 +22,7 @@ CUDA = torch.device("cuda")
 
 @pytest.mark.parametrize("capture", ["auto", "off"])
 @pytest.mark.parametrize("placement", ["device", "host"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, capture):
     root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=40, size=32)
     cfg = load_config(
@@ -43,10 +43,10 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
     )
     data = load_data(cfg.data, cfg.seed)
     model = build_model(cfg.model, data.input_shape, len(data.classes)).to(CUDA)
-    optimizer = make_optimizer(cfg, model)
+    optimizer = make_optimizer(cfg, model, fuse_optimizer(CUDA, precision))
     total = 3 * 10
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=total)
-    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")  # fp16: with fused kernels, no sync
     train, _, where = make_loaders(cfg, data, CUDA)
     assert where == ("the device" if placement == "device" else "the host")
     state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
@@ -128,3 +128,34 @@ def test_iris_preset_on_the_gpu_is_captured_whole(tmp_path):
     r = run_job("train", "--device", "cuda", "--set", "train.epochs=2000", "--output", str(tmp_path / "iris"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "one CUDA graph per batch shape (forward, backward and SGD step)" in r.stderr
+
+
+def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_and_says_why(tmp_path):
+    """`.item()` inside forward cannot be replayed: the run finds it before capturing and trains on, eagerly."""
+    (tmp_path / "hostread.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b = nn.Linear(4, 16), nn.Linear(16, num_classes)\n"
+        "    def forward(self, x):\n"
+        "        h = torch.relu(self.a(x))\n"
+        "        return self.b(h * 2 if h.mean().item() > 1e9 else h)\n"
+    )
+    r = run_job(
+        "train",
+        "--device",
+        "cuda",
+        "--set",
+        "model.name=hostread:Net",
+        "--set",
+        "train.epochs=2000",
+        "--output",
+        str(tmp_path / "run"),
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "could not be captured as a CUDA graph: the step waits for the GPU on the host" in r.stderr
+    last = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[-1])
+    assert last["test_accuracy"] >= 0.9
