@@ -8,7 +8,8 @@ Iris: the iris preset (20,000 full-batch epochs) against `seed_iris.py DEVICE ev
 process. CIFAR-10 (when both data folders are given: CIFAR-10's python-version folder for the job, the folder
 prep_cifar.py writes for the seed script): the cifar10 preset against `seed_cifar.py`, seconds per training
 epoch (the job's from its own clock, which leaves out evaluation and checkpoints; the seed's from its output)
-and whole processes. Prints medians and ratios job/seed; lower is better.
+and whole processes, and both programs' final test accuracy. Prints medians and ratios job/seed (lower is better),
+and the accuracy difference in points.
 """
 
 from __future__ import annotations
@@ -63,20 +64,23 @@ def main() -> None:
 
     if args.cifar_python and args.cifar_pt:
         epochs = args.cifar_epochs
-        job_epoch, seed_epoch, job_s, seed_s = [], [], [], []
+        job_epoch, seed_epoch, job_s, seed_s, job_acc, seed_acc = [], [], [], [], [], []
         for i in range(args.repeats if args.device != "cpu" else 1):
             sets = [f"data.path={args.cifar_python}", f"train.epochs={epochs}"]
             s, line = timed([py, "-c", JOB, "cifar10", str(out / f"cifar{i}"), args.device, *sets])
             summary = json.loads(line)
             job_s.append(s)
             job_epoch.append(summary["train_seconds"] / summary["epochs_run"])
+            job_acc.append(summary["final_accuracy"])
             s, line = timed(
                 [py, str(args.baselines / "seed_cifar.py"), str(args.cifar_pt), str(epochs), args.device, str(out)]
             )
             seed_s.append(s)
             seed_epoch.append(statistics.median(json.loads(line)["train_epoch_s"]))
+            seed_acc.append(json.loads(line)["test_acc"][-1])
         rows.append(("cifar10, seconds per training epoch", job_epoch, seed_epoch))
         rows.append((f"cifar10 {epochs} epoch(s), whole process", job_s, seed_s))
+        accuracy = (f"cifar10 test accuracy after {epochs} epoch(s)", job_acc, seed_acc)
 
     import torch
 
@@ -88,6 +92,10 @@ def main() -> None:
         print(
             f"{what:40s} {statistics.median(job):9.3f} {statistics.median(seed):9.3f} {statistics.median(ratios):9.2f}"
         )
+    if args.cifar_python and args.cifar_pt:  # the same recipe must reach the same accuracy: a difference, in points
+        what, job, seed = accuracy
+        print(f"{what:40s} {statistics.median(job):9.4f} {statistics.median(seed):9.4f} ", end="")
+        print(f"{100 * (statistics.median(job) - statistics.median(seed)):+8.1f} pt")
 
 
 if __name__ == "__main__":

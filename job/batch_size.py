@@ -64,7 +64,8 @@ def memory_limit(device: torch.device, gib: float | None) -> Iterator[str]:
             yield "the whole GPU"
             return
         total = torch.cuda.get_device_properties(device).total_memory
-        before = torch.cuda.get_per_process_memory_fraction(device)
+        # (an older torch has no getter: 1.0, the default, is put back there)
+        before = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
         torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GIB / total), device)
         try:
             yield f"{gib:g} GiB of the GPU"

@@ -164,7 +164,7 @@ class CudaGraphStep(EagerStep):
         self.optimizer.zero_grad(set_to_none=True)  # gradients are made inside the graph, in its own memory
         stream = torch.cuda.current_stream()
         try:
-            # thread_local: the loader's pinning thread may use CUDA while this thread captures.
+            # thread_local: CUDA calls from other threads (uploads, a notebook kernel) do not spoil this capture.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 with self.amp():
                     loss = F.cross_entropy(self.model(sx), sy)
