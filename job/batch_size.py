@@ -110,7 +110,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     from job.models import build_model
     from job.report import say
     from job.step import CudaGraphStep, build_step
-    from job.train import autocast, fuse_optimizer, make_optimizer, use_channels_last
+    from job.train import autocast, fuse_optimizer, make_optimizer, prime_momentum, use_channels_last
 
     device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)
@@ -122,6 +122,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not cfg.train.deterministic
     optimizer = make_optimizer(cfg, model, fuse_optimizer(device, precision))
+    prime_momentum(optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     sums, amp = torch.zeros(2, device=device), autocast(cfg, device)
     # On a GPU the run's own step: a CUDA graph holds its own memory besides the eager steps before it.
@@ -187,7 +188,8 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
         say(f"device {describe_device(device)}, {cap}; model {cfg.model.name}, {precision}; training split {n} samples")
         # Both splits where training keeps them, placed once inside the limit.
         nbytes = data.train.x.nbytes + data.test.x.nbytes
-        storage = choose_storage(nbytes, device, cfg.data.placement, cfg.data.device_share)
+        limit = memory_gib * GIB if memory_gib is not None else None
+        storage = choose_storage(nbytes, device, cfg.data.placement, cfg.data.device_share, limit)
         with memory_guard("holding the data set", device):
             held.update(
                 {k: Split(s.x.to(storage), s.y.to(storage)) for k, s in (("train", data.train), ("test", data.test))}

@@ -14,7 +14,7 @@ import torch
 
 from job.config import Config
 from job.data import load_data
-from job.env import pick_device
+from job.env import pick_device, resolve_precision
 from job.errors import ConfigError, Interrupted
 from job.naive import train_naive
 from job.report import say
@@ -49,11 +49,11 @@ def bench(cfg: Config, devices: list[torch.device]) -> dict:
         say(f"bench: the naive loop on {device}, {cfg.train.epochs} epochs")
         with kept_torch_settings():
             naive = train_naive(cfg, data, device)
-        rows.append(row("naive", device, naive, per_epoch))
+        rows.append(row("naive", device, naive, per_epoch, resolve_precision(cfg.train.precision, device)))
         say(f"bench: the job on {device}, {cfg.train.epochs} epochs")
         with kept_torch_settings():
             job = train_job(cfg, device)
-        rows.append(row("job", device, job, per_epoch))
+        rows.append(row("job", device, job, per_epoch, resolve_precision(cfg.train.precision, device)))
     cpu_naive = next((r for r in rows if r["loop"] == "naive" and r["device"] == "cpu"), None)
     for r in rows:
         same = next(n for n in rows if n["loop"] == "naive" and n["device"] == r["device"])
@@ -96,11 +96,12 @@ def kept_torch_settings():
         torch.backends.cudnn.benchmark = benchmark
 
 
-def row(loop: str, device: torch.device, result: dict, per_epoch: int) -> dict:
+def row(loop: str, device: torch.device, result: dict, per_epoch: int, precision: str) -> dict:
     seconds, epochs = result["train_seconds"], result["epochs_run"]
     return {
         "loop": loop,
         "device": str(device),
+        "precision": precision,  # what the recipe's setting (auto, say) came to on this device
         "epochs": epochs,
         "train_seconds": round(seconds, 4),
         "seconds_per_epoch": seconds / epochs,
@@ -131,7 +132,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-COLUMNS = ("device", "loop", "s/epoch", "samples/s", "test acc", "vs naive", "vs naive cpu")
+COLUMNS = ("device", "loop", "precision", "s/epoch", "samples/s", "test acc", "vs naive", "vs naive cpu")
 
 
 def format_table(result: dict) -> str:
@@ -142,7 +143,7 @@ def format_table(result: dict) -> str:
         f"machine: {m['cpu']}, {m['cpu_cores']} cores ({m['torch_threads']} torch threads); GPU: {gpus}; "
         f"torch {m['torch']}, python {m['python']}; {m['date']}",
         f"recipe: {r['name']}: model {r['model']} on {r['data']}; batch {r['batch_size']}, {r['epochs']} epochs, "
-        f"{r['precision']}",
+        f"precision {r['precision']}",
         "",
     ]
     cells = [COLUMNS]
@@ -152,6 +153,7 @@ def format_table(result: dict) -> str:
             (
                 row["device"],
                 row["loop"],
+                row["precision"],
                 f"{row['seconds_per_epoch']:.4g}",
                 f"{row['samples_per_s']:,.0f}",
                 f"{row['test_accuracy']:.2%}",
@@ -161,7 +163,7 @@ def format_table(result: dict) -> str:
         )
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     for c in cells:
-        lines.append("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+        lines.append("  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
     lines += [
         "",
         "s/epoch: seconds in training epochs (test passes excluded) per epoch; vs naive: the naive loop's s/epoch "

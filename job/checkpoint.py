@@ -268,11 +268,12 @@ def restore(payload: dict, model, optimizer, scheduler, scaler) -> None:
     """Put a checkpoint's state back into freshly built objects, RNGs included."""
     try:
         model.load_state_dict(payload["model"])
-        # How the optimizer runs (fused kernels, or not) belongs to this device, not to the one that saved.
+        # How the optimizer runs (fused kernels, or not) belongs to this device, not to the one that saved; it is
+        # set before loading, since loading places the state (AdamW's step counts) by it.
         how = [{k: g[k] for k in HOW_KEYS if k in g} for g in optimizer.param_groups]
-        optimizer.load_state_dict(payload["optimizer"])
-        for group, kept in zip(optimizer.param_groups, how):
-            group.update(kept)
+        saved = payload["optimizer"]
+        groups = [{**group, **kept} for group, kept in zip(saved["param_groups"], how)]
+        optimizer.load_state_dict({**saved, "param_groups": groups + saved["param_groups"][len(how) :]})
         if scheduler is not None and payload.get("scheduler") is not None:
             scheduler.load_state_dict(payload["scheduler"])
         if scaler.is_enabled() and payload.get("scaler") is not None:

@@ -18,6 +18,7 @@ possible the step runs eagerly, and the run says why.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -175,12 +176,14 @@ class CudaGraphStep(EagerStep):
         except Exception as e:  # a CPU tensor or an operation CUDA graphs do not allow: it cannot be a graph
             # A failed capture leaves torch's capture stream current (its context is not exited): put ours back.
             torch.cuda.set_stream(stream)
-            if is_out_of_memory(e):
-                raise
+            # When the step itself raised, the capture's end raises too ("a previous error during capture"),
+            # with the step's error as its context: that one says what went wrong.
+            first = e.__context__ if isinstance(e.__context__, Exception) and "during capture" in str(e) else e
+            if is_out_of_memory(first):
+                raise first from None
             torch.cuda.synchronize()
             self.optimizer.zero_grad(set_to_none=True)  # some may point into the abandoned graph's memory
-            # The capture's end reports "a previous error during capture"; the error itself is its context.
-            self.give_up(one_line(e.__context__ if isinstance(e.__context__, Exception) else e))
+            self.give_up(one_line(first))
             return None
         return graph, [p.grad for p in self.params]
 
@@ -198,7 +201,11 @@ def host_waits() -> Iterator[list[str]]:
             yield found
         finally:
             torch.cuda.set_sync_debug_mode(mode)
-    found.extend(one_line(str(w.message)) for w in caught if "synchronizing CUDA operation" in str(w.message))
+    for w in caught:
+        if "synchronizing CUDA operation" in str(w.message):  # where in the user's code: the op's Python line
+            found.append(f"{one_line(str(w.message))} at {os.path.basename(w.filename)}:{w.lineno}")
+        else:  # every other warning goes on as if it had not been watched
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 class CpuTracedStep(EagerStep):

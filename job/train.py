@@ -268,6 +268,7 @@ def train_loop(
         log.sums.copy_(torch.tensor(saved.pop("loss_sums")))
         state = Progress(**{"run_id": state.run_id, **saved})
         say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({manifest['file']})")
+    prime_momentum(optimizer)
     stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
         raise Interrupted(
@@ -484,6 +485,18 @@ def make_optimizer(cfg: Config, model, fused: bool = False) -> torch.optim.Optim
     return torch.optim.SGD(
         model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **how
     )
+
+
+def prime_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Zero momentum buffers for fused SGD before its first step. Its first step otherwise makes them uninitialised
+    and fills them in the kernel, which fp16's loss scaler skips on an overflow, leaving them uninitialised. With
+    no dampening, a zero buffer's first update is the gradient itself, as SGD's first step is."""
+    for group in optimizer.param_groups:
+        if isinstance(optimizer, torch.optim.SGD) and group.get("fused") and group["momentum"]:
+            for p in group["params"]:
+                optimizer.state[p].setdefault(
+                    "momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format)
+                )
 
 
 def fuse_optimizer(device: torch.device, precision: str) -> bool:

@@ -113,11 +113,11 @@ def test_bench_command_prints_the_table(tmp_path):
     assert lines[0].startswith("machine: ") and "torch" in lines[0] and "cores" in lines[0]
     assert lines[1].startswith("recipe: iris") and "200 epochs" in lines[1]
     header = next(line for line in lines if line.startswith("device"))
-    assert all(name in header for name in ("s/epoch", "samples/s", "test acc", "vs naive", "vs naive cpu"))
+    assert all(name in header for name in ("precision", "s/epoch", "samples/s", "test acc", "vs naive", "vs naive cpu"))
     rows = [line.split() for line in lines if line.startswith("cpu")]
     assert [r[:2] for r in rows] == [["cpu", "naive"], ["cpu", "job"]]
-    assert rows[0][-2:] == ["1.00x", "1.00x"] and all(r[4].endswith("%") for r in rows)
-    assert float(rows[1][-1].rstrip("x")) == pytest.approx(float(rows[0][2]) / float(rows[1][2]), rel=0.01)
+    assert rows[0][-2:] == ["1.00x", "1.00x"] and all(r[2] == "fp32" and r[5].endswith("%") for r in rows)
+    assert float(rows[1][-1].rstrip("x")) == pytest.approx(float(rows[0][3]) / float(rows[1][3]), rel=0.01)
     assert "bench: the naive loop on cpu" in result.stderr and "bench: the job on cpu" in result.stderr
     assert not list(scratch.glob("job-bench-*"))  # the job's run went to a scratch folder, removed afterwards
 

@@ -9,7 +9,7 @@ import torch
 from conftest import ROOT, job_env, run_job, sets
 
 from job.config import load_config
-from job.train import run
+from job.train import prime_momentum, run
 
 
 @pytest.fixture(autouse=True)
@@ -181,3 +181,24 @@ def test_torch_compile_option_trains_the_same_model(tmp_path, capsys):
     assert list(w_compiled) == list(w_eager)  # the plain module's names, without torch.compile's prefix
     for k in w_eager:
         assert torch.allclose(w_eager[k], w_compiled[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_fused_sgd_momentum_survives_a_skipped_first_step():
+    """fp16 on a GPU uses fused SGD; its loss scaler skips a step that overflowed. A skipped first step must leave
+    momentum as SGD's own would (fused SGD alone leaves it uninitialised; the same kernels run on a CPU)."""
+
+    def train(fused: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+        prime_momentum(optimizer)
+        scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+        for i in range(3):
+            optimizer.zero_grad()
+            loss = model(torch.ones(1, 3)).sum() * (float("inf") if i == 0 else 1.0)  # the first step overflows
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return model.weight.detach()
+
+    assert torch.allclose(train(fused=True), train(fused=False))

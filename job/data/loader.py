@@ -160,13 +160,17 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.float(), std.float()
 
 
-def choose_storage(nbytes: int, device: torch.device, placement: str, share: float) -> torch.device:
-    """Where the data lives: on the training device when asked or when it fits in `share` of free memory."""
+def choose_storage(
+    nbytes: int, device: torch.device, placement: str, share: float, cap: float | None = None
+) -> torch.device:
+    """Where the data lives: on the training device when asked or when it fits in `share` of free memory (of
+    at most `cap` bytes, where the process is held to less than the device has)."""
     if device.type == "cpu" or placement == "host":
         return torch.device("cpu")
     if placement == "device":
         return device
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
+        free = min(free, cap) if cap is not None else free
         return device if nbytes <= share * free else torch.device("cpu")
     return device
