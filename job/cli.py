@@ -61,6 +61,12 @@ def train(
         help="auto: continue the run in the output folder if there is one; never; or a URL.",
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="With --resume never: replace a run in the folder."),
+    time_limit: str = typer.Option(
+        "",
+        "--time-limit",
+        help="Stop after this long (seconds, or e.g. 45m, 11h30m), commit a checkpoint and exit 75; the same command "
+        "continues. Sets train.time_limit.",
+    ),
 ) -> None:
     """Train a model as the config says; continue the run when the output folder holds one."""
     from job.stop import StopRequest
@@ -72,7 +78,7 @@ def train(
         from job.report import say
         from job.train import run
 
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, [*overrides, *([f"train.time_limit={time_limit}"] if time_limit else [])])
         routes = {} if output or cfg.output.dir else vertex_outputs()
         target = output or cfg.output.dir or routes.pop("run", "") or f"runs/{cfg.name}"
         if not (output or cfg.output.dir) and target != f"runs/{cfg.name}":

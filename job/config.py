@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from job.cloud import describe_storage_error, filesystem
+from job.duration import parse_duration
 from job.errors import ConfigError, StorageError
 
 PRESETS = ("iris", "cifar10")
@@ -137,7 +138,17 @@ class TrainConfig(Section):
     keep_last: int = Field(3, gt=0, description="Checkpoints to keep; older ones are deleted after a commit.")
     keep_best: bool = Field(False, description="Also keep the checkpoint with the best test accuracy.")
     grace_seconds: float = Field(
-        20.0, gt=0, description="After SIGTERM or SIGINT: time to finish the step and commit before giving up."
+        20.0,
+        gt=0,
+        description="After SIGTERM, SIGINT or the time limit: time to finish the step and commit before giving up.",
+    )
+    time_limit: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Wall-clock limit of one attempt, counted from the command's start: when it is reached the run "
+        "stops after the current step, commits a checkpoint and exits 75, and the same command continues it. Seconds, "
+        "or a duration such as 45m or 11h30m; leave room for the commit within the platform's own limit.",
     )
     deterministic: bool = Field(
         False,
@@ -152,6 +163,13 @@ class TrainConfig(Section):
         if isinstance(v, bool):
             return "on" if v else "off"
         return v
+
+    @field_validator("time_limit", mode="before")
+    @classmethod
+    def _time_limit(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML's yes/no/true: never a number of seconds
+            raise ValueError("expected seconds or a duration such as 45m, 11h30m, 2d")
+        return parse_duration(v) if isinstance(v, str) else v
 
     @field_validator("cpu_threads", mode="before")
     @classmethod

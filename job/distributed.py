@@ -137,6 +137,21 @@ def mean_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def gather(t: torch.Tensor) -> torch.Tensor:
+    """Every process's copy of `t`, stacked in rank order (alone: `t` with a leading dimension of one)."""
+    if not active() or world() == 1:
+        return t.unsqueeze(0)
+    rows = [torch.empty_like(t) for _ in range(world())]
+    peer_call(dist.all_gather, rows, t)  # the list form: gloo and nccl, and every torch this job supports
+    return torch.stack(rows)
+
+
+def own(rows: torch.Tensor) -> torch.Tensor:
+    """This process's row of a gather() saved by a group of the same size; the rows' mean for a group of another
+    size, where no process has a row of its own (what the group's reductions would make of them)."""
+    return rows[rank()] if rows.shape[0] == world() else rows.mean(0)
+
+
 def totals(sums: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
     """Evaluation sums added up over the processes, followed by the loss sums averaged over them: one reduction."""
     both = torch.cat([sums, means / world()])

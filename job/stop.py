@@ -1,5 +1,5 @@
-"""Stopping on request: SIGTERM (preemption, `docker stop`) or SIGINT makes the loop stop after the current step
-and commit a checkpoint; a second SIGINT stops at once; a grace period bounds the wait."""
+"""Stopping on request: SIGTERM (preemption, `docker stop`), SIGINT or the run's time limit makes the loop stop after
+the current step and commit a checkpoint; a second SIGINT stops at once; a grace period bounds the wait."""
 
 from __future__ import annotations
 
@@ -7,26 +7,39 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from job.duration import format_duration
 from job.errors import Interrupted
 from job.report import say
 
+# The reason a time limit gives, in the same integer as a signal number so that a process group combines both in
+# one reduction (signal numbers stay below 65).
+TIME_LIMIT = 100
+
 
 class StopRequest:
-    """SIGTERM or SIGINT asks the loop to stop after the current step and commit a checkpoint. If that takes
-    longer than the grace period the process exits 75 anyway, leaving the previous commit as the one to resume
-    (commits are atomic, so stopping in the middle of one is safe). A second SIGINT stops at once."""
+    """SIGTERM, SIGINT or the time limit asks the loop to stop after the current step and commit a checkpoint. If
+    that takes longer than the grace period the process exits 75 anyway, leaving the previous commit as the one to
+    resume (commits are atomic, so stopping in the middle of one is safe). A second SIGINT stops at once.
+
+    The handler only records the signal: the loop says what it does about it, once it knows (a signal that lands
+    in the last step ends a finished run, not an interrupted one), and printing from a handler is not safe."""
 
     def __init__(self, grace_seconds: float, exits_after: bool = False) -> None:
         self.grace_seconds = grace_seconds
         self.exits_after = exits_after  # the command line: the process ends when the block does
-        self.signal: int | None = None  # the signal the loop acts on
-        self.received: int | None = None  # the signal this process was sent
-        self.combine: Callable[[int], int] | None = None  # in a process group: every process's signal, combined
+        self.signal: int | None = None  # the reason the loop acts on: a signal number, or TIME_LIMIT
+        self.received: int | None = None  # the reason this process has: a signal it was sent, or its time limit
+        self.combine: Callable[[int], int] | None = None  # in a process group: every process's reason, combined
+        self.time_limit: float | None = None  # seconds, counted from when this request was made
+        self.started = time.monotonic()
+        self._signalled = False
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
+        self._limit_timer: threading.Timer | None = None
 
     def __enter__(self) -> StopRequest:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -35,13 +48,32 @@ class StopRequest:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        for timer in (self._timer, self._limit_timer):
+            if timer is not None:
+                timer.cancel()
         for sig, handler in self._previous.items():
             # A process leaving with the checkpoint committed, to exit 75: a further SIGTERM (torchrun ends a group's
             # other processes as soon as one exits) must not turn that exit into a kill.
             stopping = self.exits_after and sig == signal.SIGTERM and kind is not None and issubclass(kind, Interrupted)
             signal.signal(sig, signal.SIG_IGN if stopping else handler)
+
+    def limit(self, seconds: float | None) -> None:
+        """Stop, as on SIGTERM, once `seconds` have passed since this request was made (None: no limit)."""
+        if self._limit_timer is not None:
+            self._limit_timer.cancel()
+        self.time_limit, self._limit_timer = seconds, None
+        if seconds is not None:
+            left = seconds - (time.monotonic() - self.started)
+            self._limit_timer = threading.Timer(max(left, 0.0), self._note, (TIME_LIMIT,))
+            self._limit_timer.daemon = True
+            self._limit_timer.start()
+
+    def describe(self, reason: int | None = None) -> str:
+        """A reason in words ('SIGTERM', 'the time limit (2h)'); by default the one the loop acts on."""
+        reason = self.signal if reason is None else reason
+        if reason == TIME_LIMIT:
+            return f"the time limit ({format_duration(self.time_limit or 0)})"
+        return signal.Signals(reason).name if reason else "nothing"
 
     def share(self, combine: Callable[[int], int]) -> None:
         """Join a group of processes (torchrun): from now on the loop acts on a signal at sync() only, where every
@@ -58,15 +90,19 @@ class StopRequest:
                 self._start_grace()
 
     def _handle(self, sig: int, frame) -> None:
+        if self._signalled and sig == signal.SIGINT:
+            raise KeyboardInterrupt
+        self._signalled = True
+        self._note(sig)
+
+    def _note(self, reason: int) -> None:
+        """A signal (in the main thread) or the time limit (in its timer's thread): the first one counts."""
         if self.received is not None:
-            if sig == signal.SIGINT:
-                raise KeyboardInterrupt
             return
-        self.received = sig
+        self.received = reason
         if self.combine is None:
-            self.signal = sig
+            self.signal = reason
         self._start_grace()
-        say(f"{signal.Signals(sig).name}: finishing the current step, then checkpointing")
 
     def _start_grace(self) -> None:
         if self._timer is None:

@@ -7,11 +7,11 @@ N steps at a time without blocking; the host reads numbers only at evaluations a
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from job.errors import ConfigError, Interrupted, StorageError
 from job.models import build_model
 from job.report import Report, say
 from job.step import SMALL_STEP_FLOPS, build_step, forward_flops
-from job.stop import StopRequest
+from job.stop import TIME_LIMIT, StopRequest
 from job.storage import RunDir
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
@@ -51,6 +51,7 @@ RESUME_SAFE = {
     "train.step_capture",
     "train.compile",
     "train.cpu_threads",
+    "train.time_limit",
 }
 
 
@@ -151,6 +152,7 @@ def run(
     signal watch when it installed one early (the command line does, before the slow imports)."""
     with contextlib.nullcontext(stop) if stop is not None else StopRequest(cfg.train.grace_seconds) as stop:
         stop.grace_seconds = cfg.train.grace_seconds
+        stop.limit(cfg.train.time_limit)
         return train_run(cfg, output, device_name, resume, overwrite, stop, routes)
 
 
@@ -265,16 +267,16 @@ def train_loop(
         payload, manifest = found
         checkpoint.restore(payload, model, optimizer, scheduler, scaler)
         saved = dict(payload["progress"])
-        log.sums.copy_(torch.tensor(saved.pop("loss_sums")))
+        sums = torch.tensor(saved.pop("loss_sums"))
+        log.sums.copy_(distributed.own(sums) if sums.dim() == 2 else sums)  # one row per process saved it
         state = Progress(**{"run_id": state.run_id, **saved})
         say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({manifest['file']})")
     prime_momentum(optimizer)
     stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
-        raise Interrupted(
-            f"stopped by {signal.Signals(stop.signal).name} before training began: "
-            "run the same command again to continue"
-        )
+        if stop.signal == TIME_LIMIT:
+            raise Interrupted(f"{stop.describe()} ran out before training began: allow more with train.time_limit")
+        raise Interrupted(f"stopped by {stop.describe()} before training began: run the same command again to continue")
     if not distributed.is_writer():
         report = distributed.FollowerReport()
     else:
@@ -310,13 +312,18 @@ def train_loop(
             with memory_guard(f"data.eval_batch_size={test_loader.batch_size}", device):
                 t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
         stopping = stop.signal is not None and not last
+        if stopping:
+            say(f"{stop.describe()}: stopping at epoch {state.epoch}, step {state.step}; committing a checkpoint")
         if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
             clock.stop()
-            distributed.mean_(log.sums)  # under torchrun: every process holds the group's loss sums
-            distributed.on_writer(lambda: save(run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report))
+            # Each process's own loss sums, so that every one of them resumes with exactly what it had.
+            sums = distributed.gather(log.sums).tolist()
+            distributed.on_writer(
+                partial(save, run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report, sums)
+            )
         if stopping:
             raise Interrupted(
-                f"stopped by {signal.Signals(stop.signal).name} at epoch {state.epoch}, step {state.step}; "
+                f"stopped by {stop.describe()} at epoch {state.epoch}, step {state.step}; "
                 f"checkpoint committed to {run_dir.url}: run the same command again to continue"
             )
     final = distributed.on_writer(lambda: write_results(run_dir, model, state, report))
@@ -335,6 +342,8 @@ def train_loop(
         "epochs_run": state.epoch - first_epoch,
         "output": run_dir.url,
     }
+    if stop.received is not None:  # it came during the last step or while the results were written
+        say(f"{stop.describe(stop.received)} came as the run was ending: it finished, there is nothing to continue")
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; best test accuracy "
         f"{state.best_accuracy:.4f} (epoch {state.best_epoch}), final {final['final_accuracy']:.4f}; "
@@ -442,12 +451,13 @@ def save(
     state: Progress,
     log: LossLog,
     report: Report,
+    loss_sums: list[list[float]],
 ) -> None:
-    """Flush the logs, then commit a checkpoint of the state as it stands."""
+    """Flush the logs, then commit a checkpoint of the state as it stands (`loss_sums`: one row per process)."""
     for step, loss, lr in log.ready(wait=True):
         report.loss(step, loss, lr)
     report.flush()
-    progress = {**asdict(state), "loss_sums": log.sums.tolist()}
+    progress = {**asdict(state), "loss_sums": loss_sums}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.capture(model, optimizer, scheduler, scaler, progress, cfg.model_dump())
     checkpoint.commit(

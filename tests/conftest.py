@@ -203,6 +203,31 @@ def run_job(*args: str, cwd: Path | None = None, timeout: int = 300, env: dict |
     )
 
 
+def invoke(args: list[str]) -> tuple[int, str]:
+    """`python -m job ARGS` in this process (imports paid once): the exit code and what went to stderr. The signal
+    handlers are put back after it, as a process of its own would leave them to nobody."""
+    import contextlib
+    import signal
+
+    from job.cli import main
+
+    err, argv = io.StringIO(), sys.argv
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    sys.argv = ["python -m job", *args]
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                main()
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return code, err.getvalue()
+
+
 def start_job(*args: str, env: dict | None = None, **popen_kwargs) -> subprocess.Popen:
     """`python -m job ARGS` started in the background (to be signalled or killed), stderr captured."""
     return subprocess.Popen(

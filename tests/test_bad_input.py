@@ -11,14 +11,20 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import encode, pattern_images, sets, start_job, tar_folder, write_cifar_batches, write_image_folder
-
-from job.cli import main
+from conftest import (
+    encode,
+    invoke,
+    pattern_images,
+    sets,
+    start_job,
+    tar_folder,
+    write_cifar_batches,
+    write_image_folder,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,26 +43,6 @@ def finished_run(tmp_path_factory) -> Path:
     )
     assert code == 0, err
     return out
-
-
-def invoke(args: list[str]) -> tuple[int, str]:
-    """Run `python -m job ARGS` in this process; returns the exit code and what went to stderr."""
-    import contextlib
-    import io
-
-    err = io.StringIO()
-    argv = sys.argv
-    sys.argv = ["python -m job", *args]
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                main()
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = argv
-    return code, err.getvalue()
 
 
 def snapshot(folder: Path) -> dict[str, str]:
