@@ -5,7 +5,9 @@ Each request, with probability `fail_rate` (or always while `down`), gets one fa
   "403"   the same with 403 (gcsfs raises OSError("Forbidden ...") at once, no retry);
   "reset" read the request, then drop the connection with an RST and no response (gcsfs retries it);
   "delay" sleep `delay_s`, then forward normally (slow, not failed).
-While `down`, only the failing kinds in `kinds` are used ("503" when there are none).
+While `down`, only the failing kinds in `kinds` are used ("503" when there are none). With `down_after`, the proxy
+goes down by itself once it has forwarded a request that names that object (in its URL or an upload's metadata):
+"the store went away right after this file reached it", at the same point of a run on any machine.
 
     python tests/faultproxy.py --target http://127.0.0.1:9023 --fail-rate 0.2 [--port N]
 """
@@ -23,7 +25,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 # Per-connection headers that must not be relayed (RFC 9110 7.6.1); the body is always re-sent with Content-Length.
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "expect", "content-length"}
@@ -39,6 +41,7 @@ class FaultProxy:
         delay_s: float = 0.5,
         kinds: tuple[str, ...] = ("503", "reset", "delay"),
         port: int = 0,
+        down_after: str | None = None,
     ) -> None:
         unknown = set(kinds) - {*FAILING, "delay"}
         assert kinds and not unknown, f"unknown fault kinds {unknown}"
@@ -46,6 +49,7 @@ class FaultProxy:
         self.target = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.fail_rate, self.delay_s, self.kinds, self.port = fail_rate, delay_s, tuple(kinds), port
         self.down = False
+        self.down_after = down_after
         self.counts = {"requests": 0, **{k: 0 for k in (*FAILING, "delay")}}
         self.url = ""
         self._rng = random.Random(seed)
@@ -145,6 +149,10 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             upstream.close()
 
+    def _names(self, name: str, body: bytes) -> bool:
+        """Whether this request is about object `name`: in its path or query, or in an upload's JSON metadata."""
+        return name in unquote(self.path) or name.encode() in body[:8192]
+
     def _handle(self) -> None:
         body = self._read_body()
         kind = self.server.proxy._pick()
@@ -161,6 +169,8 @@ class _Handler(BaseHTTPRequestHandler):
             if kind == "delay":
                 time.sleep(self.server.proxy.delay_s)
             status, headers, data = self._forward(body)
+            if self.server.proxy.down_after and status < 300 and self._names(self.server.proxy.down_after, body):
+                self.server.proxy.down = True
         self.send_response_only(status)
         for name, value in headers:
             self.send_header(name, value)
