@@ -78,13 +78,23 @@ def train(
         from job.report import say
         from job.train import run
 
-        cfg = load_config(config, [*overrides, *([f"train.time_limit={time_limit}"] if time_limit else [])])
+        cfg = load_config(config, [*overrides, *([f"train.time_limit={seconds(time_limit)}"] if time_limit else [])])
         routes = {} if output or cfg.output.dir else vertex_outputs()
         target = output or cfg.output.dir or routes.pop("run", "") or f"runs/{cfg.name}"
         if not (output or cfg.output.dir) and target != f"runs/{cfg.name}":
             places = "".join(f", {k} to {v}" for k, v in routes.items())
             say(f"Vertex AI (AIP_* variables): the run goes to {target}{places}")
         run(cfg, target, device, resume, overwrite, stop, routes)
+
+
+def seconds(duration: str) -> float:
+    """--time-limit's text in seconds, read as a duration (never as YAML, which takes 11:30 for 690)."""
+    from job.duration import parse_duration
+
+    try:
+        return parse_duration(duration)
+    except ValueError as e:
+        raise ConfigError(f"--time-limit: {e}, got {duration!r}") from None
 
 
 @app.command()

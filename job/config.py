@@ -6,6 +6,7 @@ Validation errors name the key path and what was expected, in one line, before a
 from __future__ import annotations
 
 import difflib
+import threading
 from importlib import resources
 from typing import Any, Literal
 
@@ -145,6 +146,7 @@ class TrainConfig(Section):
     time_limit: float | None = Field(
         None,
         gt=0,
+        le=threading.TIMEOUT_MAX,
         allow_inf_nan=False,
         description="Wall-clock limit of one attempt, counted from the command's start: when it is reached the run "
         "stops after the current step, commits a checkpoint and exits 75, and the same command continues it. Seconds, "

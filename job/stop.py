@@ -15,9 +15,9 @@ from job.duration import format_duration
 from job.errors import Interrupted
 from job.report import say
 
-# The reason a time limit gives, in the same integer as a signal number so that a process group combines both in
-# one reduction (signal numbers stay below 65).
-TIME_LIMIT = 100
+# The reason a time limit gives, in the same integer as a signal number so that a process group combines both in one
+# reduction (the highest wins): below SIGINT and SIGTERM, so a real signal is the one named when both came.
+TIME_LIMIT = 1
 
 
 class StopRequest:
@@ -40,6 +40,9 @@ class StopRequest:
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
         self._limit_timer: threading.Timer | None = None
+        # The time limit's thread and the main thread (signals, share) both record reasons. Re-entrant: a signal
+        # handler runs in the main thread, possibly while it holds the lock.
+        self._lock = threading.RLock()
 
     def __enter__(self) -> StopRequest:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -48,9 +51,7 @@ class StopRequest:
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
-        for timer in (self._timer, self._limit_timer):
-            if timer is not None:
-                timer.cancel()
+        self.cancel()
         for sig, handler in self._previous.items():
             # A process leaving with the checkpoint committed, to exit 75: a further SIGTERM (torchrun ends a group's
             # other processes as soon as one exits) must not turn that exit into a kill.
@@ -59,14 +60,31 @@ class StopRequest:
 
     def limit(self, seconds: float | None) -> None:
         """Stop, as on SIGTERM, once `seconds` have passed since this request was made (None: no limit)."""
-        if self._limit_timer is not None:
-            self._limit_timer.cancel()
-        self.time_limit, self._limit_timer = seconds, None
-        if seconds is not None:
-            left = seconds - (time.monotonic() - self.started)
-            self._limit_timer = threading.Timer(max(left, 0.0), self._note, (TIME_LIMIT,))
-            self._limit_timer.daemon = True
-            self._limit_timer.start()
+        with self._lock:
+            if self._limit_timer is not None:
+                self._limit_timer.cancel()
+            self.time_limit, self._limit_timer = seconds, None
+            if seconds is not None:
+                left = seconds - (time.monotonic() - self.started)
+                self._limit_timer = threading.Timer(max(left, 0.0), self._note, (TIME_LIMIT,))
+                self._limit_timer.daemon = True
+                self._limit_timer.start()
+
+    def finishing(self) -> None:
+        """The training is over and the results are being written: a time limit has nothing left to stop (a signal
+        keeps its grace period, as the machine may be going away)."""
+        with self._lock:
+            if self._limit_timer is not None:
+                self._limit_timer.cancel()
+            if self.received == TIME_LIMIT and self._timer is not None:
+                self._timer.cancel()
+
+    def cancel(self) -> None:
+        """No more timers: the block is over."""
+        with self._lock:
+            for timer in (self._timer, self._limit_timer):
+                if timer is not None:
+                    timer.cancel()
 
     def describe(self, reason: int | None = None) -> str:
         """A reason in words ('SIGTERM', 'the time limit (2h)'); by default the one the loop acts on."""
@@ -78,16 +96,18 @@ class StopRequest:
     def share(self, combine: Callable[[int], int]) -> None:
         """Join a group of processes (torchrun): from now on the loop acts on a signal at sync() only, where every
         process learns whether any of them was sent one, so all stop at the same step."""
-        self.combine = combine
-        self.signal = None
+        with self._lock:
+            self.combine = combine
+            self.signal = None
 
     def sync(self) -> None:
         """At a point every process of the group reaches together (alone: nothing to do, signals act at once)."""
         if self.combine is not None and self.signal is None:
             sig = self.combine(self.received or 0)
             if sig:
-                self.signal = sig
-                self._start_grace()
+                with self._lock:
+                    self.signal = sig
+                    self._start_grace()
 
     def _handle(self, sig: int, frame) -> None:
         if self._signalled and sig == signal.SIGINT:
@@ -96,13 +116,17 @@ class StopRequest:
         self._note(sig)
 
     def _note(self, reason: int) -> None:
-        """A signal (in the main thread) or the time limit (in its timer's thread): the first one counts."""
-        if self.received is not None:
-            return
-        self.received = reason
-        if self.combine is None:
-            self.signal = reason
-        self._start_grace()
+        """A signal (in the main thread) or the time limit (in its timer's thread): the first one counts. In a group
+        the time limit's grace period starts once the group agrees to stop (sync), which may be many steps later; a
+        signal's starts now, as the machine may be going away."""
+        with self._lock:
+            if self.received is not None:
+                return
+            self.received = reason
+            if self.combine is None:
+                self.signal = reason
+            if self.combine is None or reason != TIME_LIMIT:
+                self._start_grace()
 
     def _start_grace(self) -> None:
         if self._timer is None:

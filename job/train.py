@@ -274,8 +274,8 @@ def train_loop(
     prime_momentum(optimizer)
     stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
-        if stop.signal == TIME_LIMIT:
-            raise Interrupted(f"{stop.describe()} ran out before training began: allow more with train.time_limit")
+        if stop.signal == TIME_LIMIT:  # the next attempt would set up as long: a setting to change, not a retry
+            raise ConfigError(f"{stop.describe()} ran out before training began: allow more with train.time_limit")
         raise Interrupted(f"stopped by {stop.describe()} before training began: run the same command again to continue")
     if not distributed.is_writer():
         report = distributed.FollowerReport()
@@ -326,6 +326,7 @@ def train_loop(
                 f"stopped by {stop.describe()} at epoch {state.epoch}, step {state.step}; "
                 f"checkpoint committed to {run_dir.url}: run the same command again to continue"
             )
+    stop.finishing()
     final = distributed.on_writer(lambda: write_results(run_dir, model, state, report))
     if not distributed.is_writer():  # rank 0 has written the results and uploads them
         return {"rank": distributed.rank(), "epochs": state.epoch, "steps": state.step}
@@ -342,8 +343,9 @@ def train_loop(
         "epochs_run": state.epoch - first_epoch,
         "output": run_dir.url,
     }
-    if stop.received is not None:  # it came during the last step or while the results were written
-        say(f"{stop.describe(stop.received)} came as the run was ending: it finished, there is nothing to continue")
+    if stop.signal or stop.received:  # it came during the last step or while the results were written
+        reason = stop.describe(stop.signal or stop.received)
+        say(f"{reason} came as the run was ending: it finished, there is nothing to continue")
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; best test accuracy "
         f"{state.best_accuracy:.4f} (epoch {state.best_epoch}), final {final['final_accuracy']:.4f}; "

@@ -13,6 +13,11 @@ import pytest
 import torch
 from conftest import invoke, run_job, sets
 
+import job.train  # noqa: F401  # imported before the time limit's clock starts, as a process would have it
+from job import distributed
+from job.config import load_config
+from job.duration import format_duration, parse_duration
+from job.errors import ConfigError
 from job.stop import TIME_LIMIT, StopRequest
 
 SELF_STOPPING = """
@@ -106,18 +111,19 @@ def test_a_signal_in_the_last_step_ends_a_finished_run_and_says_so(tmp_path, mod
 
 
 def test_time_limit_commits_and_exits_75_then_the_run_continues(tmp_path):
-    """In this process (torch already imported, so setting up takes well under the limit on any machine) a run
-    far too long to finish meets a 3-second limit; it stops like SIGTERM, and the same command continues it."""
+    """In this process (the job's modules imported already, so setting up takes a fraction of the limit on any
+    machine) a run far too long to finish meets a 6-second limit; it stops like SIGTERM, and the same command
+    continues it."""
     out = tmp_path / "run"
     long = ["train", "--device", "cpu", *sets("train.epochs=100000000", "train.checkpoint_every_epochs=1000000")]
     began = time.monotonic()
-    code, err = invoke([*long, "--time-limit", "3s", "--output", str(out)])
+    code, err = invoke([*long, "--time-limit", "6s", "--output", str(out)])
     took = time.monotonic() - began
     assert code == 75, err[-2000:]
-    assert took >= 3 and "Traceback" not in err
+    assert took >= 6 and "Traceback" not in err
     step = pointer(out)["step"]
-    assert step > 0 and f"the time limit (3s): stopping at epoch {step}, step {step}" in err
-    assert f"stopped by the time limit (3s) at epoch {step}, step {step}; checkpoint committed" in err
+    assert step > 0 and f"the time limit (6s): stopping at epoch {step}, step {step}" in err
+    assert f"stopped by the time limit (6s) at epoch {step}, step {step}; checkpoint committed" in err
     # The next attempt, with another limit (a resumed run may change it) and the run's real length.
     end = step + 200
     code, err = invoke([*long, *sets(f"train.epochs={end}", "train.time_limit=1h"), "--output", str(out)])
@@ -128,13 +134,67 @@ def test_time_limit_commits_and_exits_75_then_the_run_continues(tmp_path):
     assert all(torch.equal(ref[k], got[k]) for k in ref)
 
 
-def test_time_limit_reached_while_setting_up_says_so():
-    stop = StopRequest(grace_seconds=20)
-    stop.limit(0.05)
-    time.sleep(0.3)
-    assert stop.signal == stop.received == TIME_LIMIT
-    assert stop.describe() == "the time limit (0.05s)"
-    stop.limit(None)
+def test_time_limit_reached_while_setting_up_is_a_setting_to_change(tmp_path):
+    """Every attempt would set up as long again: exit 2 and the key to raise, not 75 and a retry."""
+    code, err = invoke(["train", "--device", "cpu", "--time-limit", "0.001", "--output", str(tmp_path / "run")])
+    assert code == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last == "error: the time limit (0.001s) ran out before training began: allow more with train.time_limit"
+    with StopRequest(grace_seconds=20) as stop:
+        stop.limit(0.05)
+        time.sleep(0.3)
+        assert stop.signal == stop.received == TIME_LIMIT and stop.describe() == "the time limit (0.05s)"
+
+
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        ("11:30", "--time-limit: expected seconds or a duration such as 45m, 11h30m, 2d, got '11:30'"),
+        ("0", "train.time_limit: input should be greater than 0"),
+        ("soon", "--time-limit: expected seconds or a duration"),
+    ],
+)
+def test_a_bad_time_limit_is_one_line_and_exit_2(tmp_path, given, message):
+    code, err = invoke(["train", "--device", "cpu", "--time-limit", given, "--output", str(tmp_path / "run")])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_durations_read_and_written_as_people_type_them():
+    assert [parse_duration(t) for t in ("90", "90s", "45m", "1h30m", "11h30m", "2d", "1.5h", " 2h 5m ")] == [
+        90,
+        90,
+        2700,
+        5400,
+        41400,
+        172800,
+        5400,
+        7500,
+    ]
+    assert [format_duration(s) for s in (0.5, 45, 90, 7200, 41400, 90061)] == [
+        "0.5s",
+        "45s",
+        "1m30s",
+        "2h",
+        "11h30m",
+        "1d1h1m1s",
+    ]
+    for bad in ("", "h", "1x", "1h1h", "-5m", "m30"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
+    for bad in ("true", "inf", "nan", "-1", "1e12"):
+        with pytest.raises(ConfigError, match="train.time_limit"):
+            load_config("iris", [f"train.time_limit={bad}"])
+    assert load_config("iris", ["train.time_limit=11h30m"]).train.time_limit == 41400
+    assert load_config("iris").train.time_limit is None
+
+
+def test_loss_sums_saved_per_process_resume_as_each_process_had_them():
+    """Alone, a checkpoint's single row is this process's; rows saved by a group of another size give their mean,
+    as the group's reductions would; a flat list (checkpoints written before rows) is taken as it is in train."""
+    rows = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
+    assert torch.equal(distributed.own(rows[:1]), rows[0])
+    assert torch.equal(distributed.own(rows), torch.tensor([2.0, 3.5]))
+    assert torch.equal(distributed.gather(torch.tensor([1.0, 2.0])), torch.tensor([[1.0, 2.0]]))
 
 
 def test_signals_and_their_order(tmp_path):
