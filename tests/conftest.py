@@ -4,6 +4,7 @@ and a way to run `python -m job` as a user would."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import socket
@@ -286,3 +287,49 @@ def encode(img: np.ndarray, fmt: str = "png") -> bytes:
     buf = io.BytesIO()
     Image.fromarray(img.transpose(1, 2, 0)).save(buf, format="PNG" if fmt == "png" else "JPEG", quality=95)
     return buf.getvalue()
+
+
+# What a finished run folder (any URL) holds, read as a user would: for comparing an interrupted run with one that
+# never stopped.
+TIMING_KEYS = {"samples_per_s", "wall_s"}
+
+
+def weights(url: str) -> dict:
+    import fsspec
+    import torch
+
+    with fsspec.open(f"{url}/model.pt", "rb") as f:
+        return torch.load(f, weights_only=True)
+
+
+def metrics(url: str) -> list[dict]:
+    import fsspec
+
+    with fsspec.open(f"{url}/metrics.jsonl", "r") as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in f if line.strip()]
+
+
+def train_losses(url: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(f"{url}/tensorboard")  # reads every event file, honouring purge markers
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+
+
+def assert_same_run(a: str, b: str) -> None:
+    """Bit for bit on the CPU: the final weights, every evaluation (timings aside) and the logged training loss."""
+    import torch
+
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert metrics(a) == metrics(b)
+    assert train_losses(a) == train_losses(b)
+
+
+def pointer(url: str) -> dict:
+    """The run's newest commit (checkpoints/latest.json)."""
+    import fsspec
+
+    with fsspec.open(f"{url}/checkpoints/latest.json") as f:
+        return json.load(f)

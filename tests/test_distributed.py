@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import job_env, run_job, sets, write_cifar_batches
-
-TIMING_KEYS = {"samples_per_s", "wall_s"}
+from conftest import job_env, metrics, run_job, sets, weights, write_cifar_batches
 
 
 def torchrun_args(nproc: int) -> list[str]:
@@ -39,15 +37,6 @@ def start_torchrun(*args: str, nproc: int = 2) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-
-
-def weights(run: Path) -> dict:
-    return torch.load(run / "model.pt", weights_only=True)
-
-
-def metrics(run: Path) -> list[dict]:
-    lines = (run / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
 def assert_close_runs(a: Path, b: Path) -> None:

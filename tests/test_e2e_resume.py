@@ -10,12 +10,9 @@ import time
 import fsspec
 import pytest
 import torch
-from conftest import run_job, sets, start_job
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from conftest import assert_same_run, pointer, run_job, sets, start_job
 
 from job.storage import RunDir
-
-TIMING_KEYS = {"samples_per_s", "wall_s"}
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -38,22 +35,6 @@ def listdir(url: str) -> list[str]:
     return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
 
 
-def weights(url: str) -> dict:
-    with fsspec.open(f"{url}/model.pt", "rb") as f:
-        return torch.load(f, weights_only=True)
-
-
-def metrics(url: str) -> list[dict]:
-    with fsspec.open(f"{url}/metrics.jsonl", "r") as f:
-        return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in f if line.strip()]
-
-
-def train_losses(url: str) -> list[tuple[int, float]]:
-    acc = EventAccumulator(f"{url}/tensorboard")  # reads every event file, honouring purge markers
-    acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
-
-
 def committed_step(url: str) -> int:
     """The step of the run's newest commit, -1 before the first. A remote run commits to its staging folder first
     (the store gets it from the uploader, or from the next attempt), so the newer of the two counts."""
@@ -68,23 +49,11 @@ def committed_step(url: str) -> int:
     return max(steps)
 
 
-def assert_same_run(a: str, b: str) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert metrics(a) == metrics(b)
-    assert train_losses(a) == train_losses(b)
-
-
 # A run that no machine finishes while a test interrupts it: the interrupted run is set to train this long, and the
 # attempt that completes it sets train.epochs (which a resumed run may change) to the length of the comparison run,
 # chosen once the interruptions are over so that it ends after the last commit. How fast the machine is then
 # decides how far the run got, never whether the interruptions landed.
 FOREVER = "train.epochs=100000000"
-
-
-def pointer(url: str) -> dict:
-    with fsspec.open(f"{url}/checkpoints/latest.json") as f:
-        return json.load(f)
 
 
 def test_sigkill_at_random_moments_then_resume_equals_uninterrupted(output_url):

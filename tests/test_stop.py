@@ -5,13 +5,12 @@ finished run, and says so. Also the time limit (train.time_limit, --time-limit),
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 
 import pytest
 import torch
-from conftest import invoke, run_job, sets
+from conftest import assert_same_run, invoke, metrics, pointer, run_job, sets
 
 import job.train  # noqa: F401  # imported before the time limit's clock starts, as a process would have it
 from job import distributed
@@ -65,21 +64,6 @@ def models(tmp_path) -> dict:
     return {"PYTHONPATH": str(tmp_path)}
 
 
-def pointer(run) -> dict:
-    return json.loads((run / "checkpoints/latest.json").read_text())
-
-
-def same_run(a, b) -> None:
-    wa, wb = (torch.load(r / "model.pt", weights_only=True) for r in (a, b))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    ma, mb = ([strip_timing(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (a, b))
-    assert ma == mb and len(ma) == 4
-
-
-def strip_timing(line: str) -> dict:
-    return {k: v for k, v in json.loads(line).items() if k not in ("samples_per_s", "wall_s")}
-
-
 def test_sigterm_in_a_chosen_step_commits_there_and_resumes_exactly(tmp_path, models):
     reference = run_job("train", *ARGS, "--output", str(tmp_path / "reference"), env=models)
     assert reference.returncode == 0, reference.stderr[-2000:]
@@ -95,7 +79,8 @@ def test_sigterm_in_a_chosen_step_commits_there_and_resumes_exactly(tmp_path, mo
     again = run_job("train", *ARGS, "--output", str(out), env=models)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resuming iris from epoch 1, step 45" in again.stderr
-    same_run(tmp_path / "reference", out)
+    assert_same_run(tmp_path / "reference", out)
+    assert len(metrics(out)) == 4
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
