@@ -1,3 +1,19 @@
-"""job: a PyTorch batch training job. Config in; TensorBoard logs, checkpoints and metrics out."""
+"""job: a PyTorch batch training job. Config in; TensorBoard logs, checkpoints and metrics out.
+
+The way a run's data goes through the modules, top to bottom:
+
+    config      job/config.py        the YAML preset or file, --set overrides, validated
+    storage     job/cloud.py         fsspec filesystems and credentials for every URL (local, gs://, a Drive mount)
+    data        job/data/            the data set read through fsspec (cached locally) into tensors in memory,
+                                     and the loaders that cut and augment batches on the device
+    recipe      job/recipe.py        what the config means on a device: model, precision, optimizer, schedule, loaders
+    loop        job/train.py         the run: epochs of steps (job/step.py), evaluations, stops (job/stop.py)
+    checkpoint  job/checkpoint.py    snapshots committed to the run folder; job/resume.py picks the one to continue from
+    report      job/report.py        metrics.jsonl, TensorBoard, curves and the console
+    storage     job/storage.py       the run folder: written locally, mirrored to the store by job/sync.py
+
+The command line (job/cli.py) turns faults into one line and an exit code; job/distributed.py joins torchrun's
+process group, and job/memory.py names an out-of-memory in one line.
+"""
 
 __version__ = "0.1.0"

@@ -13,10 +13,10 @@ import time
 import torch
 
 from job.config import Config
-from job.data import load_data
 from job.env import pick_device, resolve_precision
 from job.errors import ConfigError, Interrupted
 from job.naive import train_naive
+from job.recipe import read_data
 from job.report import say
 
 
@@ -41,7 +41,7 @@ def default_devices() -> list[str]:
 def bench(cfg: Config, devices: list[torch.device]) -> dict:
     """Train the recipe with the naive loop, then with the job, on each device in turn; returns the machine,
     the recipe and one row per (device, loop) with its timings, accuracy and speed-ups."""
-    data = load_data(cfg.data, cfg.seed)
+    data = read_data(cfg)
     batch = len(data.train) if cfg.data.batch_size == "full" else min(cfg.data.batch_size, len(data.train))
     per_epoch = len(data.train) // batch * batch if cfg.data.drop_last else len(data.train)
     rows = []

@@ -1,4 +1,4 @@
-"""Checkpoints: the state a run captures, the commit (payload, then manifest, then pointer), verification on load,
+"""Checkpoints: a snapshot of the run's state, the commit (payload, then manifest, then pointer), verification on load,
 the search for the newest good one, and retention.
 
 Payloads hold only tensors and plain values, so they load with torch.load(weights_only=True): loading a
@@ -34,7 +34,7 @@ def checkpoint_name(epoch: int, step: int) -> str:
     return f"e{epoch:05d}-s{step:010d}"
 
 
-def capture(model, optimizer, scheduler, scaler, progress: dict[str, Any], config: dict[str, Any]) -> dict:
+def snapshot(model, optimizer, scheduler, scaler, progress: dict[str, Any], config: dict[str, Any]) -> dict:
     """Everything needed to continue the run exactly: weights, optimizer, schedule, scaler, RNGs, position."""
     return {
         "format": FORMAT,
@@ -46,6 +46,11 @@ def capture(model, optimizer, scheduler, scaler, progress: dict[str, Any], confi
         "progress": progress,
         "config": config,
     }
+
+
+def weights_bytes(model) -> bytes:
+    """The model's weights alone, on the host, as model.pt holds them."""
+    return to_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()})
 
 
 def to_bytes(obj: Any) -> bytes:

@@ -123,11 +123,6 @@ def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return torch.nn.parallel.DistributedDataParallel(model)
 
 
-def shard() -> tuple[int, int]:
-    """(rank, world): which slice of every batch this process takes."""
-    return rank(), world()
-
-
 def mean_(t: torch.Tensor) -> torch.Tensor:
     """Replace a tensor by its mean over the processes, in place. With nccl this is queued on the device like a
     kernel (no host sync); with gloo on the CPU it waits for the others, as DDP's own reductions do."""
@@ -146,10 +141,14 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def own(rows: torch.Tensor) -> torch.Tensor:
-    """This process's row of a gather() saved by a group of the same size; the rows' mean for a group of another
-    size, where no process has a row of its own (what the group's reductions would make of them)."""
-    return rows[rank()] if rows.shape[0] == world() else rows.mean(0)
+def own(saved: list) -> torch.Tensor:
+    """This process's loss sums from a checkpoint: its row of a gather() saved by a group of the same size; the rows'
+    mean for a group of another size, where no process has a row of its own (what the group's reductions would make
+    of them); a flat list (a checkpoint from before sums were kept per process) as it is."""
+    sums = torch.tensor(saved)
+    if sums.dim() == 1:
+        return sums
+    return sums[rank()] if sums.shape[0] == world() else sums.mean(0)
 
 
 def totals(sums: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
@@ -245,31 +244,3 @@ def peer_call(fn: Callable, *args, **kwargs) -> None:
             f"rank {rank()}: another process of the run is gone ({one_line(e)[:160]}); the last committed "
             "checkpoint stands: run the same command again to continue"
         ) from None
-
-
-class FollowerReport:
-    """What ranks other than 0 report: nothing. They keep the evaluation records, which every rank computes alike."""
-
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def evaluation(self, record: dict) -> None:
-        self.records.append(record)
-
-    def loss(self, *args) -> None:
-        pass
-
-    def start_epoch(self, *args) -> None:
-        pass
-
-    def advance(self, *args) -> None:
-        pass
-
-    def end_epoch(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self, *args) -> None:
-        pass

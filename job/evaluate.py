@@ -1,18 +1,35 @@
-"""`evaluate`: the test loss and accuracy of a saved checkpoint, with the data and model its config names."""
+"""Testing a model: the test loop the training run uses at every evaluation, and the `evaluate` command, which
+tests a saved checkpoint with the data and model its config names."""
 
 from __future__ import annotations
 
-from job import checkpoint
+import torch
+import torch.nn.functional as F
+
+from job import checkpoint, recipe
 from job.config import apply_override, load_config, validate
-from job.data import load_data
+from job.data.loader import BatchLoader
 from job.env import pick_device
 from job.errors import CheckpointError
-from job.models import build_model
-from job.train import autocast, evaluate, make_loaders
+
+
+@torch.no_grad()
+def test_sums(model, loader: BatchLoader, amp) -> torch.Tensor:
+    """[summed loss, correct predictions] over the split, left on the device."""
+    model.eval()
+    sums = torch.zeros(2, device=loader.device)
+    for x, y in loader.batches():
+        with amp():
+            out = model(x)
+        sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
+        sums[1] += (out.argmax(1) == y).sum()
+    model.train()
+    return sums
 
 
 def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], device_name: str) -> dict:
-    payload, manifest = checkpoint.load_url(url)
+    """Test loss and accuracy of a checkpoint (or a run folder's newest) on the test split."""
+    payload, _ = checkpoint.load_url(url)
     if config:
         cfg = load_config(config, overrides)
     else:
@@ -23,22 +40,19 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
             apply_override(raw, item)
         cfg = validate(raw)
     device = pick_device(device_name)
-    data = load_data(cfg.data, cfg.seed)
-    model = build_model(cfg.model, data.input_shape, len(data.classes))
+    r = recipe.build(cfg, device, recipe.read_data(cfg))
     try:
-        model.load_state_dict(payload["model"])
+        r.model.load_state_dict(payload["model"])
     except RuntimeError as e:
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
-    model.to(device)
-    _, test, _ = make_loaders(cfg, data, device)
-    loss_sum, correct = evaluate(model, test, autocast(cfg, device)).tolist()
+    loss_sum, correct = test_sums(r.model, r.test, r.amp).tolist()
     progress = payload.get("progress", {})
     return {
         "checkpoint": url,
         "epoch": progress.get("epoch"),
         "step": progress.get("step"),
-        "test_loss": loss_sum / test.n,
-        "test_accuracy": correct / test.n,
-        "samples": test.n,
+        "test_loss": loss_sum / r.test.n,
+        "test_accuracy": correct / r.test.n,
+        "samples": r.test.n,
         "device": str(device),
     }

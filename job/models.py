@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -31,7 +32,7 @@ class CifarCNN(nn.Sequential):
 
 def mlp(input_shape: tuple[int, ...], hidden: list[int], num_classes: int) -> nn.Sequential:
     """Linear layers with ReLU between them (inputs flattened): the tutorials' Iris net is mlp((4,), [10], 3)."""
-    sizes = [_flat(input_shape), *hidden]
+    sizes = [math.prod(input_shape), *hidden]
     layers: list[nn.Module] = [nn.Flatten()] if len(input_shape) > 1 else []
     for a, b in zip(sizes, sizes[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
@@ -105,10 +106,3 @@ def check_shapes(model: nn.Module, name: str, input_shape: tuple[int, ...], num_
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ConfigError(f"model {name}: outputs {got} for 2 inputs of {shape}; expected (2, {num_classes}) logits")
-
-
-def _flat(shape: tuple[int, ...]) -> int:
-    size = 1
-    for s in shape:
-        size *= s
-    return size

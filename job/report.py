@@ -118,13 +118,11 @@ def plot_curves(records: list[dict[str, Any]]) -> bytes:
     """PNG of training and test loss, and test accuracy, over the run's evaluations."""
     import io
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # without pyplot: no global backend switched, a notebook's kept as it is
 
     epochs = [r["epoch"] for r in records]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    ax_loss, ax_acc = fig.subplots(1, 2)
     ax_loss.plot(epochs, [r["train_loss"] for r in records], marker=".", label="train")
     ax_loss.plot(epochs, [r["test_loss"] for r in records], marker=".", label="test")
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
@@ -136,5 +134,32 @@ def plot_curves(records: list[dict[str, Any]]) -> bytes:
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
     return buf.getvalue()
+
+
+class FollowerReport:
+    """What ranks other than 0 report: nothing. They keep the evaluation records, which every rank computes alike."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def evaluation(self, record: dict) -> None:
+        self.records.append(record)
+
+    def loss(self, *args) -> None:
+        pass
+
+    def start_epoch(self, *args) -> None:
+        pass
+
+    def advance(self, *args) -> None:
+        pass
+
+    def end_epoch(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, *args) -> None:
+        pass

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from job.errors import one_line
+from job.memory import is_out_of_memory
 
 # A CPU step whose forward pass does less arithmetic than this is dominated by per-operation overhead: it is
 # traced, and it runs on one thread (waking a second thread costs more than it saves at this size).
@@ -148,9 +149,9 @@ class CudaGraphStep(EagerStep):
         if not self.whole:
             self.update()
         if waits:
-            self.give_up(f"the step waits for the GPU on the host ({waits[0]}; a .item() or a branch on a value)")
+            self.fall_back(f"the step waits for the GPU on the host ({waits[0]}; a .item() or a branch on a value)")
 
-    def give_up(self, reason: str) -> None:
+    def fall_back(self, reason: str) -> None:
         """Every shape runs eagerly from now on; the graphs' memory goes back to the allocator."""
         self.graphs.clear()
         self.failed = reason[:200]
@@ -159,8 +160,6 @@ class CudaGraphStep(EagerStep):
     def capture(self, sx: torch.Tensor, sy: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]] | None:
         """The graph of one step on these static inputs (capturing runs nothing); None, with the reason kept,
         when the model cannot be captured: it then runs eagerly from this batch on."""
-        from job.batch_size import is_out_of_memory
-
         graph = torch.cuda.CUDAGraph()
         self.optimizer.zero_grad(set_to_none=True)  # gradients are made inside the graph, in its own memory
         stream = torch.cuda.current_stream()
@@ -183,7 +182,7 @@ class CudaGraphStep(EagerStep):
                 raise first from None
             torch.cuda.synchronize()
             self.optimizer.zero_grad(set_to_none=True)  # some may point into the abandoned graph's memory
-            self.give_up(one_line(first))
+            self.fall_back(one_line(first))
             return None
         return graph, [p.grad for p in self.params]
 

@@ -1,7 +1,8 @@
-"""The training loop: set a run up from its config, then epochs of steps, evaluations and checkpoints.
+"""The run and its loop: open the run folder, set the recipe up (job/recipe.py), continue from a checkpoint when
+there is one, then epochs of steps, evaluations and checkpoints, and the results at the end.
 
-Inside an epoch nothing waits for the device: losses are summed on the device and copied to the host
-N steps at a time without blocking; the host reads numbers only at evaluations and checkpoints.
+Inside an epoch nothing waits for the device: losses are summed on the device and copied to the host N steps at a
+time without blocking (job/meters.py); the host reads numbers only at evaluations and checkpoints.
 """
 
 from __future__ import annotations
@@ -9,50 +10,23 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections import deque
 from dataclasses import asdict, dataclass
-from functools import partial
 
 import torch
-import torch.nn.functional as F
 
-from job import checkpoint, cloud, distributed
-from job.batch_size import is_out_of_memory, memory_guard, out_of_memory_error
+from job import checkpoint, cloud, distributed, recipe
 from job.config import Config, flat_items, to_yaml
-from job.data import Dataset, load_data
-from job.data.loader import BatchLoader, channel_stats, choose_storage
-from job.env import describe_device, pick_device, resolve_precision, seed_everything
+from job.env import describe_device, pick_device, seed_everything
 from job.errors import ConfigError, Interrupted, StorageError
-from job.models import build_model
-from job.report import Report, say
-from job.step import SMALL_STEP_FLOPS, build_step, forward_flops
+from job.evaluate import test_sums
+from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
+from job.meters import LossLog, TrainClock
+from job.recipe import Recipe
+from job.report import FollowerReport, Report, say
+from job.resume import clear_run, find_checkpoint
+from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops
 from job.stop import TIME_LIMIT, StopRequest
 from job.storage import RunDir
-
-# Keys a resumed run may change: they do not alter what the checkpoint's state means.
-RESUME_SAFE = {
-    "name",
-    "output.dir",
-    "output.staged",
-    "output.sync_every_seconds",
-    "output.upload_timeout_seconds",
-    "data.cache",
-    "data.path",
-    "data.placement",
-    "data.device_share",
-    "data.eval_batch_size",
-    "train.epochs",
-    "train.log_every_steps",
-    "train.eval_every_epochs",
-    "train.checkpoint_every_epochs",
-    "train.keep_last",
-    "train.precision",
-    "train.channels_last",
-    "train.step_capture",
-    "train.compile",
-    "train.cpu_threads",
-    "train.time_limit",
-}
 
 
 @dataclass
@@ -69,74 +43,21 @@ class Progress:
     run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
 
 
-class TrainClock:
-    """Seconds spent in training epochs, excluding evaluations and checkpoints, without waiting for the device:
-    on a GPU, CUDA events mark each stretch of epochs and are read only after the device has caught up."""
+@dataclass
+class Loop:
+    """What the epochs share, set up once by train_loop."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-        self.open = False
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def start(self) -> None:
-        if not self.open:
-            self.marks.append(self.mark())
-            self.open = True
-
-    def stop(self) -> None:
-        if self.open:
-            self.marks.append(self.mark())
-            self.open = False
-
-    def seconds(self) -> float:
-        self.stop()
-        pairs = zip(self.marks[::2], self.marks[1::2])
-        if self.cuda:
-            torch.cuda.synchronize()
-            return sum(a.elapsed_time(b) for a, b in pairs) / 1000
-        return sum(b - a for a, b in pairs)
-
-
-class LossLog:
-    """Training loss summed on the device: [sum over the current log window, sum since the last evaluation].
-
-    Every `every` steps the window sum is copied to pinned host memory without blocking; the value is
-    handed out once the copy has landed, so logging costs no host sync.
-    """
-
-    def __init__(self, device: torch.device, every: int) -> None:
-        self.device, self.every = device, every
-        self.sums = torch.zeros(2, device=device)
-        self.pending: deque = deque()
-
-    def close_window(self, step: int, lr: float) -> None:
-        host = torch.empty(1, pin_memory=self.device.type == "cuda")
-        distributed.mean_(self.sums[:1])  # under torchrun: the group's window (nccl: queued, no host sync)
-        host.copy_(self.sums[:1], non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self.sums[:1].zero_()  # in place: assigning a Python number would copy from the host and sync
-        self.pending.append((step, lr, host, event))
-
-    def ready(self, wait: bool = False):
-        """(step, mean loss, lr) of each window whose copy has landed (all of them with wait=True)."""
-        while self.pending:
-            step, lr, host, event = self.pending[0]
-            if event is not None and not wait and not event.query():
-                return
-            if event is not None:
-                event.synchronize()
-            self.pending.popleft()
-            yield step, host.item() / self.every, lr
+    cfg: Config
+    run_dir: RunDir
+    r: Recipe
+    step: EagerStep
+    state: Progress
+    log: LossLog
+    report: Report | FollowerReport
+    stop: StopRequest
+    clock: TrainClock
+    t_start: float
+    t_eval: float  # when the last evaluation ended: throughput is measured from there
 
 
 def run(
@@ -153,44 +74,23 @@ def run(
     with contextlib.nullcontext(stop) if stop is not None else StopRequest(cfg.train.grace_seconds) as stop:
         stop.grace_seconds = cfg.train.grace_seconds
         stop.limit(cfg.train.time_limit)
-        return train_run(cfg, output, device_name, resume, overwrite, stop, routes)
+        t_start, threads = time.perf_counter(), torch.get_num_threads()
+        distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
+        together = False
+        try:
+            summary = train_rank(cfg, output, device_name, resume, overwrite, stop, routes, t_start)
+            together = True
+            return summary
+        finally:
+            distributed.finish(together)
+            torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after
 
 
-def train_run(
-    cfg: Config,
-    output: str,
-    device_name: str,
-    resume: str,
-    overwrite: bool,
-    stop: StopRequest,
-    routes: dict[str, str] | None = None,
-) -> dict:
-    t_start, threads = time.perf_counter(), torch.get_num_threads()
-    distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
-    together = False
-    try:
-        summary = train_rank(cfg, output, device_name, resume, overwrite, stop, routes, t_start)
-        together = True
-        return summary
-    finally:
-        distributed.finish(together)
-        torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after it
-
-
-def train_rank(
-    cfg: Config,
-    output: str,
-    device_name: str,
-    resume: str,
-    overwrite: bool,
-    stop: StopRequest,
-    routes: dict[str, str] | None,
-    t_start: float,
-) -> dict:
+def train_rank(cfg: Config, output: str, device_name: str, resume: str, overwrite: bool, stop, routes, t_start) -> dict:
     # Rank 0 checks and opens the run folder; the other processes of a group only name it and never write to it.
     run_dir = distributed.on_writer(lambda: preflight(cfg, output, resume, overwrite, routes)) or RunDir(output)
     try:
-        summary = train_loop(cfg, run_dir, device_name, resume, overwrite, stop, t_start)
+        return train_loop(cfg, run_dir, pick_device(device_name), resume, overwrite, stop, t_start)
     except Interrupted as e:
         try:
             run_dir.finish()  # the grace period's timer ends the process if this takes too long
@@ -204,7 +104,6 @@ def train_rank(
         if is_out_of_memory(e):  # the loop names its batch sizes itself: this is setting up (data, model)
             raise out_of_memory_error("while setting up the run", pick_device(device_name)) from None
         raise
-    return summary
 
 
 def preflight(cfg: Config, output: str, resume: str, overwrite: bool, routes: dict[str, str] | None) -> RunDir:
@@ -236,98 +135,191 @@ def preflight(cfg: Config, output: str, resume: str, overwrite: bool, routes: di
     return run_dir
 
 
+def open_run(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
+    """Rank 0's part of setting up: the checkpoint to continue from, an overwritten run cleared, uploads started."""
+    found = find_checkpoint(run_dir, resume, overwrite, cfg)
+    if overwrite and found is None:
+        clear_run(run_dir)
+    run_dir.start_sync()
+    return found
+
+
 def train_loop(
-    cfg: Config, run_dir: RunDir, device_name: str, resume: str, overwrite: bool, stop: StopRequest, t_start: float
+    cfg: Config, run_dir: RunDir, device: torch.device, resume: str, overwrite: bool, stop, t_start: float
 ) -> dict:
-    device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)
-    data = load_data(cfg.data, cfg.seed)
-    model = build_model(cfg.model, data.input_shape, len(data.classes))
-    t = cfg.train
-    precision = resolve_precision(t.precision, device)
-    channels_last = use_channels_last(t.channels_last, model, device, precision)
+    data = recipe.read_data(cfg)
+    r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
     found = distributed.share_checkpoint(lambda: open_run(run_dir, resume, overwrite, cfg))
-    train_loader, test_loader, where = make_loaders(cfg, data, device, channels_last)
-    step_flops = float("inf")  # what a step costs matters on a CPU only (threads, tracing)
-    if device.type == "cpu":
-        step_flops = forward_flops(model, data.input_shape) * train_loader.batch_size
-        small = step_flops < SMALL_STEP_FLOPS
-        torch.set_num_threads(t.cpu_threads if t.cpu_threads != "auto" else 1 if small else torch.get_num_threads())
-    say(f"device {describe_device(device)}; data {data.describe()}, held on {where}")
-    say(f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters; output {run_dir.url}")
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = not cfg.train.deterministic
-    model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
-    model.train()
-    optimizer = make_optimizer(cfg, model, fuse_optimizer(device, precision))
-    scheduler = make_scheduler(cfg, optimizer, cfg.train.epochs * len(train_loader))
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    step_flops = set_cpu_threads(cfg, r, data.input_shape)
+    say(f"device {describe_device(device)}; data {data.describe()}, held on {r.feed.where}")
+    say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
-        payload, manifest = found
-        checkpoint.restore(payload, model, optimizer, scheduler, scaler)
-        saved = dict(payload["progress"])
-        sums = torch.tensor(saved.pop("loss_sums"))
-        log.sums.copy_(distributed.own(sums) if sums.dim() == 2 else sums)  # one row per process saved it
-        state = Progress(**{"run_id": state.run_id, **saved})
-        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({manifest['file']})")
-    prime_momentum(optimizer)
+        state = restore(found, r, log, state.run_id)
+        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({found[1]['file']})")
     stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
         if stop.signal == TIME_LIMIT:  # the next attempt would set up as long: a setting to change, not a retry
             raise ConfigError(f"{stop.describe()} ran out before training began: allow more with train.time_limit")
         raise Interrupted(f"stopped by {stop.describe()} before training began: run the same command again to continue")
-    if not distributed.is_writer():
-        report = distributed.FollowerReport()
-    else:
+    report = FollowerReport()
+    if distributed.is_writer():
         run_dir.write("config.yaml", to_yaml(cfg).encode())
-        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(train_loader), state.step + 1 if found else 0)
-    step_model = distributed.wrap(model, device)
-    step_model = torch.compile(step_model) if t.compile else step_model  # checkpoints keep the plain module's names
-    capture = "off" if t.compile or step_model is not model else t.step_capture
-    amp = autocast(cfg, device)
-    step_fn = build_step(step_model, optimizer, scheduler, scaler, amp, log.sums, device, capture, step_flops)
-    if t.compile:
-        step_fn.description = "the compiled model in eager steps (step capture is off with torch.compile)"
-    elif step_model is not model:
-        step_fn.description = "eager (DistributedDataParallel reduces gradients from autograd hooks: no capture)"
-    layout = ", channels-last" if channels_last else ""
-    compiled = ", torch.compile" if t.compile else ""
-    say(f"step: {precision}{layout}{compiled}; {step_fn.description}")
-    t_eval, clock, first_epoch, described = time.perf_counter(), TrainClock(device), state.epoch, step_fn.description
+        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), state.step + 1 if found else 0)
+    step = make_step(cfg, r, log, step_flops)
+    t = time.perf_counter()
+    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, TrainClock(device), t_start, t)
+    first_epoch = state.epoch
     for epoch in range(state.epoch, cfg.train.epochs):
-        report.start_epoch(epoch, state.epoch_step)
-        clock.start()
-        with memory_guard(f"data.batch_size={cfg.data.batch_size}", device):
-            finished = train_epoch(step_fn, optimizer, train_loader, epoch, state, log, report, stop)
-        if step_fn.description != described:  # a fallback found on the first batch: say so once
-            described = step_fn.description
-            say(f"step: {described}")
-        if finished:
-            state.epoch, state.epoch_step = epoch + 1, 0
+        finished = train_epoch(loop, epoch)
         last = state.epoch == cfg.train.epochs
-        report.end_epoch()
         if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
-            clock.stop()
-            with memory_guard(f"data.eval_batch_size={test_loader.batch_size}", device):
-                t_eval = evaluation(model, test_loader, autocast(cfg, device), state, log, report, t_start, t_eval)
+            test_and_report(loop)
         stopping = stop.signal is not None and not last
         if stopping:
             say(f"{stop.describe()}: stopping at epoch {state.epoch}, step {state.step}; committing a checkpoint")
         if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
-            clock.stop()
-            # Each process's own loss sums, so that every one of them resumes with exactly what it had.
-            sums = distributed.gather(log.sums).tolist()
-            distributed.on_writer(
-                partial(save, run_dir, cfg, model, optimizer, scheduler, scaler, state, log, report, sums)
-            )
+            save(loop)
         if stopping:
             raise Interrupted(
                 f"stopped by {stop.describe()} at epoch {state.epoch}, step {state.step}; "
                 f"checkpoint committed to {run_dir.url}: run the same command again to continue"
             )
     stop.finishing()
-    final = distributed.on_writer(lambda: write_results(run_dir, model, state, report))
+    return finish(loop, first_epoch)
+
+
+def set_cpu_threads(cfg: Config, r: Recipe, input_shape: tuple[int, ...]) -> float:
+    """On a CPU, the threads a step of this size should use; returns the step's forward FLOPs (inf elsewhere: what
+    a step costs matters on a CPU only, for threads and tracing)."""
+    if r.device.type != "cpu":
+        return float("inf")
+    flops = forward_flops(r.model, input_shape) * r.train.batch_size
+    threads = cfg.train.cpu_threads
+    torch.set_num_threads(threads if threads != "auto" else 1 if flops < SMALL_STEP_FLOPS else torch.get_num_threads())
+    return flops
+
+
+def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str) -> Progress:
+    """The recipe's state and the loop's position from a checkpoint."""
+    payload, _ = found
+    checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler)
+    recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
+    saved = dict(payload["progress"])
+    log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
+    return Progress(**{"run_id": run_id, **saved})
+
+
+def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerStep:
+    """The training step as this run takes it: through DDP and torch.compile where they apply, else captured."""
+    t = cfg.train
+    model = distributed.wrap(r.model, r.device)
+    model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
+    capture = "off" if t.compile or model is not r.model else t.step_capture
+    step = build_step(model, r.optimizer, r.scheduler, r.scaler, r.amp, log.sums, r.device, capture, step_flops)
+    if t.compile:
+        step.description = "the compiled model in eager steps (step capture is off with torch.compile)"
+    elif model is not r.model:
+        step.description = "eager (DistributedDataParallel reduces gradients from autograd hooks: no capture)"
+    layout = ", channels-last" if r.channels_last else ""
+    compiled = ", torch.compile" if t.compile else ""
+    say(f"step: {r.precision}{layout}{compiled}; {step.description}")
+    return step
+
+
+def train_epoch(loop: Loop, epoch: int) -> bool:
+    """One epoch from where the state says it stands; False when a stop was requested before its end."""
+    state, log, report, stop, loader = loop.state, loop.log, loop.report, loop.stop, loop.r.train
+    described, every = loop.step.description, log.every
+    report.start_epoch(epoch, state.epoch_step)
+    loop.clock.start()
+    with memory_guard(f"data.batch_size={loop.cfg.data.batch_size}", loop.r.device):
+        for x, y in loader.batches(epoch, state.epoch_step):
+            loop.step(x, y, loader.loss_weight(state.epoch_step))
+            state.step += 1
+            state.epoch_step += 1
+            state.steps_since_eval += 1
+            state.samples_since_eval += y.shape[0]
+            if state.step % every == 0:
+                log.close_window(state.step, loop.r.optimizer.param_groups[0]["lr"])
+                for step, loss, lr in log.ready():
+                    report.loss(step, loss, lr)
+                report.advance(every)
+                stop.sync()  # under torchrun the processes agree here whether to stop, every `every` steps
+            if stop.signal is not None:
+                break
+    if loop.step.description != described:  # a fallback found on the first batch: say so once
+        say(f"step: {loop.step.description}")
+    finished = state.epoch_step == len(loader)
+    if finished:
+        state.epoch, state.epoch_step = epoch + 1, 0
+    report.end_epoch()
+    return finished
+
+
+def test_and_report(loop: Loop) -> None:
+    """Test the model and report it with the training loss and throughput since the previous evaluation."""
+    loop.clock.stop()
+    r, state, log, test = loop.r, loop.state, loop.log, loop.r.test
+    with memory_guard(f"data.eval_batch_size={test.batch_size}", r.device):
+        sums = test_sums(r.model, test, r.amp)
+    test_loss, correct, train_sum = distributed.totals(sums, log.sums[1:]).tolist()  # the evaluation's host sync
+    now = time.perf_counter()
+    for step, loss, lr in log.ready(wait=True):
+        loop.report.loss(step, loss, lr)
+    log.sums[1:].zero_()
+    record = {
+        "epoch": state.epoch,
+        "step": state.step,
+        "train_loss": train_sum / max(state.steps_since_eval, 1),
+        "test_loss": test_loss / test.n,
+        "test_accuracy": correct / test.n,
+        "samples_per_s": state.samples_since_eval / max(now - loop.t_eval, 1e-9),
+        "wall_s": round(now - loop.t_start, 3),
+    }
+    if record["test_accuracy"] > state.best_accuracy:
+        state.best_accuracy, state.best_epoch = record["test_accuracy"], state.epoch
+    state.steps_since_eval = state.samples_since_eval = 0
+    loop.report.evaluation(record)
+    loop.t_eval = now
+
+
+def save(loop: Loop) -> None:
+    """Commit a checkpoint of the state as it stands, with each process's own loss sums, so that every one of them
+    resumes with exactly what it had. Rank 0 flushes the logs and writes it."""
+    loop.clock.stop()
+    sums = distributed.gather(loop.log.sums).tolist()  # one row per process
+    distributed.on_writer(lambda: commit(loop, sums))
+
+
+def commit(loop: Loop, loss_sums: list[list[float]]) -> None:
+    cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
+    for step, loss, lr in loop.log.ready(wait=True):
+        report.loss(step, loss, lr)
+    report.flush()
+    progress = {**asdict(state), "loss_sums": loss_sums}
+    metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
+    payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump())
+    t = cfg.train
+    checkpoint.commit(loop.run_dir, payload, state.epoch, state.step, metrics, t.keep_last, t.keep_best, state.run_id)
+    loop.run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
+
+
+def write_results(loop: Loop, final: dict) -> None:
+    loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.model))
+    loop.report.close(final)
+
+
+def finish(loop: Loop, first_epoch: int) -> dict:
+    """The final weights, hparams and curves written and uploaded; returns the run's summary."""
+    run_dir, state, report, stop = loop.run_dir, loop.state, loop.report, loop.stop
+    final = {
+        "best_accuracy": state.best_accuracy,
+        "final_accuracy": report.records[-1]["test_accuracy"],
+        "final_test_loss": report.records[-1]["test_loss"],
+    }
+    distributed.on_writer(lambda: write_results(loop, final))
     if not distributed.is_writer():  # rank 0 has written the results and uploads them
         return {"rank": distributed.rank(), "epochs": state.epoch, "steps": state.step}
     if run_dir.remote:
@@ -338,8 +330,8 @@ def train_loop(
         "best_epoch": state.best_epoch,
         "epochs": state.epoch,
         "steps": state.step,
-        "seconds": round(time.perf_counter() - t_start, 2),
-        "train_seconds": round(clock.seconds(), 4),  # in this process's training epochs only
+        "seconds": round(time.perf_counter() - loop.t_start, 2),
+        "train_seconds": round(loop.clock.seconds(), 4),  # in this process's training epochs only
         "epochs_run": state.epoch - first_epoch,
         "output": run_dir.url,
     }
@@ -352,276 +344,3 @@ def train_loop(
         f"outputs in {run_dir.url}"
     )
     return summary
-
-
-def write_results(run_dir: RunDir, model, state: Progress, report: Report) -> dict:
-    """The final weights, hparams and curves; returns the final metrics."""
-    final = {
-        "best_accuracy": state.best_accuracy,
-        "final_accuracy": report.records[-1]["test_accuracy"],
-        "final_test_loss": report.records[-1]["test_loss"],
-    }
-    run_dir.write("model.pt", state_dict_bytes(model))
-    report.close(final)
-    return final
-
-
-def train_epoch(
-    step_fn,
-    optimizer,
-    loader: BatchLoader,
-    epoch: int,
-    state: Progress,
-    log: LossLog,
-    report: Report,
-    stop: StopRequest,
-) -> bool:
-    """One epoch from where the state says it stands; False when a stop was requested before its end."""
-    every = log.every
-    for x, y in loader.batches(epoch, state.epoch_step):
-        step_fn(x, y, loader.loss_weight(state.epoch_step))
-        state.step += 1
-        state.epoch_step += 1
-        state.steps_since_eval += 1
-        state.samples_since_eval += y.shape[0]
-        if state.step % every == 0:
-            log.close_window(state.step, optimizer.param_groups[0]["lr"])
-            for step, loss, lr in log.ready():
-                report.loss(step, loss, lr)
-            report.advance(every)
-            stop.sync()  # under torchrun the processes agree here whether to stop, every `every` steps
-        if stop.signal is not None:
-            break
-    return state.epoch_step == len(loader)
-
-
-@torch.no_grad()
-def evaluate(model, loader: BatchLoader, amp) -> torch.Tensor:
-    """[summed loss, correct predictions] over the split, left on the device."""
-    model.eval()
-    sums = torch.zeros(2, device=loader.device)
-    for x, y in loader.batches():
-        with amp():
-            out = model(x)
-        sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
-        sums[1] += (out.argmax(1) == y).sum()
-    model.train()
-    return sums
-
-
-def evaluation(
-    model,
-    loader: BatchLoader,
-    amp,
-    state: Progress,
-    log: LossLog,
-    report: Report,
-    t_start: float,
-    t_eval: float,
-) -> float:
-    """Test the model and report it with the training loss and throughput since the previous evaluation
-    (which ended at t_eval); returns when this one ended."""
-    sums = distributed.totals(evaluate(model, loader, amp), log.sums[1:]).tolist()  # the evaluation's one host sync
-    now = time.perf_counter()
-    for step, loss, lr in log.ready(wait=True):
-        report.loss(step, loss, lr)
-    log.sums[1:].zero_()
-    test_loss, correct, train_sum = sums
-    record = {
-        "epoch": state.epoch,
-        "step": state.step,
-        "train_loss": train_sum / max(state.steps_since_eval, 1),
-        "test_loss": test_loss / loader.n,
-        "test_accuracy": correct / loader.n,
-        "samples_per_s": state.samples_since_eval / max(now - t_eval, 1e-9),
-        "wall_s": round(now - t_start, 3),
-    }
-    if record["test_accuracy"] > state.best_accuracy:
-        state.best_accuracy, state.best_epoch = record["test_accuracy"], state.epoch
-    state.steps_since_eval = state.samples_since_eval = 0
-    report.evaluation(record)
-    return now
-
-
-def save(
-    run_dir: RunDir,
-    cfg: Config,
-    model,
-    optimizer,
-    scheduler,
-    scaler,
-    state: Progress,
-    log: LossLog,
-    report: Report,
-    loss_sums: list[list[float]],
-) -> None:
-    """Flush the logs, then commit a checkpoint of the state as it stands (`loss_sums`: one row per process)."""
-    for step, loss, lr in log.ready(wait=True):
-        report.loss(step, loss, lr)
-    report.flush()
-    progress = {**asdict(state), "loss_sums": loss_sums}
-    metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
-    payload = checkpoint.capture(model, optimizer, scheduler, scaler, progress, cfg.model_dump())
-    checkpoint.commit(
-        run_dir, payload, state.epoch, state.step, metrics, cfg.train.keep_last, cfg.train.keep_best, state.run_id
-    )
-    run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
-
-
-def autocast(cfg: Config, device: torch.device):
-    """A context factory for the configured precision (fp32: none). Without autocast's weight cache, which a
-    captured CUDA graph cannot hold across replays."""
-    precision = resolve_precision(cfg.train.precision, device)
-    if precision == "fp32":
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return lambda: torch.autocast(device.type, dtype=dtype, cache_enabled=False)
-
-
-def use_channels_last(setting: str, model, device: torch.device, precision: str) -> bool:
-    """channels_last for a model with 2-d convolutions: when asked, or (auto) where convolutions run faster in it:
-    on a CPU (oneDNN's kernels; the tutorials' CIFAR-10 CNN trains about 15% faster on this project's CPU), and on a
-    GPU computing in bf16 or fp16 (tensor cores)."""
-    if setting == "off" or not any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
-        return False
-    return setting == "on" or device.type == "cpu" or (device.type == "cuda" and precision in ("bf16", "fp16"))
-
-
-def make_optimizer(cfg: Config, model, fused: bool = False) -> torch.optim.Optimizer:
-    """`fused`: one kernel per step, which also takes fp16's loss scale and overflow flag on the device, so
-    GradScaler never waits for the GPU (with the other kernels it reads the flag on the host every step)."""
-    o = cfg.optim
-    how = {"fused": True} if fused else {}
-    if o.name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, **how)
-    if o.nesterov and o.momentum == 0:
-        raise ConfigError("optim.nesterov: needs optim.momentum > 0")
-    return torch.optim.SGD(
-        model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **how
-    )
-
-
-def prime_momentum(optimizer: torch.optim.Optimizer) -> None:
-    """Zero momentum buffers for fused SGD before its first step. Its first step otherwise makes them uninitialised
-    and fills them in the kernel, which fp16's loss scaler skips on an overflow, leaving them uninitialised. With
-    no dampening, a zero buffer's first update is the gradient itself, as SGD's first step is."""
-    for group in optimizer.param_groups:
-        if isinstance(optimizer, torch.optim.SGD) and group.get("fused") and group["momentum"]:
-            for p in group["params"]:
-                optimizer.state[p].setdefault(
-                    "momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format)
-                )
-
-
-def fuse_optimizer(device: torch.device, precision: str) -> bool:
-    """Fused optimizer kernels where fp16's loss scaler would otherwise sync every step: CUDA with fp16."""
-    return device.type == "cuda" and precision == "fp16"
-
-
-def make_scheduler(cfg: Config, optimizer, total_steps: int):
-    """A per-step schedule over the whole run, or None."""
-    o = cfg.optim
-    if o.schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    if o.schedule == "onecycle":
-        cycle_momentum = o.name == "adamw" or o.momentum > 0  # never add momentum a recipe did not ask for
-        return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=o.lr, total_steps=total_steps, cycle_momentum=cycle_momentum
-        )
-    return None
-
-
-def make_loaders(
-    cfg: Config, data: Dataset, device: torch.device, channels_last: bool = False
-) -> tuple[BatchLoader, BatchLoader, str]:
-    d = cfg.data
-    storage = choose_storage(data.train.x.nbytes + data.test.x.nbytes, device, d.placement, d.device_share)
-    mean = std = None
-    if data.is_image and d.normalize:
-        mean, std = channel_stats(data.train.x)
-    batch = len(data.train) if d.batch_size == "full" else d.batch_size
-    rank, world = distributed.shard()
-    size = min(batch, len(data.train))
-    smallest = len(data.train) % size if len(data.train) % size and not d.drop_last else size
-    if smallest < world:
-        raise ConfigError(
-            f"data.batch_size: a training batch of {smallest} samples cannot be split over {world} processes; "
-            "use a larger batch, fewer processes, or data.drop_last=true"
-        )
-    image_aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip} if data.is_image else {}
-    train = BatchLoader(
-        data.train,
-        batch,
-        device,
-        storage,
-        seed=cfg.seed,
-        shuffle=d.shuffle,
-        drop_last=d.drop_last,
-        mean=mean,
-        std=std,
-        shard=(rank, world),
-        channels_last=channels_last,
-        **image_aug,
-    )
-    if len(train) == 0:
-        raise ConfigError(f"data.drop_last: the training split ({len(data.train)}) is smaller than one batch")
-    test = BatchLoader(
-        data.test,
-        d.eval_batch_size or batch,
-        device,
-        storage,
-        mean=mean,
-        std=std,
-        shard=(rank, world),
-        channels_last=channels_last,
-    )
-    where = "the device" if storage.type == device.type and device.type != "cpu" else "the host"
-    return train, test, where
-
-
-def open_run(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
-    """Rank 0's part of setting up: the checkpoint to continue from, an overwritten run cleared, uploads started."""
-    found = find_checkpoint(run_dir, resume, overwrite, cfg)
-    if overwrite and found is None:
-        clear_run(run_dir)
-    run_dir.start_sync()
-    return found
-
-
-def find_checkpoint(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
-    """The checkpoint to continue from, per --resume: auto (the run's newest), never, or a URL."""
-    if resume == "never":
-        if run_dir.has_run() and not overwrite:
-            raise ConfigError(f"{run_dir.url} already holds a run: --resume auto continues it, --overwrite replaces it")
-        return None
-    found = checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
-    if found is not None:
-        check_compatible(found[0]["config"], cfg)
-    return found
-
-
-def check_compatible(saved: dict, cfg: Config) -> None:
-    """Refuse to resume when a setting that changes what the checkpoint means differs."""
-    old = flat_items(Config.model_validate(saved))
-    new = flat_items(cfg)
-    changed = sorted(k for k in new if k not in RESUME_SAFE and old.get(k) != new[k])
-    if changed:
-        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:4])
-        raise ConfigError(
-            f"cannot resume: the checkpoint was trained with other settings ({detail}); "
-            "use another --output, or --resume never --overwrite to start over"
-        )
-
-
-def clear_run(run_dir: RunDir) -> None:
-    """--overwrite: remove an earlier run's checkpoints, logs and results from the folder."""
-    for rel in run_dir.list("checkpoints"):
-        run_dir.delete(f"checkpoints/{rel}")
-    for rel in run_dir.list("tensorboard"):
-        run_dir.delete(f"tensorboard/{rel}")
-    for rel in ("metrics.jsonl", "model.pt", "curves.png", "config.yaml"):
-        run_dir.delete(rel)
-
-
-def state_dict_bytes(model) -> bytes:
-    return checkpoint.to_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()})

@@ -18,7 +18,7 @@ def payload(seed: int) -> dict:
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    return checkpoint.capture(model, opt, None, scaler, {"epoch": seed, "step": seed * 10}, {"name": "t"})
+    return checkpoint.snapshot(model, opt, None, scaler, {"epoch": seed, "step": seed * 10}, {"name": "t"})
 
 
 def commit_three(tmp_path, keep_last=5) -> RunDir:
@@ -167,7 +167,7 @@ def test_restore_keeps_how_this_device_runs_the_optimizer(make, saved_how, resum
         model(torch.ones(1, 3)).sum().backward()
         opt.step()
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    saved = checkpoint.capture(model, opt, None, scaler, {"epoch": 1, "step": 2}, {"name": "t"})
+    saved = checkpoint.snapshot(model, opt, None, scaler, {"epoch": 1, "step": 2}, {"name": "t"})
     buf = io.BytesIO()
     torch.save(saved, buf)
     loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)

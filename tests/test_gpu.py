@@ -6,15 +6,16 @@ import pytest
 import torch
 from conftest import run_job, write_image_folder
 
+from job import recipe
 from job.config import load_config
 from job.data import load_data
 from job.data.loader import BatchLoader
-from job.models import build_model
-from job.report import Report
+from job.meters import LossLog, TrainClock
+from job.report import Report, say
 from job.step import CudaGraphStep, build_step
 from job.stop import StopRequest
 from job.storage import RunDir
-from job.train import LossLog, Progress, autocast, fuse_optimizer, make_loaders, make_optimizer, train_epoch
+from job.train import Loop, Progress, train_epoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 CUDA = torch.device("cuda")
@@ -41,31 +42,27 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
             "optim.schedule=onecycle",
         ],
     )
-    data = load_data(cfg.data, cfg.seed)
-    model = build_model(cfg.model, data.input_shape, len(data.classes)).to(CUDA)
-    optimizer = make_optimizer(cfg, model, fuse_optimizer(CUDA, precision))
-    total = 3 * 10
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=total)
-    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")  # fp16: with fused kernels, no sync
-    train, _, where = make_loaders(cfg, data, CUDA)
-    assert where == ("the device" if placement == "device" else "the host")
+    data = load_data(cfg.data, cfg.seed, tmp_path / "cache", say)
+    r = recipe.build(cfg, CUDA, data)  # fp16: fused optimizer kernels, so the loss scaler never syncs
+    assert r.feed.where == ("the device" if placement == "device" else "the host")
     state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
-    step = build_step(model, optimizer, scheduler, scaler, autocast(cfg, CUDA), log.sums, CUDA, capture, 1e9)
+    step = build_step(r.model, r.optimizer, r.scheduler, r.scaler, r.amp, log.sums, CUDA, capture, 1e9)
     assert isinstance(step, CudaGraphStep) == (capture == "auto")
-    report = Report(RunDir(str(tmp_path / "run")), {}, 2, len(train), 0)
+    run_dir = RunDir(str(tmp_path / "run"))
+    report = Report(run_dir, {}, 2, len(r.train), 0)
     with StopRequest(20) as stop:
+        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, TrainClock(CUDA), 0.0, 0.0)
         for _ in range(2):  # warm-up: cuDNN picks its kernels, then each batch shape is captured
-            train_epoch(step, optimizer, train, 0, state, log, report, stop)
-            state.epoch_step = 0
+            train_epoch(loop, 0)
         torch.cuda.synchronize()
         if capture == "auto":
             assert len(step.graphs) == 1  # 160 images in batches of 16: one shape, captured after 3 eager steps
-        state.epoch, state.epoch_step = 1, 0
         torch.cuda.set_sync_debug_mode("error")
         try:
-            train_epoch(step, optimizer, train, 1, state, log, report, stop)
+            train_epoch(loop, 1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    train = r.train
     assert state.step == 3 * len(train)
     assert torch.isfinite(log.sums).all()
 
@@ -73,7 +70,7 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
 def test_device_and_host_placement_give_the_same_batches(tmp_path):
     root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=10, size=16)
     cfg = load_config("cifar10", ["data.kind=folder", f"data.path={root}"])
-    data = load_data(cfg.data, 0)
+    data = load_data(cfg.data, 0, tmp_path / "cache", say)
     kw = dict(seed=4, shuffle=True, crop_padding=2, hflip=True)
     on_device = list(BatchLoader(data.train, 8, CUDA, CUDA, **kw).batches(epoch=3))
     on_host = list(BatchLoader(data.train, 8, CUDA, torch.device("cpu"), **kw).batches(epoch=3))

@@ -9,7 +9,8 @@ import torch
 from conftest import ROOT, job_env, run_job, sets, write_image_folder
 
 from job.config import load_config
-from job.train import prime_momentum, run
+from job.recipe import prime_momentum
+from job.train import run
 
 
 @pytest.fixture(autouse=True)
@@ -156,7 +157,7 @@ def test_find_batch_size_doubles_then_bisects_against_a_real_memory_limit():
 def test_out_of_memory_while_training_is_one_line_naming_the_batch_size(tmp_path):
     # A real allocation failure: the address space is capped 1 GiB above what the process has mapped.
     code = (
-        "import resource, sys; from job.batch_size import virtual_size; "
+        "import resource, sys; from job.memory import virtual_size; "
         "resource.setrlimit(resource.RLIMIT_AS, (virtual_size() + 2**30, resource.RLIM_INFINITY)); "
         "from job.cli import main; sys.argv[0] = 'job'; main()"
     )

@@ -175,10 +175,11 @@ def test_durations_read_and_written_as_people_type_them():
 
 def test_loss_sums_saved_per_process_resume_as_each_process_had_them():
     """Alone, a checkpoint's single row is this process's; rows saved by a group of another size give their mean,
-    as the group's reductions would; a flat list (checkpoints written before rows) is taken as it is in train."""
+    as the group's reductions would; a flat list (checkpoints written before rows) is taken as it is."""
     rows = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
-    assert torch.equal(distributed.own(rows[:1]), rows[0])
-    assert torch.equal(distributed.own(rows), torch.tensor([2.0, 3.5]))
+    assert torch.equal(distributed.own(rows[:1].tolist()), rows[0])
+    assert torch.equal(distributed.own(rows.tolist()), torch.tensor([2.0, 3.5]))
+    assert torch.equal(distributed.own([4.0, 6.0]), torch.tensor([4.0, 6.0]))
     assert torch.equal(distributed.gather(torch.tensor([1.0, 2.0])), torch.tensor([[1.0, 2.0]]))
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,12 +45,19 @@ class Dataset:
         )
 
 
-def load_data(cfg, seed: int) -> Dataset:
-    """Read the data set the config names into memory. `cfg` is the config's data section."""
+def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Dataset:
+    """Read the data set the config names into memory. `cfg` is the config's data section; `seed` splits a table
+    that has no test table; remote data are kept in the folder `cache` (unless cfg.cache is off); `log` prints
+    one line for the user."""
     from job.data import cifar10, folder, tabular
 
-    readers = {"csv": tabular.load_table, "cifar10": cifar10.load_cifar10, "folder": folder.load_folder}
-    data = readers[cfg.kind](cfg, seed)
+    kept = cache if cfg.cache else None
+    if cfg.kind == "csv":
+        data = tabular.load_table(cfg, seed, kept, log)
+    elif cfg.kind == "cifar10":
+        data = cifar10.load_cifar10(cfg, kept, log)
+    else:
+        data = folder.load_folder(cfg, kept, log)
     for name, split in (("train", data.train), ("test", data.test)):
         if len(split) == 0:
             raise DataError(f"{data.source}: the {name} split is empty")

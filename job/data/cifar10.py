@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,18 +17,19 @@ from fsspec.implementations.local import LocalFileSystem
 
 from job.cloud import filesystem
 from job.data import Dataset, Split
-from job.data.files import read_entries
+from job.data.files import Log, read_entries
 from job.errors import DataError, one_line
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 BATCH_NAME = re.compile(r"(?:^|/)(data_batch_\d+|test_batch|batches\.meta)$")
 
 
-def load_cifar10(cfg, seed: int) -> Dataset:
+def load_cifar10(cfg, cache: Path | None, log: Log) -> Dataset:
+    """The train and test batches at cfg.path; remote data are kept in the folder `cache` (None: no cache)."""
     url = cfg.path
     if cfg.download:
         download_if_missing(url)
-    entries = read_entries(url, lambda name: BATCH_NAME.search(name) is not None, cfg.cache, maxdepth=2)
+    entries = read_entries(url, lambda name: BATCH_NAME.search(name) is not None, cache, log, maxdepth=2)
     blobs = {BATCH_NAME.search(name).group(1): data for name, data in entries}
     train_names = sorted((n for n in blobs if n.startswith("data_batch_")), key=lambda n: int(n.rsplit("_", 1)[1]))
     if not train_names or "test_batch" not in blobs:

@@ -6,12 +6,16 @@ object generation (or etag, or mtime) and size; a folder's files are fetched con
 uncompressed tar keyed by the listing (names, generations, sizes), so a second run lists the folder and reads
 one local file instead of sending a request per object. A gs:// archive is read through a Cloud Storage FUSE
 mount when there is one (Vertex AI mounts buckets at /gcs); folders are not, as FUSE opens files one by one.
+
+The readers take the cache folder (None: no cache) and a `log` that prints one line for the user; they know
+nothing of the run's output storage or its console.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import os
 import tarfile
 import time
@@ -24,12 +28,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from job.cloud import describe_storage_error, fetch_concurrency, filesystem, fuse_path
 from job.errors import DataError, StorageError, one_line
-from job.report import say
-from job.storage import cache_dir
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FETCH_CHUNK = 2000  # files fetched concurrently per request batch (and held in memory at once)
 VERSION_KEYS = ("generation", "etag", "md5Hash", "ETag", "mtime", "LastModified", "created")
+
+Log = Callable[[str], None]  # prints one line for the user
 
 
 def resolve(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -48,23 +52,26 @@ def is_archive(path: str) -> bool:
     return path.lower().endswith(ARCHIVE_SUFFIXES)
 
 
-def read_entries(url: str, keep: Callable[[str], bool], cache: bool, maxdepth: int | None = None):
+def read_entries(
+    url: str, keep: Callable[[str], bool], cache: Path | None, log: Log, maxdepth: int | None = None
+) -> Iterator[tuple[str, bytes]]:
     """(name, bytes) of each file of an archive or folder whose name `keep` accepts; names are relative to the
-    folder (or as stored in the archive)."""
+    folder (or as stored in the archive). Remote data are kept in the folder `cache` unless it is None."""
     fs, path = resolve(url)
     if is_archive(path):
-        return ((name, data) for name, data in iter_archive(local_file(url, cache)) if keep(name))
-    return folder_entries(url, fs, path, keep, cache, maxdepth)
+        return ((name, data) for name, data in iter_archive(local_file(url, cache, log)) if keep(name))
+    return folder_entries(url, fs, path, keep, cache, log, maxdepth)
 
 
-def local_file(url: str, cache: bool = True) -> str:
-    """Where to read one file from: its FUSE mount path, a cached local copy of a remote object, or the URL."""
+def local_file(url: str, cache: Path | None, log: Log) -> str:
+    """Where to read one file from: its FUSE mount path, a local copy of a remote object in the folder `cache`
+    (None: no cache), or the URL."""
     mounted = fuse_path(url)
     if mounted and os.path.isfile(mounted):
-        say(f"data: reading {url} through the Cloud Storage FUSE mount {mounted}")
+        log(f"data: reading {url} through the Cloud Storage FUSE mount {mounted}")
         return mounted
     fs, path = filesystem(url)
-    if isinstance(fs, LocalFileSystem) or not cache:
+    if isinstance(fs, LocalFileSystem) or cache is None:
         return url
     try:
         info = fs.info(path)
@@ -74,9 +81,9 @@ def local_file(url: str, cache: bool = True) -> str:
     if version is None:  # nothing tells a changed object from the old one: do not cache
         return url
     key = hashlib.sha256(f"{url}\n{version}\n{info.get('size')}".encode()).hexdigest()[:32]
-    target = cache_dir("data", key, path.rstrip("/").rsplit("/", 1)[-1])
+    target = cache / key / path.rstrip("/").rsplit("/", 1)[-1]
     if target.is_file() and target.stat().st_size == info.get("size"):
-        say(f"data: {url} from the local cache ({target.parent})")
+        log(f"data: {url} from the local cache ({target.parent})")
         return str(target)
     if not writable(target.parent):
         return url
@@ -88,11 +95,13 @@ def local_file(url: str, cache: bool = True) -> str:
     except Exception as e:
         partial.unlink(missing_ok=True)
         raise StorageError(f"cannot download the data: {describe_storage_error(url, e)}") from None
-    say(f"data: downloaded {url} ({target.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s, cached")
+    log(f"data: downloaded {url} ({target.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s, cached")
     return str(target)
 
 
-def folder_entries(url: str, fs, path: str, keep, cache: bool, maxdepth: int | None) -> Iterator[tuple[str, bytes]]:
+def folder_entries(
+    url: str, fs, path: str, keep: Callable[[str], bool], cache: Path | None, log: Log, maxdepth: int | None
+) -> Iterator[tuple[str, bytes]]:
     root = path.rstrip("/") + "/"
     try:
         listing = fs.find(path, maxdepth=maxdepth, detail=True)
@@ -102,9 +111,10 @@ def folder_entries(url: str, fs, path: str, keep, cache: bool, maxdepth: int | N
     names = sorted(wanted)
     versions = [next((str(wanted[n][k]) for k in VERSION_KEYS if wanted[n].get(k)), None) for n in names]
     listing = "\n".join(f"{n} {v} {wanted[n].get('size')}" for n, v in zip(names, versions))
-    target = cache_dir("data", hashlib.sha256(f"{url}\n{listing}".encode()).hexdigest()[:32], "files.tar")
+    key = hashlib.sha256(f"{url}\n{listing}".encode()).hexdigest()[:32]
+    target = cache / key / "files.tar" if cache is not None else None
     # No cache for local folders, when turned off, or when a changed object could not be told from the old one.
-    cacheable = cache and names and not isinstance(fs, LocalFileSystem) and None not in versions
+    cacheable = target is not None and names and not isinstance(fs, LocalFileSystem) and None not in versions
     if not (cacheable and writable(target.parent)):
         yield from fetch_all(fs, root, names, url)
         return
@@ -116,30 +126,17 @@ def folder_entries(url: str, fs, path: str, keep, cache: bool, maxdepth: int | N
                 for name, data in fetch_all(fs, root, names, url):
                     member = tarfile.TarInfo(name)
                     member.size = len(data)
-                    tar.addfile(member, _Reader(data))
+                    tar.addfile(member, io.BytesIO(data))
             os.replace(partial, target)
         except OSError as e:
             raise StorageError(f"cannot write the data cache in {target.parent}: {one_line(e)}") from None
         finally:
             partial.unlink(missing_ok=True)
         mb = target.stat().st_size / 1e6
-        say(f"data: fetched {len(names)} files of {url} ({mb:.1f} MB) in {time.perf_counter() - t0:.1f} s, cached")
+        log(f"data: fetched {len(names)} files of {url} ({mb:.1f} MB) in {time.perf_counter() - t0:.1f} s, cached")
     else:
-        say(f"data: {len(names)} files of {url} from the local cache ({target.parent})")
+        log(f"data: {len(names)} files of {url} from the local cache ({target.parent})")
     yield from iter_archive(str(target))
-
-
-class _Reader:
-    """A file-like view of bytes for tarfile.addfile (without copying them into a BytesIO)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.view, self.pos = memoryview(data), 0
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self.view) if n < 0 else self.pos + n
-        out = self.view[self.pos : end].tobytes()
-        self.pos += len(out)
-        return out
 
 
 def writable(folder: Path) -> bool:
@@ -184,8 +181,8 @@ def iter_archive(url: str) -> Iterator[tuple[str, bytes]]:
         raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
 
 
-def read_bytes(url: str, cache: bool = True) -> bytes:
-    """One whole file (a CSV table), through the cache when remote."""
-    fs, path = filesystem(local_file(url, cache))
+def read_bytes(url: str, cache: Path | None, log: Log) -> bytes:
+    """One whole file (a CSV table), through the cache folder `cache` when remote (None: no cache)."""
+    fs, path = filesystem(local_file(url, cache, log))
     with fs.open(path, "rb") as f:
         return f.read()

@@ -5,23 +5,25 @@ from __future__ import annotations
 import io
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from job.data import Dataset, Split
-from job.data.files import read_entries
+from job.data.files import Log, read_entries
 from job.errors import DataError, one_line
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 SPLITS = ("train", "test")
 
 
-def load_folder(cfg, seed: int) -> Dataset:
+def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
+    """The train/ and test/ images at cfg.path; remote data are kept in the folder `cache` (None: no cache)."""
     url = cfg.path
     by_split: dict[str, list[tuple[str, str, bytes]]] = {s: [] for s in SPLITS}
-    for name, data in read_entries(url, layout_key, cfg.cache):
+    for name, data in read_entries(url, layout_key, cache, log):
         split, cls = layout_key(name)
         by_split[split].append((cls, name, data))
     if not by_split["train"]:

@@ -1,6 +1,6 @@
 """Batches made by indexing tensors held in memory, with augmentation done for the whole batch on the device.
 
-There is no per-item Python work and no worker process: a batch is one gather from the stored tensor
+There is no per-item Python work and no worker process: a batch is one gather from the held tensor
 (on the training device when it fits, so nothing crosses the bus), then crop, flip and scaling as a few
 batched tensor ops. The epoch's order and augmentation draws come from a generator seeded by (seed, epoch),
 so any step of any epoch can be reproduced, which is what exact resume needs.
@@ -17,14 +17,14 @@ from job.data import Split
 
 
 class BatchLoader:
-    """Batches of one split on `device`; the split itself is stored on `storage` (the device or the host)."""
+    """Batches of one split on `device`; the split itself is held on `held_on` (the device or the host)."""
 
     def __init__(
         self,
         split: Split,
         batch_size: int,
         device: torch.device,
-        storage: torch.device,
+        held_on: torch.device,
         *,
         seed: int = 0,
         shuffle: bool = False,
@@ -36,11 +36,11 @@ class BatchLoader:
         shard: tuple[int, int] = (0, 1),
         channels_last: bool = False,
     ) -> None:
-        self.device, self.storage = device, storage
+        self.device, self.held_on = device, held_on
         self.rank, self.world = shard  # this process takes its slice of every batch (data-parallel training)
         # Host-held batches are gathered into page-locked memory so their copy to the GPU is asynchronous.
-        self.pin = storage.type == "cpu" and device.type == "cuda"
-        self.x, self.y = split.x.to(storage), split.y.to(storage)
+        self.pin = held_on.type == "cpu" and device.type == "cuda"
+        self.x, self.y = split.x.to(held_on), split.y.to(held_on)
         self.n = len(split)
         self.batch_size = min(batch_size, self.n)
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
@@ -102,7 +102,7 @@ class BatchLoader:
         order = torch.randperm(self.n, generator=g) if shuffle else None
         crops = torch.randint(0, 2 * self.crop_padding + 1, (self.n, 2), generator=g) if self.crop_padding else None
         flips = torch.rand(self.n, generator=g) < 0.5 if self.hflip else None
-        return self.place(order, self.storage), self.place(crops, self.device), self.place(flips, self.device)
+        return self.place(order, self.held_on), self.place(crops, self.device), self.place(flips, self.device)
 
     def place(self, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """Move a CPU tensor without making the host wait (through page-locked memory for a GPU)."""
@@ -160,10 +160,10 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.float(), std.float()
 
 
-def choose_storage(
+def choose_placement(
     nbytes: int, device: torch.device, placement: str, share: float, cap: float | None = None
 ) -> torch.device:
-    """Where the data lives: on the training device when asked or when it fits in `share` of free memory (of
+    """Where the data is held: on the training device when asked or when it fits in `share` of free memory (of
     at most `cap` bytes, where the process is held to less than the device has)."""
     if device.type == "cpu" or placement == "host":
         return torch.device("cpu")

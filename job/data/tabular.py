@@ -5,19 +5,22 @@ from __future__ import annotations
 import csv
 import io
 from importlib import resources
+from pathlib import Path
 
 import torch
 
 from job.data import Dataset, Split
-from job.data.files import read_bytes
+from job.data.files import Log, read_bytes
 from job.errors import DataError, StorageError, one_line
 
 BUNDLED_IRIS = "bundled iris.csv"
 
 
-def load_table(cfg, seed: int) -> Dataset:
+def load_table(cfg, seed: int, cache: Path | None, log: Log) -> Dataset:
+    """The table at cfg.path (or the bundled Iris), split by a permutation seeded with `seed` unless
+    cfg.test_path names a test table; remote tables are kept in the folder `cache` (None: no cache)."""
     if cfg.path:
-        header, rows = read_csv(cfg.path, cfg.cache)
+        header, rows = read_csv(cfg.path, cache, log)
     else:
         text = (resources.files("job.presets") / "iris.csv").read_text()
         header, rows = parse_csv(text, BUNDLED_IRIS)
@@ -26,7 +29,7 @@ def load_table(cfg, seed: int) -> Dataset:
     classes = class_order(labels)
     y = torch.tensor([classes.index(v) for v in labels])
     if cfg.test_path:
-        test_header, test_rows = read_csv(cfg.test_path, cfg.cache)
+        test_header, test_rows = read_csv(cfg.test_path, cache, log)
         if test_header != header:
             raise DataError(f"{cfg.test_path}: columns differ from {name}: {test_header} vs {header}")
         tx, tlabels = columns(test_header, test_rows, cfg.target, cfg.test_path)
@@ -47,9 +50,9 @@ def load_table(cfg, seed: int) -> Dataset:
     return Dataset(train, test, classes, f"csv {name}")
 
 
-def read_csv(url: str, cache: bool = True) -> tuple[list[str], list[list[str]]]:
+def read_csv(url: str, cache: Path | None, log: Log) -> tuple[list[str], list[list[str]]]:
     try:
-        raw = read_bytes(url, cache)
+        raw = read_bytes(url, cache, log)
     except FileNotFoundError:
         raise DataError(f"{url}: no such file") from None
     except IsADirectoryError:

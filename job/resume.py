@@ -1,0 +1,69 @@
+"""The resume policy: which checkpoint a run continues from (--resume auto, never, or a URL), which settings may
+change when it does, and what --overwrite clears."""
+
+from __future__ import annotations
+
+from job import checkpoint
+from job.config import Config, flat_items
+from job.errors import ConfigError
+from job.storage import RunDir
+
+# Keys a resumed run may change: they do not alter what the checkpoint's state means.
+RESUME_SAFE = {
+    "name",
+    "output.dir",
+    "output.staged",
+    "output.sync_every_seconds",
+    "output.upload_timeout_seconds",
+    "data.cache",
+    "data.path",
+    "data.placement",
+    "data.device_share",
+    "data.eval_batch_size",
+    "train.epochs",
+    "train.log_every_steps",
+    "train.eval_every_epochs",
+    "train.checkpoint_every_epochs",
+    "train.keep_last",
+    "train.precision",
+    "train.channels_last",
+    "train.step_capture",
+    "train.compile",
+    "train.cpu_threads",
+    "train.time_limit",
+}
+
+
+def find_checkpoint(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
+    """The checkpoint to continue from, per --resume: auto (the run's newest), never, or a URL."""
+    if resume == "never":
+        if run_dir.has_run() and not overwrite:
+            raise ConfigError(f"{run_dir.url} already holds a run: --resume auto continues it, --overwrite replaces it")
+        return None
+    found = checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
+    if found is not None:
+        check_compatible(found[0]["config"], cfg)
+    return found
+
+
+def check_compatible(saved: dict, cfg: Config) -> None:
+    """Refuse to resume when a setting that changes what the checkpoint means differs."""
+    old = flat_items(Config.model_validate(saved))
+    new = flat_items(cfg)
+    changed = sorted(k for k in new if k not in RESUME_SAFE and old.get(k) != new[k])
+    if changed:
+        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:4])
+        raise ConfigError(
+            f"cannot resume: the checkpoint was trained with other settings ({detail}); "
+            "use another --output, or --resume never --overwrite to start over"
+        )
+
+
+def clear_run(run_dir: RunDir) -> None:
+    """--overwrite: remove an earlier run's checkpoints, logs and results from the folder."""
+    for rel in run_dir.list("checkpoints"):
+        run_dir.delete(f"checkpoints/{rel}")
+    for rel in run_dir.list("tensorboard"):
+        run_dir.delete(f"tensorboard/{rel}")
+    for rel in ("metrics.jsonl", "model.pt", "curves.png", "config.yaml"):
+        run_dir.delete(rel)
