@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from job.storage import RunDir
+if TYPE_CHECKING:
+    from job.storage import RunDir
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"

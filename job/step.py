@@ -22,6 +22,7 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from torch import nn
 
 from job.errors import one_line
 from job.memory import is_out_of_memory
+
+if TYPE_CHECKING:
+    from job.recipe import Recipe
 
 # A CPU step whose forward pass does less arithmetic than this is dominated by per-operation overhead: it is
 # traced, and it runs on one thread (waking a second thread costs more than it saves at this size).
@@ -350,19 +354,12 @@ def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> float:
         model.train(was_training)
 
 
-def build_step(
-    model: nn.Module,
-    optimizer,
-    scheduler,
-    scaler,
-    amp: Callable,
-    sums: torch.Tensor,
-    device: torch.device,
-    capture: str,
-    step_flops: float,
-) -> EagerStep:
-    """The step for this device: captured when `capture` is auto and it can be, else eager (its description says)."""
-    args = (model, optimizer, scheduler, scaler, amp, sums)
+def build_step(r: Recipe, sums: torch.Tensor, capture: str, step_flops: float = float("inf"), model=None) -> EagerStep:
+    """The recipe's step for its device, adding each step's loss to `sums`: captured when `capture` is auto and it can
+    be, else eager (its description says). `model`: what the step calls, when not the recipe's own model (a
+    DistributedDataParallel or compiled wrapper of it); `step_flops`: a forward pass's cost (CPU: trace if small)."""
+    device, scaler = r.device, r.scaler
+    args = (model if model is not None else r.model, r.optimizer, r.scheduler, scaler, r.amp, sums)
     if capture == "off":
         step = EagerStep(*args)
         step.description = "eager (train.step_capture off)"

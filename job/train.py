@@ -43,6 +43,18 @@ class Progress:
     run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
 
 
+@dataclass(frozen=True)
+class Request:
+    """How the run was asked for besides its config: where it goes, on which device, and what to do with a run
+    already in the folder."""
+
+    output: str
+    device: str = "auto"
+    resume: str = "auto"  # auto, never, or a checkpoint's URL
+    overwrite: bool = False
+    routes: dict[str, str] | None = None  # some of the run's files elsewhere (Vertex AI's folders)
+
+
 @dataclass
 class Loop:
     """What the epochs share, set up once by train_loop."""
@@ -78,7 +90,7 @@ def run(
         distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
         together = False
         try:
-            summary = train_rank(cfg, output, device_name, resume, overwrite, stop, routes, t_start)
+            summary = train_rank(cfg, Request(output, device_name, resume, overwrite, routes), stop, t_start)
             together = True
             return summary
         finally:
@@ -86,11 +98,11 @@ def run(
             torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after
 
 
-def train_rank(cfg: Config, output: str, device_name: str, resume: str, overwrite: bool, stop, routes, t_start) -> dict:
+def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> dict:
     # Rank 0 checks and opens the run folder; the other processes of a group only name it and never write to it.
-    run_dir = distributed.on_writer(lambda: preflight(cfg, output, resume, overwrite, routes)) or RunDir(output)
+    run_dir = distributed.on_writer(lambda: preflight(cfg, req)) or RunDir(req.output)
     try:
-        return train_loop(cfg, run_dir, pick_device(device_name), resume, overwrite, stop, t_start)
+        return train_loop(cfg, run_dir, req, stop, t_start)
     except Interrupted as e:
         try:
             run_dir.finish()  # the grace period's timer ends the process if this takes too long
@@ -102,29 +114,29 @@ def train_rank(cfg: Config, output: str, device_name: str, resume: str, overwrit
             run_dir.finish(timeout=30)
         run_dir.abandon()
         if is_out_of_memory(e):  # the loop names its batch sizes itself: this is setting up (data, model)
-            raise out_of_memory_error("while setting up the run", pick_device(device_name)) from None
+            raise out_of_memory_error("while setting up the run", pick_device(req.device)) from None
         raise
 
 
-def preflight(cfg: Config, output: str, resume: str, overwrite: bool, routes: dict[str, str] | None) -> RunDir:
+def preflight(cfg: Config, req: Request) -> RunDir:
     """Before any work: the credentials in use, the inputs there, every output location writable."""
-    urls = [u for u in (cfg.data.path, cfg.data.test_path, output, *(routes or {}).values()) if u]
-    if resume not in ("auto", "never"):
-        urls.append(resume)
+    urls = [u for u in (cfg.data.path, cfg.data.test_path, req.output, *(req.routes or {}).values()) if u]
+    if req.resume not in ("auto", "never"):
+        urls.append(req.resume)
     if any(cloud.is_gcs(u) for u in urls):
         say(f"storage: gs:// as {cloud.gcs_credentials()[1]}")
     for url in (cfg.data.path, cfg.data.test_path):
         if url:
             cloud.check_input(url)
     o = cfg.output
-    run_dir = RunDir(output, routes, o.upload_timeout_seconds, o.sync_every_seconds, staged=o.staged)
+    run_dir = RunDir(req.output, req.routes, o.upload_timeout_seconds, o.sync_every_seconds, staged=o.staged)
     run_dir.prepare()
-    if resume == "never" and run_dir.staged_files() and not overwrite:
+    if req.resume == "never" and run_dir.staged_files() and not req.overwrite:
         raise ConfigError(
             f"{run_dir.url}: an earlier attempt left files on this machine ({run_dir.local}): --resume auto "
             "uploads them and continues, --overwrite discards them"
         )
-    if resume == "never":
+    if req.resume == "never":
         run_dir.clear_staging()
     else:
         checkpoint.recover(run_dir)
@@ -135,22 +147,21 @@ def preflight(cfg: Config, output: str, resume: str, overwrite: bool, routes: di
     return run_dir
 
 
-def open_run(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
+def open_run(run_dir: RunDir, req: Request, cfg: Config) -> tuple[dict, dict] | None:
     """Rank 0's part of setting up: the checkpoint to continue from, an overwritten run cleared, uploads started."""
-    found = find_checkpoint(run_dir, resume, overwrite, cfg)
-    if overwrite and found is None:
+    found = find_checkpoint(run_dir, req.resume, req.overwrite, cfg)
+    if req.overwrite and found is None:
         clear_run(run_dir)
     run_dir.start_sync()
     return found
 
 
-def train_loop(
-    cfg: Config, run_dir: RunDir, device: torch.device, resume: str, overwrite: bool, stop, t_start: float
-) -> dict:
+def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_start: float) -> dict:
+    device = pick_device(req.device)
     seed_everything(cfg.seed, cfg.train.deterministic)
     data = recipe.read_data(cfg)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
-    found = distributed.share_checkpoint(lambda: open_run(run_dir, resume, overwrite, cfg))
+    found = distributed.share_checkpoint(lambda: open_run(run_dir, req, cfg))
     step_flops = set_cpu_threads(cfg, r, data.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, held on {r.feed.where}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
@@ -217,7 +228,7 @@ def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerS
     model = distributed.wrap(r.model, r.device)
     model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
     capture = "off" if t.compile or model is not r.model else t.step_capture
-    step = build_step(model, r.optimizer, r.scheduler, r.scaler, r.amp, log.sums, r.device, capture, step_flops)
+    step = build_step(r, log.sums, capture, step_flops, model=model)
     if t.compile:
         step.description = "the compiled model in eager steps (step capture is off with torch.compile)"
     elif model is not r.model:

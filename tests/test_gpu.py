@@ -46,7 +46,7 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
     r = recipe.build(cfg, CUDA, data)  # fp16: fused optimizer kernels, so the loss scaler never syncs
     assert r.feed.where == ("the device" if placement == "device" else "the host")
     state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
-    step = build_step(r.model, r.optimizer, r.scheduler, r.scaler, r.amp, log.sums, CUDA, capture, 1e9)
+    step = build_step(r, log.sums, capture, 1e9)
     assert isinstance(step, CudaGraphStep) == (capture == "auto")
     run_dir = RunDir(str(tmp_path / "run"))
     report = Report(run_dir, {}, 2, len(r.train), 0)
