@@ -26,6 +26,8 @@ from conftest import (
     write_image_folder,
 )
 
+from job.cli import EXIT_CODES
+
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
@@ -283,16 +285,22 @@ def test_bad_input(tmp_path, finished_run, name, build, code, needle):
     if "--output" not in args and args[0] == "train":
         args = [*args, "--output", str(run)]
     before = snapshot(run)
+    assert {"model.pt", "metrics.jsonl", "checkpoints/latest.json"} <= before.keys()  # a run to leave alone
     got, err = invoke(args)
     lines = err.strip().splitlines()
     assert got == code, err
-    assert len(lines) == 1 and needle in lines[0], err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
     assert "Traceback" not in err
     assert snapshot(run) == before
 
 
-def test_there_are_at_least_forty_cases():
-    assert len(CASES) >= 40
+def test_the_cases_cover_every_exit_code_for_bad_input():
+    """Each fault a user can cause (every exit code cli.py maps but the interrupt's 75) has cases above, each named
+    once and with its own phrase to find in the line."""
+    assert {code for _, _, code, _ in CASES} == set(EXIT_CODES.values()) - {75}
+    names = [name for name, _, _, _ in CASES]
+    assert len(names) == len(set(names))
+    assert all(needle.strip() for _, _, _, needle in CASES)
 
 
 def test_full_disk_is_a_storage_error_with_the_last_commit_intact(tmp_path):

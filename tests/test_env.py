@@ -1,46 +1,109 @@
 import json
+import os
+import platform
 
 import pytest
 import torch
 from conftest import run_job
 
-from job.env import format_info, info, pick_device
+from job.env import GIB, format_info, info, pick_device
 from job.errors import ConfigError
 
+CUDA = torch.cuda.is_available()
+MPS = torch.backends.mps.is_available()
 
-def test_pick_device():
+
+def expected_auto() -> torch.device:
+    """The rule, from what this machine has: CUDA (the current device), then MPS, then the CPU."""
+    if CUDA:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("mps") if MPS else torch.device("cpu")
+
+
+def refused(name: str, phrase: str) -> None:
+    """pick_device(name) is a ConfigError: one line that names the --device value and says why."""
+    with pytest.raises(ConfigError) as caught:
+        pick_device(name)
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"--device {name}: ") and phrase in message, message
+
+
+def test_pick_device_follows_what_this_machine_has():
+    assert pick_device("auto") == expected_auto()
     assert pick_device("cpu") == torch.device("cpu")
-    auto = pick_device("auto")
-    assert auto.type == ("cuda" if torch.cuda.is_available() else auto.type)
-    with pytest.raises(ConfigError, match="expected auto, cpu"):
-        pick_device("tpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="CUDA is not available here"):
-            pick_device("cuda")
+    if CUDA:
+        count = torch.cuda.device_count()
+        assert pick_device("cuda") == torch.device("cuda", torch.cuda.current_device())
+        assert pick_device(f"cuda:{count - 1}") == torch.device("cuda", count - 1)
+        assert torch.cuda.current_device() == count - 1  # an explicit device becomes the current one
+        refused(f"cuda:{count}", f"only {count} CUDA device(s) here")
+    else:
+        for name in ("cuda", "cuda:0", "cuda:7"):
+            refused(name, "CUDA is not available here")
+    if MPS:
+        assert pick_device("mps") == torch.device("mps")
+    else:
+        refused("mps", "MPS is not available here")
+    for name in ("tpu", "gpu", "meta", "cuda:x"):  # not a device name, or one torch knows but training cannot use
+        refused(name, "expected auto, cpu, cuda, cuda:N or mps")
 
 
-def test_info_report_fields():
+def shm_gib() -> float | None:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return round(st.f_blocks * st.f_frsize / GIB, 2)
+
+
+def test_info_reports_this_machine():
     report = info()
-    for key in (
-        "torch",
-        "cuda_available",
-        "cuda_version",
-        "cudnn_version",
-        "device_count",
-        "devices",
-        "current_device",
-        "cpu_count",
-        "shm_gib",
-    ):
-        assert key in report
-    assert report["device_count"] == torch.cuda.device_count()
+    assert report["python"] == platform.python_version()
+    assert report["torch"] == torch.__version__
+    assert report["cuda_version"] == torch.version.cuda
+    assert report["cpu_count"] == os.cpu_count()
+    assert report["torch_threads"] == torch.get_num_threads()
+    assert report["shm_gib"] == shm_gib()
+    assert report["cuda_available"] is CUDA and report["mps_available"] is MPS
+    assert report["cuda_visible_devices"] == os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert report["default_device"] == str(expected_auto())
+    if CUDA:
+        assert report["device_count"] == torch.cuda.device_count() == len(report["devices"])
+        assert [d["name"] for d in report["devices"]] == [
+            torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())
+        ]
+        assert report["cudnn_version"] == torch.backends.cudnn.version()
+    else:
+        assert report["devices"] == [] and report["device_count"] == 0
+        assert report["current_device"] is None and report["cudnn_version"] is None
+
     text = format_info(report)
-    assert "torch" in text and ("CUDA available" in text or "CUDA not available" in text)
+    assert f"torch {torch.__version__}" in text
+    assert f"CPU: {os.cpu_count()} cores, torch uses {torch.get_num_threads()} threads" in text
+    assert f"/dev/shm {shm_gib() if shm_gib() is not None else '?'} GiB" in text
+    if CUDA:
+        assert f"CUDA available: {torch.cuda.device_count()} device(s)" in text
+        assert all(f"cuda:{d['index']} {d['name']}" in text for d in report["devices"])
+    else:
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no GPU or no NVIDIA driver found"
+        assert f"CUDA not available: {why}" in text and "cuda:0" not in text
+    assert text.splitlines()[-1] == f"training would use: {expected_auto()}"
 
 
-def test_info_command_plain_and_json():
+def steady(report: dict) -> dict:
+    """The report less what may differ between two processes: free GPU memory, and torch's thread count (which a
+    test in this process may have set)."""
+    devices = [{k: v for k, v in d.items() if k != "memory_free_gib"} for d in report["devices"]]
+    return {**{k: v for k, v in report.items() if k != "torch_threads"}, "devices": devices}
+
+
+def test_info_command_plain_and_json_agree_with_this_machine():
+    here = info()
+    result = run_job("info", "--json", timeout=120)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert steady(data) == steady(here)
     plain = run_job("info", timeout=120)
     assert plain.returncode == 0, plain.stderr
-    assert "training would use:" in plain.stdout
-    data = json.loads(run_job("info", "--json", timeout=120).stdout)
-    assert data["cpu_count"] >= 1 and isinstance(data["devices"], list)
+    same = [line for line in format_info(data).splitlines() if not line.startswith("  cuda:")]
+    assert [line for line in plain.stdout.strip().splitlines() if not line.startswith("  cuda:")] == same

@@ -18,6 +18,8 @@ from faultproxy import FaultProxy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from job import checkpoint
+from job.config import load_config
+from job.models import build_model
 from job.storage import RunDir
 
 IRIS_SHORT = sets(
@@ -78,7 +80,10 @@ def test_config_data_and_outputs_on_gcs_then_resume(bucket, tmp_path, cifar_fold
     assert not any(".probe" in n or ".uploads" in n for n in names)
     assert len(scalars(bucket.url("runs/c/tensorboard"), "test/accuracy")) == 2
     weights = torch.load(io.BytesIO(bucket.fs.cat_file(f"{bucket.name}/runs/c/model.pt")), weights_only=True)
-    assert "net.0.weight" in weights or len(weights) > 4
+    # the preset's CNN for CIFAR-10's 3 x 32 x 32 images and 10 classes, layer for layer
+    fresh = build_model(load_config("cifar10").model, (3, 32, 32), 10).state_dict()
+    assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in fresh.items()}
+    assert all(v.dtype == torch.float32 and v.isfinite().all() for v in weights.values())
     assert verified_checkpoints(bucket, "runs/c") == ["e00001-s0000000002.json", "e00002-s0000000004.json"]
 
     again = run_job(*args, "--set", "train.epochs=3")

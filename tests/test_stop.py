@@ -6,6 +6,7 @@ finished run, and says so. Also the time limit (train.time_limit, --time-limit),
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import pytest
@@ -191,3 +192,40 @@ def test_signals_and_their_order(tmp_path):
         assert stop.signal == signal.SIGTERM
         with pytest.raises(KeyboardInterrupt):  # a SIGINT after it stops at once
             signal.raise_signal(signal.SIGINT)
+
+
+def timers_alive(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Timer threads started since `before` that still run once any cancelled one has had a moment to end."""
+    timers = [t for t in threading.enumerate() if isinstance(t, threading.Timer) and t not in before]
+    for t in timers:
+        t.join(1)
+    return [t for t in timers if t.is_alive()]
+
+
+def test_stop_request_alone_limit_describe_cancel_and_sync():
+    """A process of its own (no group): the time limit stops it like a signal and names itself, sync() leaves the
+    reason as it is, a limit taken back never fires, and cancel() ends the grace period's timer."""
+    before = set(threading.enumerate())
+    with StopRequest(grace_seconds=30) as stop:
+        assert stop.signal is None and stop.describe() == "nothing"
+        stop.sync()
+        assert stop.signal is None  # alone, with nothing received: nothing to stop for
+        stop.limit(0.2)
+        stop.limit(None)  # taken back before it fires
+        time.sleep(0.5)
+        assert stop.signal is None and stop.time_limit is None
+
+    assert not timers_alive(before)
+    with StopRequest(grace_seconds=30) as stop:
+        stop.limit(0.5)  # counted from when the request was made
+        deadline = time.monotonic() + 10
+        while stop.signal is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stop.signal == stop.received == TIME_LIMIT
+        assert time.monotonic() - stop.started >= 0.5
+        assert stop.describe() == "the time limit (0.5s)" and stop.describe(signal.SIGINT) == "SIGINT"
+        stop.sync()
+        assert stop.signal == TIME_LIMIT
+        assert timers_alive(before)  # the grace period runs: 30 s, then the process would exit 75
+        stop.cancel()
+        assert not timers_alive(before)
