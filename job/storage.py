@@ -14,23 +14,14 @@ import fcntl
 import hashlib
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
+from job import sync
 from job.cloud import describe_storage_error, filesystem
 from job.errors import StorageError, one_line
-from job.sync import Uploader
-
-
-def _file_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-FILE_MODE = _file_mode()
+from job.sync import Uploader, write_atomic
 
 
 def cache_dir(*parts: str) -> Path:
@@ -39,22 +30,6 @@ def cache_dir(*parts: str) -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "job"
     )
     return Path(root, *parts)
-
-
-def write_atomic(target: Path, data: bytes) -> None:
-    """Write a file whole or not at all: a temporary file beside it, fsync, rename."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        os.fchmod(fd, FILE_MODE)  # mkstemp makes files private; a run's files are as readable as any other
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class RunDir:
@@ -69,7 +44,7 @@ class RunDir:
         self,
         url: str,
         routes: dict[str, str] | None = None,
-        give_up_s: float = 120.0,
+        upload_timeout_s: float = 120.0,
         sync_every_s: float = 30.0,
         staged: bool = False,
         store_only: bool = False,
@@ -84,10 +59,9 @@ class RunDir:
             self.local /= hashlib.sha256(where.encode()).hexdigest()[:16]
         else:
             self.local = Path(self.root)
-        self.give_up_s, self.sync_every_s = give_up_s, sync_every_s
+        self.upload_timeout_s, self.sync_every_s = upload_timeout_s, sync_every_s
         self.store_only = store_only  # read what the store holds, never this machine's staging copy
         self.uploader: Uploader | None = None
-        self.deleting: set[str] = set()  # files queued for deletion, whose local copies wait for their turn
         self._index: dict[str, set[str]] = {}  # remote listings, kept current as files are written and deleted
         self._cache: dict[str, bytes] = {}  # small files read from the store
         self._lock = None
@@ -142,7 +116,7 @@ class RunDir:
     def start_sync(self) -> None:
         """Start mirroring to the URL (remote runs); before this, staging holds only what prepare() found."""
         if self.remote and self.uploader is None:
-            self.uploader = Uploader(self, self.give_up_s, self.sync_every_s)
+            self.uploader = Uploader(self.local, self.target, self.upload_timeout_s, self.sync_every_s)
 
     def staged_files(self) -> list[str]:
         """Files in the staging folder (left by an earlier attempt before start_sync); none for an unstaged run."""
@@ -181,23 +155,12 @@ class RunDir:
             self.uploader.tree(rel_dir)
 
     def send(self, rel: str, data: bytes) -> None:
-        """Put bytes at a file's place in the store now (the uploader's thread calls this)."""
-        fs, path = self.target(rel)
-        if isinstance(fs, LocalFileSystem):
-            write_atomic(Path(path), data)
-        else:
-            fs.pipe_file(path, data)
-
-    def append(self, rel: str, data: bytes) -> None:
-        """Add bytes to the end of a file whose place in the store is a local folder (a staged Drive mount)."""
-        with open(self.target(rel)[1], "ab") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        """Put bytes at a file's place in the store now, past the uploader (recovering an earlier attempt's files)."""
+        sync.send(*self.target(rel), data)
 
     def read(self, rel: str, store_only: bool = False) -> bytes | None:
         """A file of the run, or None when there is none: the local copy when there is one, else the store's."""
-        if rel in self.deleting:
+        if self.deleted(rel):
             return None
         local = self.path(rel)
         if local.is_file() and not (self.remote and (store_only or self.store_only)):
@@ -232,7 +195,11 @@ class RunDir:
                     raise StorageError(f"cannot list {rel_dir}: {describe_storage_error(self.url, e)}") from None
                 self._index[rel_dir] = {e.rstrip("/").rsplit("/", 1)[-1] for e in entries}
             names |= self._index[rel_dir]
-        return sorted(n for n in names if f"{rel_dir}/{n}" not in self.deleting)
+        return sorted(n for n in names if not self.deleted(f"{rel_dir}/{n}"))
+
+    def deleted(self, rel: str) -> bool:
+        """Whether a file is on its way out: queued for deletion in the store, its local copy deleted after."""
+        return self.uploader is not None and self.uploader.deleting(rel)
 
     def _indexed(self, rel: str, add: bool) -> None:
         folder, _, name = rel.rpartition("/")
@@ -243,7 +210,6 @@ class RunDir:
         self._cache.pop(rel, None)
         self._indexed(rel, add=False)
         if self.uploader is not None:  # the uploader deletes the local copy after the store's, in queue order
-            self.deleting.add(rel)
             self.uploader.delete(rel)
             return
         self.path(rel).unlink(missing_ok=True)

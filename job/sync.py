@@ -3,7 +3,7 @@ in the order the run asked, so the loop never waits on the network.
 
 Order is the commit protocol: a checkpoint's payload, then its manifest, then the pointer, each sent only after
 the one before it arrived, so a half-uploaded checkpoint is never visible as committed. A failed upload is
-retried with backoff; when the store has not accepted it for `give_up_s` seconds the uploader stops, keeps
+retried with backoff; when the store has not accepted it for `timeout_s` seconds the uploader stops, keeps
 everything not yet sent in order, and says so (`error`): the run then ends with exit 4, its files kept locally.
 TensorBoard's event files grow by appends; each sync sends only the new bytes and joins them to the object in
 the store by a server-side compose where the store has one (gcsfs `merge`), else the whole file.
@@ -13,22 +13,63 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from job.errors import one_line
 
-if TYPE_CHECKING:
-    from job.storage import RunDir
-
 SNAPSHOT_BYTES = 1 << 20
 MAX_COMPOSES = 1000  # GCS allows 1,024 components per object; past this the file is sent whole once more
+
+
+def _file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+FILE_MODE = _file_mode()
+
+
+def write_atomic(target: Path, data: bytes) -> None:
+    """Write a file whole or not at all: a temporary file beside it, fsync, rename."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    try:
+        os.fchmod(fd, FILE_MODE)  # mkstemp makes files private; a run's files are as readable as any other
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def send(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Put bytes at a place in a store now: atomically where the store is a local folder (a Drive mount)."""
+    if isinstance(fs, LocalFileSystem):
+        write_atomic(Path(path), data)
+    else:
+        fs.pipe_file(path, data)
+
+
+def append(path: str, data: bytes) -> None:
+    """Add bytes to the end of a file in a local folder, durably."""
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @dataclass(frozen=True)
@@ -39,14 +80,24 @@ class Op:
 
 
 class Uploader:
-    def __init__(self, run: RunDir, give_up_s: float, tree_every_s: float) -> None:
-        self.run, self.give_up_s, self.tree_every_s = run, give_up_s, tree_every_s
+    """Mirrors files of the folder `local` to the store: `place(rel)` gives the (filesystem, path) where a file
+    belongs. Gives up when the store has refused an upload for `timeout_s` seconds; syncs growing files' folders
+    every `tree_every_s` seconds while nothing else is queued."""
+
+    def __init__(
+        self,
+        local: Path,
+        place: Callable[[str], tuple[fsspec.AbstractFileSystem, str]],
+        timeout_s: float,
+        tree_every_s: float,
+    ) -> None:
+        self.local, self.place, self.timeout_s, self.tree_every_s = local, place, timeout_s, tree_every_s
         self.queue: deque[Op] = deque()
         self.cond = threading.Condition()
         self.trees: set[str] = set()  # folders synced every tree_every_s while the run goes on
         self.sent: dict[str, tuple[int, int]] = {}  # growing file -> (bytes in the store, composes so far)
         self.error: str | None = None
-        self.uploaded = 0
+        self._deleting: set[str] = set()  # files queued for deletion, whose local copies wait for their turn
         self._stop = threading.Event()
         self._busy = False
         self._thread = threading.Thread(target=self._work, name="job-uploader", daemon=True)
@@ -55,12 +106,20 @@ class Uploader:
     def put(self, rel: str) -> None:
         """Queue a file. Small files are read now: a pointer rewritten by the next commit must still arrive as it
         was, after its own checkpoint and before the next one. Large files (payloads) are never rewritten."""
-        path = self.run.path(rel)
+        path = self.local / rel
         small = path.is_file() and path.stat().st_size <= SNAPSHOT_BYTES
         self._add(Op("put", rel, path.read_bytes() if small else None))
 
     def delete(self, rel: str) -> None:
-        self._add(Op("delete", rel))
+        """Queue a deletion: the store's copy, then the local one. Until then the file counts as gone."""
+        with self.cond:
+            self._deleting.add(rel)
+            self._add(Op("delete", rel))
+
+    def deleting(self, rel: str) -> bool:
+        """Whether a file is queued for deletion (its local copy may still be there)."""
+        with self.cond:
+            return rel in self._deleting
 
     def tree(self, rel_dir: str) -> None:
         with self.cond:
@@ -110,7 +169,6 @@ class Uploader:
                 self._busy = False
                 if done:
                     self.queue.popleft()
-                    self.uploaded += 1
                 self.cond.notify_all()
             if not done:
                 return  # gave up: the rest stays queued, in order, for the caller to report
@@ -124,29 +182,30 @@ class Uploader:
             except Exception as e:  # the stores' clients raise many types (HTTP, connection, timeout)
                 now = time.monotonic()
                 first_failure = first_failure or now
-                if now - first_failure >= self.give_up_s:
+                if now - first_failure >= self.timeout_s:
                     with self.cond:
                         self.error = f"{op.kind} {op.rel}: {one_line(e)}"
                         self.cond.notify_all()
                     return False
-                self._stop.wait(min(delay, self.give_up_s))
+                self._stop.wait(min(delay, self.timeout_s))
                 delay = min(delay * 2, 8.0)
         return False
 
     def _do(self, op: Op) -> None:
         if op.kind == "delete":  # the local copy goes after the store's, so puts queued before never miss it
-            fs, remote = self.run.target(op.rel)
+            fs, remote = self.place(op.rel)
             with contextlib.suppress(FileNotFoundError):
                 fs.rm_file(remote)
-            self.run.path(op.rel).unlink(missing_ok=True)
-            self.run.deleting.discard(op.rel)
+            (self.local / op.rel).unlink(missing_ok=True)
+            with self.cond:
+                self._deleting.discard(op.rel)
         elif op.kind == "put":
-            self.run.send(op.rel, op.data if op.data is not None else self.run.path(op.rel).read_bytes())
+            send(*self.place(op.rel), op.data if op.data is not None else (self.local / op.rel).read_bytes())
         else:
-            base = self.run.path(op.rel)
+            base = self.local / op.rel
             for path in sorted(base.rglob("*")) if base.is_dir() else []:
                 if path.is_file() and not path.name.startswith("."):
-                    self._send_growing(str(path.relative_to(self.run.local)), path)
+                    self._send_growing(str(path.relative_to(self.local)), path)
 
     def _send_growing(self, rel: str, path: Path) -> None:
         """An append-only file: the new bytes only, composed onto the object in the store."""
@@ -154,19 +213,19 @@ class Uploader:
         sent, composes = self.sent.get(rel, (-1, 0))
         if size == sent:
             return
-        fs, remote = self.run.target(rel)
+        fs, remote = self.place(rel)
         with open(path, "rb") as f:
             data = f.read(size)
         local = isinstance(fs, LocalFileSystem)
         can_add = local or hasattr(fs, "merge")  # append to a local file, or compose in GCS
         if sent < 0 or sent > size or composes >= MAX_COMPOSES or not can_add:
-            self.run.send(rel, data)  # the first time, or a store that can neither append nor compose: whole
+            send(fs, remote, data)  # the first time, or a store that can neither append nor compose: whole
             self.sent[rel] = (size, 0)
             return
         delta = data[sent:]
         if local:
             self.sent.pop(rel, None)  # until the append is known to be whole
-            self.run.append(rel, delta)
+            append(remote, delta)
             self.sent[rel] = (size, composes)
             return
         # The part sits beside its object (compose needs one bucket), named so TensorBoard never reads it.

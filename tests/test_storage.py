@@ -1,5 +1,3 @@
-import time
-
 import fsspec
 import pytest
 
@@ -44,26 +42,6 @@ def test_remote_run_stages_locally_and_mirrors_in_order():
     assert RunDir("memory://bucket/runs/r1").has_run()
 
 
-def test_growing_files_are_sent_by_their_new_bytes(bucket):
-    run = RunDir(bucket.url("run"))
-    run.prepare()
-    run.start_sync()
-    events = run.path("tensorboard/events.out.tfevents.1")
-    events.parent.mkdir(parents=True)
-    sent = b""
-    for i in range(5):
-        chunk = bytes([65 + i]) * (1000 + i)
-        with open(events, "ab") as f:
-            f.write(chunk)
-        sent += chunk
-        run.upload_tree("tensorboard")
-        assert run.uploader.wait(30)
-        assert bucket.fs.cat_file(f"{bucket.name}/run/tensorboard/events.out.tfevents.1") == sent
-    assert run.uploader.sent["tensorboard/events.out.tfevents.1"] == (len(sent), 4)  # 1 whole upload, 4 composes
-    run.finish()
-    assert bucket.names("run") == ["tensorboard/events.out.tfevents.1"]  # no compose parts left behind
-
-
 def test_routes_send_files_to_other_folders(bucket):
     run = RunDir(bucket.url("ckpt"), routes={"tensorboard": bucket.url("logs"), "model.pt": bucket.url("m/model.pt")})
     run.prepare()
@@ -105,39 +83,3 @@ def test_unwritable_output_is_a_storage_error(tmp_path):
         RunDir(str(blocker / "run")).prepare()
     with pytest.raises(StorageError, match="not a usable URL"):
         RunDir("nosuchproto://x/y")
-
-
-def test_pointer_arrives_as_queued_after_its_checkpoint_and_no_file_is_skipped():
-    sent = []
-
-    class SlowStore(RunDir):
-        def send(self, rel, data):
-            if rel.endswith(".pt"):
-                time.sleep(0.02)  # payloads upload slower than commits come: the queue grows
-            sent.append((rel, data))
-            super().send(rel, data)
-
-    run = SlowStore("memory://bucket/runs/order")
-    run.prepare()
-    run.start_sync()
-    for i in range(1, 7):
-        run.write(f"checkpoints/{i}.pt", b"p" * i)
-        run.write(f"checkpoints/{i}.json", b"m")
-        run.write("checkpoints/latest.json", str(i).encode())
-        if i > 1:  # keep_last=1: prune the previous one
-            run.delete(f"checkpoints/{i - 1}.json")
-            run.delete(f"checkpoints/{i - 1}.pt")
-    assert run.list("checkpoints") == ["6.json", "6.pt", "latest.json"]  # the run's own view, deletions included
-    run.finish()
-    names = [rel for rel, _ in sent]
-    pointers = [data for rel, data in sent if rel.endswith("latest.json")]
-    assert pointers == [b"1", b"2", b"3", b"4", b"5", b"6"]  # each as it was when its commit queued it
-    pointer_at = [k for k, rel in enumerate(names) if rel.endswith("latest.json")]
-    for i, at in enumerate(pointer_at, start=1):  # payload, then manifest, then the pointer naming them
-        assert names.index(f"checkpoints/{i}.pt") < names.index(f"checkpoints/{i}.json") < at
-    fs = fsspec.filesystem("memory")
-    assert sorted(fs.ls("/bucket/runs/order/checkpoints", detail=False)) == [
-        "/bucket/runs/order/checkpoints/6.json",
-        "/bucket/runs/order/checkpoints/6.pt",
-        "/bucket/runs/order/checkpoints/latest.json",
-    ]

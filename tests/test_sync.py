@@ -1,0 +1,115 @@
+"""The uploader on its own: a local folder mirrored to a store in the order asked, from one thread, with no RunDir."""
+
+import time
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
+
+from job.sync import Uploader
+
+
+class SlowMemory(MemoryFileSystem):
+    """An in-memory store whose uploads of payloads take a while, and which records what arrives, in order."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.arrived: list[tuple[str, bytes]] = []
+
+    def pipe_file(self, path, value, **kwargs):
+        if path.endswith(".pt"):
+            time.sleep(0.02)  # payloads upload slower than commits come: the queue grows
+        self.arrived.append((path.rsplit("/", 1)[-1], value))
+        return super().pipe_file(path, value, **kwargs)
+
+
+def uploader(local: Path, fs, root: str, timeout_s: float = 30.0) -> Uploader:
+    return Uploader(local, lambda rel: (fs, f"{root}/{rel}"), timeout_s, tree_every_s=30.0)
+
+
+def write(local: Path, rel: str, data: bytes) -> None:
+    (local / rel).parent.mkdir(parents=True, exist_ok=True)
+    (local / rel).write_bytes(data)
+
+
+def test_pointer_arrives_as_queued_after_its_checkpoint_and_no_file_is_skipped(tmp_path):
+    fs = SlowMemory(skip_instance_cache=True)
+    up = uploader(tmp_path, fs, "/order")
+    for i in range(1, 7):
+        for rel, data in ((f"ck/{i}.pt", b"p" * i), (f"ck/{i}.json", b"m"), ("ck/latest.json", str(i).encode())):
+            write(tmp_path, rel, data)
+            up.put(rel)
+        if i > 1:  # keep_last=1: prune the previous one
+            up.delete(f"ck/{i - 1}.json")
+            up.delete(f"ck/{i - 1}.pt")
+    assert up.wait(30)
+    up.stop()
+    names = [name for name, _ in fs.arrived]
+    assert [data for name, data in fs.arrived if name == "latest.json"] == [str(i).encode() for i in range(1, 7)]
+    pointer_at = [k for k, name in enumerate(names) if name == "latest.json"]
+    for i, at in enumerate(pointer_at, start=1):  # payload, then manifest, then the pointer naming them
+        assert names.index(f"{i}.pt") < names.index(f"{i}.json") < at
+    assert sorted(fs.ls("/order/ck", detail=False)) == ["/order/ck/6.json", "/order/ck/6.pt", "/order/ck/latest.json"]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["6.json", "6.pt", "latest.json"]
+
+
+def test_a_delete_removes_the_stores_copy_then_the_local_one_and_counts_until_done(tmp_path):
+    fs = SlowMemory(skip_instance_cache=True)
+    up = uploader(tmp_path, fs, "/del")
+    write(tmp_path, "a.pt", b"payload")
+    up.put("a.pt")
+    up.delete("a.pt")
+    assert up.deleting("a.pt") and not up.deleting("b.pt")  # gone as far as readers are concerned, at once
+    assert up.wait(30)
+    assert not up.deleting("a.pt")
+    assert [name for name, _ in fs.arrived] == ["a.pt"]  # sent first, as queued, then deleted
+    assert not fs.exists("/del/a.pt") and not (tmp_path / "a.pt").exists()
+    up.stop()
+
+
+def test_growing_files_are_sent_by_their_new_bytes(bucket, tmp_path):
+    up = uploader(tmp_path, bucket.fs, f"{bucket.name}/run")
+    events = tmp_path / "tensorboard/events.out.tfevents.1"
+    events.parent.mkdir(parents=True)
+    sent = b""
+    for i in range(5):
+        chunk = bytes([65 + i]) * (1000 + i)
+        with open(events, "ab") as f:
+            f.write(chunk)
+        sent += chunk
+        up.tree("tensorboard")
+        assert up.wait(30)
+        assert bucket.fs.cat_file(f"{bucket.name}/run/tensorboard/events.out.tfevents.1") == sent
+    assert up.sent["tensorboard/events.out.tfevents.1"] == (len(sent), 4)  # 1 whole upload, 4 composes
+    up.stop()
+    assert bucket.names("run") == ["tensorboard/events.out.tfevents.1"]  # no compose parts left behind
+
+
+def test_a_local_store_gets_growing_files_by_appends(tmp_path):
+    local, target = tmp_path / "staging", tmp_path / "drive"
+    up = uploader(local, fsspec.filesystem("file"), str(target))
+    events = local / "tb/events.1"
+    events.parent.mkdir(parents=True)
+    for chunk in (b"one ", b"two ", b"three"):
+        with open(events, "ab") as f:
+            f.write(chunk)
+        up.tree("tb")
+        assert up.wait(10)
+    assert (target / "tb/events.1").read_bytes() == b"one two three"
+    assert up.sent["tb/events.1"] == (13, 0)  # appended, not rewritten
+    up.stop()
+
+
+def test_a_store_that_refuses_uploads_is_given_up_with_the_queue_kept_in_order(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")  # the store's folder is a file: every upload fails
+    up = uploader(tmp_path / "staging", fsspec.filesystem("file"), str(blocker), timeout_s=1.0)
+    for rel in ("ck/1.pt", "ck/1.json", "ck/latest.json"):
+        write(tmp_path / "staging", rel, b"x")
+        up.put(rel)
+    t0 = time.monotonic()
+    assert not up.wait(30)  # gave up: False, long before the wait's own limit
+    assert time.monotonic() - t0 < 15
+    assert up.error.startswith("put ck/1.pt: ")
+    assert [op.rel for op in up.pending()] == ["ck/1.pt", "ck/1.json", "ck/latest.json"]
+    up.stop()
