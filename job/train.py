@@ -179,8 +179,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         run_dir.write("config.yaml", to_yaml(cfg).encode())
         report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), state.step + 1 if found else 0)
     step = make_step(cfg, r, log, step_flops)
-    t = time.perf_counter()
-    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, TrainClock(device), t_start, t)
+    clock, now = TrainClock(device), time.perf_counter()
+    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock=clock, t_start=t_start, t_eval=now)
     first_epoch = state.epoch
     for epoch in range(state.epoch, cfg.train.epochs):
         finished = train_epoch(loop, epoch)
@@ -313,7 +313,16 @@ def commit(loop: Loop, loss_sums: list[list[float]]) -> None:
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump())
     t = cfg.train
-    checkpoint.commit(loop.run_dir, payload, state.epoch, state.step, metrics, t.keep_last, t.keep_best, state.run_id)
+    checkpoint.commit(
+        loop.run_dir,
+        payload,
+        epoch=state.epoch,
+        step=state.step,
+        metrics=metrics,
+        keep_last=t.keep_last,
+        keep_best=t.keep_best,
+        run_id=state.run_id,
+    )
     loop.run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
 
 

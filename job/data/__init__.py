@@ -49,15 +49,19 @@ def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Datase
     """Read the data set the config names into memory. `cfg` is the config's data section; `seed` splits a table
     that has no test table; remote data are kept in the folder `cache` (unless cfg.cache is off); `log` prints
     one line for the user."""
-    from job.data import cifar10, folder, tabular
-
     kept = cache if cfg.cache else None
-    if cfg.kind == "csv":
-        data = tabular.load_table(cfg, seed, kept, log)
+    if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
+        from job.data.tabular import load_table
+
+        data = load_table(cfg, seed, kept, log)
     elif cfg.kind == "cifar10":
-        data = cifar10.load_cifar10(cfg, kept, log)
+        from job.data.cifar10 import load_cifar10
+
+        data = load_cifar10(cfg, kept, log)
     else:
-        data = folder.load_folder(cfg, kept, log)
+        from job.data.folder import load_folder
+
+        data = load_folder(cfg, kept, log)
     for name, split in (("train", data.train), ("test", data.test)):
         if len(split) == 0:
             raise DataError(f"{data.source}: the {name} split is empty")
