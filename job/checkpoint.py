@@ -12,6 +12,7 @@ import io
 import json
 import pickle
 import random
+import re
 import time
 import zipfile
 from typing import Any
@@ -27,11 +28,20 @@ from job.storage import RunDir
 FORMAT = 1
 FOLDER = "checkpoints"
 POINTER = f"{FOLDER}/latest.json"
+NAME = re.compile(r"e(\d+)-s(\d+)(?:\.|$)")
 
 
 def checkpoint_name(epoch: int, step: int) -> str:
-    """Sorts by time: epochs and steps only grow within a run."""
+    """e<epoch>-s<step>, zero-padded for listings; ordered by order(), since past 99,999 epochs the text does not
+    sort."""
     return f"e{epoch:05d}-s{step:010d}"
+
+
+def order(name: str) -> tuple[int, int]:
+    """(epoch, step) of a checkpoint's name (with or without its suffix): epochs and steps only grow within a run,
+    so this sorts checkpoints by time. A name that is not a checkpoint's sorts first."""
+    found = NAME.match(name)
+    return (int(found[1]), int(found[2])) if found else (-1, -1)
 
 
 def snapshot(model, optimizer, scheduler, scaler, progress: dict[str, Any], config: dict[str, Any]) -> dict:
@@ -104,7 +114,7 @@ def recover(run: RunDir) -> str | None:
     if local is not None and stored is not None and stored.get("run") not in (None, "", local.get("run")):
         say(f"warning: {run.url} now holds another run; discarding what an earlier run left in {run.local}")
         local = None
-    if local is None or (stored is not None and stored["file"] >= local["file"]):
+    if local is None or (stored is not None and order(stored["file"]) >= order(local["file"])):
         run.clear_staging()
         return None
     name = local["file"][: -len(".pt")]
@@ -138,7 +148,7 @@ def prune(run: RunDir, keep_last: int, keep_best: bool = False) -> None:
     each manifest before its payload so no manifest ever names a missing file; then leftovers of commits
     that a crash cut short."""
     listed = run.list(FOLDER)
-    names = sorted(n[: -len(".json")] for n in listed if is_manifest(n))
+    names = sorted((n[: -len(".json")] for n in listed if is_manifest(n)), key=order)
     keep = set(names[-keep_last:])
     if keep_best:
         keep |= {best_checkpoint(run, names)} - {None}
@@ -146,9 +156,9 @@ def prune(run: RunDir, keep_last: int, keep_best: bool = False) -> None:
         if name not in keep:
             run.delete(f"{FOLDER}/{name}.json")
             run.delete(f"{FOLDER}/{name}.pt")
-    newest = names[-1] if names else ""
+    newest = order(names[-1]) if names else (-1, -1)
     for n in listed:
-        orphan = n.endswith(".pt") and n[: -len(".pt")] not in names and n < newest
+        orphan = n.endswith(".pt") and n[: -len(".pt")] not in names and order(n) < newest
         if orphan or n.startswith("."):  # temporary files of an interrupted write
             run.delete(f"{FOLDER}/{n}")
 
@@ -163,7 +173,7 @@ def best_checkpoint(run: RunDir, names: list[str]) -> str | None:
             continue
         if isinstance(accuracy, (int, float)):
             scored.append((accuracy, name))
-    return max(scored)[1] if scored else None
+    return max(scored, key=lambda s: (s[0], order(s[1])))[1] if scored else None  # ties: the newer
 
 
 def is_manifest(name: str) -> bool:
@@ -187,7 +197,7 @@ def load_latest(run: RunDir) -> tuple[dict, dict] | None:
     listed = run.list(FOLDER)
     candidates |= {n[: -len(".json")] for n in listed if is_manifest(n)}
     problems: list[str] = []
-    for name in sorted(candidates, reverse=True):  # names sort by (epoch, step): newest first
+    for name in sorted(candidates, key=order, reverse=True):  # newest first
         try:
             manifest = read_manifest(run.read(f"{FOLDER}/{name}.json"), name)
             payload = load_payload(run.read(f"{FOLDER}/{name}.pt"), manifest, f"{run.url}/{FOLDER}/{name}.pt")

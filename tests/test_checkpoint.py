@@ -181,3 +181,22 @@ def test_restore_keeps_how_this_device_runs_the_optimizer(make, saved_how, resum
         m(torch.ones(1, 3)).sum().backward()
         o.step()
     assert torch.allclose(model.weight, other.weight, atol=1e-6) and torch.allclose(model.bias, other.bias, atol=1e-6)
+
+
+def test_checkpoints_are_ordered_by_epoch_and_step_as_numbers_past_99999_epochs(tmp_path):
+    """Names are zero-padded to 5 epoch digits: from epoch 100,000 on they no longer sort as text. The newest is the
+    one with the highest (epoch, step), for retention, loading and the fallback search alike."""
+    run = RunDir(str(tmp_path / "run"))
+    for epoch in (99_998, 99_999, 100_000, 100_001):
+        checkpoint.commit(run, payload(1), epoch, epoch * 2, {}, keep_last=2)
+        assert json.loads(run.read("checkpoints/latest.json"))["epoch"] == epoch
+    kept = sorted(n for n in run.list("checkpoints") if checkpoint.is_manifest(n))
+    assert kept == ["e100000-s0000200000.json", "e100001-s0000200002.json"]  # the newest two, never the older
+    assert checkpoint.load_latest(run)[1]["epoch"] == 100_001
+    run.delete("checkpoints/latest.json")  # the fallback search by manifests orders them the same way
+    assert checkpoint.load_latest(run)[1]["epoch"] == 100_001
+    assert sorted(["e100000-s0000200000", "e99999-s0000199998", "e00002-s9"], key=checkpoint.order) == [
+        "e00002-s9",
+        "e99999-s0000199998",
+        "e100000-s0000200000",
+    ]
