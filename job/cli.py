@@ -60,7 +60,9 @@ def train(
         "--resume",
         help="auto: continue the run in the output folder if there is one; never; or a URL.",
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="With --resume never: replace a run in the folder."),
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Start the output folder afresh, replacing a run in it (implies --resume never)."
+    ),
     time_limit: str = typer.Option(
         "",
         "--time-limit",

@@ -31,6 +31,9 @@ RESUME_SAFE = {
     "train.compile",
     "train.cpu_threads",
     "train.time_limit",
+    "train.grace_seconds",
+    "train.keep_best",
+    "train.deterministic",  # cuDNN's choice of kernels, not the state
 }
 
 
@@ -54,8 +57,8 @@ def check_compatible(saved: dict, cfg: Config) -> None:
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:4])
         raise ConfigError(
-            f"cannot resume: the checkpoint was trained with other settings ({detail}); "
-            "use another --output, or --resume never --overwrite to start over"
+            f"cannot resume: the checkpoint was trained with other settings ({detail}); keep them to continue this "
+            "run, use another --output for a new one, or --overwrite to start this folder afresh"
         )
 
 

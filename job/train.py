@@ -86,6 +86,8 @@ def run(
     with contextlib.nullcontext(stop) if stop is not None else StopRequest(cfg.train.grace_seconds) as stop:
         stop.grace_seconds = cfg.train.grace_seconds
         stop.limit(cfg.train.time_limit)
+        if overwrite and resume == "auto":  # --overwrite alone: this folder, from scratch
+            resume = "never"
         t_start, threads = time.perf_counter(), torch.get_num_threads()
         distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
         together = False

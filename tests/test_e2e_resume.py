@@ -10,7 +10,7 @@ import time
 import fsspec
 import pytest
 import torch
-from conftest import assert_same_run, pointer, run_job, sets, start_job
+from conftest import assert_same_run, invoke, pointer, run_job, sets, start_job
 
 from job.storage import RunDir
 
@@ -152,3 +152,35 @@ def test_damaged_newest_checkpoint_falls_back_end_to_end(output_url):
     reference = run_job("train", *args, "--set", "train.epochs=400", "--output", output_url("reference"))
     assert reference.returncode == 0
     assert_same_run(output_url("reference"), out)
+
+
+def test_settings_that_do_not_change_the_state_may_change_on_resume_and_others_name_the_ways_out(tmp_path):
+    """grace_seconds, keep_best and deterministic change how a run is kept or timed, not what its checkpoint means:
+    a resume may change them. A setting that does change it is refused in one line that names the key and the ways
+    out, without telling the user to throw the run away first."""
+    out = str(tmp_path / "run")
+    base = ["train", "--device", "cpu", "--output", out]
+    code, err = invoke([*base, *sets("train.epochs=200", "train.eval_every_epochs=100")])
+    assert code == 0, err
+    code, err = invoke([*base, *sets("train.epochs=300", "train.eval_every_epochs=100", "train.grace_seconds=5")])
+    assert code == 0 and "resuming iris from epoch 200" in err, err
+    code, err = invoke([*base, *sets("train.epochs=400", "train.keep_best=true", "train.deterministic=true")])
+    assert code == 0 and "resuming iris from epoch 300" in err, err
+    before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    code, err = invoke([*base, *sets("train.epochs=500", "optim.lr=0.5")])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "optim.lr: 0.01 -> 0.5" in err and "another --output" in err and "--overwrite" in err
+    assert "--resume never" not in err
+    assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_alone_starts_the_folder_afresh(tmp_path):
+    """--overwrite means "this folder, from scratch": it implies --resume never, and the settings may then differ."""
+    out = str(tmp_path / "run")
+    base = ["train", "--device", "cpu", "--output", out]
+    code, err = invoke([*base, *sets("train.epochs=200", "train.eval_every_epochs=100")])
+    assert code == 0, err
+    code, err = invoke([*base, "--overwrite", *sets("train.epochs=100", "optim.lr=0.05")])
+    assert code == 0 and "resuming" not in err, err
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()] == [100]
+    assert pointer(out)["epoch"] == 100
