@@ -115,8 +115,9 @@ def describe_storage_error(url: str, e: BaseException) -> str:
     return f"{url}: {text}"
 
 
-def check_input(url: str) -> None:
-    """An input must exist before a run starts; a missing bucket or a refusal is a storage error (exit 4)."""
+def check_input(url: str, key: str) -> None:
+    """An input must exist before a run starts (`key`: the setting that names it); a missing bucket or a refusal is
+    a storage error (exit 4)."""
     fs, path = filesystem(url)
     try:
         if fs.exists(path):
@@ -125,7 +126,7 @@ def check_input(url: str) -> None:
             fs.info(path.split("/", 1)[0])  # the bucket: FileNotFoundError when it does not exist
     except Exception as e:  # gcsfs raises HTTP errors of its own besides OSError (and ValueError for bad names)
         raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
-    raise DataError(f"{url}: no such file or folder")
+    raise DataError(f"{key} {url}: no such file or folder")
 
 
 def vertex_outputs() -> dict[str, str]:

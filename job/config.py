@@ -8,16 +8,17 @@ from __future__ import annotations
 import difflib
 import threading
 from importlib import resources
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from job.cloud import describe_storage_error, filesystem
 from job.duration import parse_duration
 from job.errors import ConfigError, StorageError
 
 PRESETS = ("iris", "cifar10")
+PRESET_LIST = ", ".join(PRESETS)
 USER_MODEL_HINT = "package.module:ClassName"
 
 
@@ -28,8 +29,22 @@ def positive_int_or(word: str, v: Any) -> Any:
     raise ValueError(f"expected a positive integer or '{word}'")
 
 
+def admits_numbers(annotation: Any) -> bool:
+    """Whether a field takes numbers and not booleans (int | None, float, int | Literal["full"], ...)."""
+    kinds = set(get_args(annotation)) | {annotation}
+    return bool(kinds & {int, float}) and bool not in kinds
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """true/false are never numbers, though YAML and Python count them as integers (true would be 1 epoch)."""
+        if isinstance(v, bool) and admits_numbers(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expected a number")
+        return v
 
 
 class DataConfig(Section):
@@ -228,7 +243,9 @@ def read_yaml(source: str) -> dict[str, Any]:
             with fs.open(path, "rb") as f:
                 text = f.read().decode("utf-8-sig")
         except FileNotFoundError:
-            raise ConfigError(f"config {source}: no such file, and not a preset ({', '.join(PRESETS)})") from None
+            raise ConfigError(f"config {source}: no such file, and not a preset ({PRESET_LIST})") from None
+        except IsADirectoryError:
+            raise ConfigError(f"config {source}: is a folder, not a YAML file (or a preset: {PRESET_LIST})") from None
         except UnicodeDecodeError:
             raise ConfigError(f"config {source}: not a text file (not UTF-8)") from None
         except Exception as e:  # the stores' clients raise many types

@@ -127,9 +127,9 @@ def preflight(cfg: Config, req: Request) -> RunDir:
         urls.append(req.resume)
     if any(cloud.is_gcs(u) for u in urls):
         say(f"storage: gs:// as {cloud.gcs_credentials()[1]}")
-    for url in (cfg.data.path, cfg.data.test_path):
-        if url:
-            cloud.check_input(url)
+    for key, url in (("data.path", cfg.data.path), ("data.test_path", cfg.data.test_path)):
+        if url and not (key == "data.path" and cfg.data.download):  # a download makes it
+            cloud.check_input(url, key)
     o = cfg.output
     run_dir = RunDir(req.output, req.routes, o.upload_timeout_seconds, o.sync_every_seconds, staged=o.staged)
     run_dir.prepare()
