@@ -5,6 +5,8 @@ Training, find-batch-size, evaluate, the benchmark and the naive loop all take t
 from __future__ import annotations
 
 import contextlib
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -195,3 +197,29 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: i
             optimizer, max_lr=o.lr, total_steps=total_steps, cycle_momentum=cycle_momentum
         )
     return None
+
+
+def planned_steps(scheduler) -> int | None:
+    """The run length a schedule was planned over, in steps (None: no schedule)."""
+    if scheduler is None:
+        return None
+    cosine = isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR)
+    return scheduler.T_max if cosine else scheduler.total_steps
+
+
+def replan(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int, step: int):
+    """The schedule planned over a new run length, at `step`. A schedule is a function of the step and of the run's
+    length: a resumed run given more epochs goes on along the new curve and ends where the schedule ends (the old
+    plan would climb again after its end, or refuse to step past it). The learning rates (and OneCycle's momentum)
+    are set for `step` now."""
+    scheduler = make_scheduler(cfg, optimizer, total_steps)
+    scheduler.last_epoch = step
+    if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):  # its closed form, with eta_min 0
+        lrs = [base * (1 + math.cos(math.pi * step / total_steps)) / 2 for base in scheduler.base_lrs]
+    else:
+        with warnings.catch_warnings():  # OneCycleLR's get_lr is closed in the step; it asks to be called by step()
+            warnings.simplefilter("ignore")
+            lrs = scheduler.get_lr()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    return scheduler

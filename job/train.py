@@ -164,13 +164,16 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     data = recipe.read_data(cfg)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
     found = distributed.share_checkpoint(lambda: open_run(run_dir, req, cfg))
+    if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs:
+        return complete(cfg, run_dir, found)
     step_flops = set_cpu_threads(cfg, r, data.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, held on {r.feed.where}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
         state = restore(found, r, log, state.run_id)
-        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({found[1]['file']})")
+        replanned = replan_schedule(cfg, r, state.step)
+        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({found[1]['file']}){replanned}")
     stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
         if stop.signal == TIME_LIMIT:  # the next attempt would set up as long: a setting to change, not a retry
@@ -203,6 +206,30 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     return finish(loop, first_epoch)
 
 
+def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
+    """The run in the folder has done train.epochs (or more) already: it is left exactly as it is."""
+    progress, manifest = found[0]["progress"], found[1]
+    done = progress["epoch"]
+    why = f"{done} of {done} epochs done"
+    if done > cfg.train.epochs:
+        why = f"{done} epochs done, more than train.epochs={cfg.train.epochs}"
+    if distributed.is_writer():
+        run_dir.finish()  # nothing was queued: this only stops the uploader
+    say(f"{cfg.name} in {run_dir.url} is complete: {why}; nothing to do (a larger train.epochs trains it longer)")
+    metrics = manifest.get("metrics") or {}
+    return {
+        "complete": True,
+        "epochs": done,
+        "steps": progress["step"],
+        "best_accuracy": progress.get("best_accuracy"),
+        "best_epoch": progress.get("best_epoch"),
+        "final_accuracy": metrics.get("test_accuracy"),
+        "final_test_loss": metrics.get("test_loss"),
+        "epochs_run": 0,
+        "output": run_dir.url,
+    }
+
+
 def set_cpu_threads(cfg: Config, r: Recipe, input_shape: tuple[int, ...]) -> float:
     """On a CPU, the threads a step of this size should use; returns the step's forward FLOPs (inf elsewhere: what
     a step costs matters on a CPU only, for threads and tracing)."""
@@ -222,6 +249,15 @@ def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str) -> P
     saved = dict(payload["progress"])
     log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
     return Progress(**{"run_id": run_id, **saved})
+
+
+def replan_schedule(cfg: Config, r: Recipe, step: int) -> str:
+    """A resumed run of another length: its schedule re-planned over the new length, from `step`; says so."""
+    total = cfg.train.epochs * len(r.train)
+    if r.scheduler is None or recipe.planned_steps(r.scheduler) == total:
+        return ""
+    r.scheduler = recipe.replan(cfg, r.optimizer, total, step)
+    return f"; the {cfg.optim.schedule} schedule re-planned over {cfg.train.epochs} epochs"
 
 
 def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerStep:

@@ -310,11 +310,16 @@ def metrics(url: str) -> list[dict]:
 
 
 def train_losses(url: str) -> list[tuple[int, float]]:
+    return scalars(url, "train/loss")
+
+
+def scalars(url: str, tag: str) -> list[tuple[int, float]]:
+    """(step, value) of one TensorBoard scalar of a run, from every event file, honouring purge markers."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(f"{url}/tensorboard")  # reads every event file, honouring purge markers
+    acc = EventAccumulator(f"{url}/tensorboard", size_guidance={"scalars": 0})  # 0: keep every point
     acc.Reload()
-    return [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def assert_same_run(a: str, b: str) -> None:

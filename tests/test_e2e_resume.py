@@ -3,6 +3,7 @@ same command; the result must equal a run that never stopped, bit for bit on the
 
 import contextlib
 import json
+import math
 import random
 import signal
 import time
@@ -10,7 +11,7 @@ import time
 import fsspec
 import pytest
 import torch
-from conftest import assert_same_run, invoke, pointer, run_job, sets, start_job
+from conftest import assert_same_run, invoke, pointer, run_job, scalars, sets, start_job
 
 from job.storage import RunDir
 
@@ -184,3 +185,39 @@ def test_overwrite_alone_starts_the_folder_afresh(tmp_path):
     assert code == 0 and "resuming" not in err, err
     assert [json.loads(line)["epoch"] for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()] == [100]
     assert pointer(out)["epoch"] == 100
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "onecycle"])
+def test_training_longer_replans_the_schedule_over_the_new_length(tmp_path, schedule):
+    """Resuming with more epochs is the commonest resume: the schedule is a function of the step and the run's
+    length, so the run continues on the curve re-planned over the new length and ends at the schedule's end."""
+    out = str(tmp_path / "run")
+    base = ["train", "--device", "cpu", "--output", out, *sets(f"optim.schedule={schedule}", "data.batch_size=120")]
+    code, err = invoke([*base, *sets("train.epochs=100", "train.eval_every_epochs=50", "train.log_every_steps=10")])
+    assert code == 0, err
+    code, err = invoke([*base, *sets("train.epochs=300", "train.eval_every_epochs=50", "train.log_every_steps=10")])
+    assert code == 0, err
+    assert f"the {schedule} schedule re-planned over 300 epochs" in err
+    lrs = dict(scalars(out, "train/lr"))
+    assert max(lrs) == 300 and lrs[300] < 1e-4 * 0.01  # at the schedule's end (Iris: lr 0.01, one step per epoch)
+    if schedule == "cosine":  # after the resume, never above the re-planned curve nor rising
+        after = [lrs[s] for s in sorted(lrs) if s > 100]
+        assert all(a >= b for a, b in zip(after, after[1:]))
+        assert abs(lrs[200] - 0.01 * (1 + math.cos(math.pi * 200 / 300)) / 2) < 1e-6
+
+
+def test_running_a_finished_run_again_changes_nothing_and_says_it_is_complete(tmp_path):
+    out = tmp_path / "run"
+    base = ["train", "--device", "cpu", "--output", str(out), *sets("train.eval_every_epochs=100")]
+    code, err = invoke([*base, *sets("train.epochs=200")])
+    assert code == 0, err
+
+    def files() -> dict:
+        return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+    before = files()
+    for epochs, why in ((200, "200 of 200 epochs done"), (100, "200 epochs done, more than train.epochs=100")):
+        code, err = invoke([*base, *sets(f"train.epochs={epochs}")])
+        assert code == 0 and len(err.strip().splitlines()) == 1, err
+        assert f"iris in {out} is complete: {why}" in err
+        assert files() == before  # byte for byte: no config, weights, event file or metrics written
