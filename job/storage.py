@@ -65,6 +65,7 @@ class RunDir:
         self._index: dict[str, set[str]] = {}  # remote listings, kept current as files are written and deleted
         self._cache: dict[str, bytes] = {}  # small files read from the store
         self._lock = None
+        self._made: Path | None = None  # the outermost folder prepare() made
 
     def path(self, rel: str) -> Path:
         """The local path of a file of the run (a staging copy when the run is remote)."""
@@ -80,6 +81,8 @@ class RunDir:
 
     def prepare(self) -> None:
         """Check, before any work, that every place the run writes to takes a file and gives it back."""
+        missing = [p for p in (self.local, *self.local.parents) if not p.exists()]
+        self._made = missing[-1] if missing else None
         try:
             self.local.mkdir(parents=True, exist_ok=True)
             probe = self.local / f".probe-{os.getpid()}"
@@ -240,6 +243,12 @@ class RunDir:
         self.uploader.stop()
         self.uploader = None
         self.clear_staging()
+
+    def remove_if_empty(self) -> None:
+        """Take back the folders prepare() made when nothing was written in them: a run that failed to start
+        leaves no empty run folder behind."""
+        if self._made is not None and self._made.is_dir() and not any(p.is_file() for p in self._made.rglob("*")):
+            shutil.rmtree(self._made, ignore_errors=True)
 
     def abandon(self) -> None:
         """Stop uploading at once (the run failed); the staging copy stays for the next attempt."""

@@ -110,11 +110,13 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> 
             run_dir.finish()  # the grace period's timer ends the process if this takes too long
         except StorageError as failed:  # still exit 75: a retry continues from what the store holds
             raise Interrupted(f"{e}; but {failed}") from None
+        run_dir.remove_if_empty()
         raise
     except BaseException as e:
         with contextlib.suppress(Exception):  # send what was committed before the failure, for a retry elsewhere
             run_dir.finish(timeout=30)
         run_dir.abandon()
+        run_dir.remove_if_empty()
         if is_out_of_memory(e):  # the loop names its batch sizes itself: this is setting up (data, model)
             raise out_of_memory_error("while setting up the run", pick_device(req.device)) from None
         raise

@@ -331,3 +331,20 @@ def test_full_disk_is_a_storage_error_with_the_last_commit_intact(tmp_path):
     assert last.startswith("error: ") and "cannot write checkpoints/" in last and "too large" in last
     assert not (out / "checkpoints" / "latest.json").exists()
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--device", "tpu"],
+        ["--resume", "/nonexistent/x.pt"],
+        ["--set", "model.name=cifar_cnn"],
+        ["--set", "data.path=/nonexistent.csv"],
+    ],
+    ids=["device", "resume", "model", "data"],
+)
+def test_a_run_that_fails_to_start_leaves_no_folder_behind(tmp_path, args):
+    out = tmp_path / "runs" / "iris"
+    code, err = invoke(["train", "--output", str(out), *args])
+    assert code in (2, 3, 5) and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not (tmp_path / "runs").exists()
