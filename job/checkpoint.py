@@ -183,23 +183,27 @@ def is_manifest(name: str) -> bool:
 def load_latest(run: RunDir) -> tuple[dict, dict] | None:
     """The newest checkpoint of a run that verifies, as (payload, manifest); None when the run has none.
 
-    The pointer names the newest commit; when it or its payload is missing or corrupt, older manifests are
-    tried in turn, each failure reported in one line. Checkpoints that exist but none of which verifies
-    are an error: a run never silently starts again from scratch.
+    The pointer names the newest commit and the run; when it or its payload is missing or corrupt, older
+    manifests of that run are tried in turn, each failure reported in one line (another run's are never
+    taken). Checkpoints that exist but none of which verifies are an error: a run never silently starts again
+    from scratch.
     """
-    candidates: set[str] = set()
+    pointed, run_id = None, None
     pointer = run.read(POINTER)
     if pointer is not None:
         try:
-            candidates.add(json.loads(pointer)["file"][: -len(".pt")])
+            manifest = json.loads(pointer)
+            pointed, run_id = manifest["file"][: -len(".pt")], manifest.get("run") or None
         except (ValueError, KeyError, TypeError):
             say(f"warning: {run.url}/{POINTER} is unreadable; looking for the newest checkpoint by its manifest")
     listed = run.list(FOLDER)
-    candidates |= {n[: -len(".json")] for n in listed if is_manifest(n)}
+    names = {n[: -len(".json")] for n in listed if is_manifest(n)} | ({pointed} if pointed else set())
     problems: list[str] = []
-    for name in sorted(candidates, key=order, reverse=True):  # newest first
+    for name in sorted(names, key=order, reverse=True):  # newest first, within the pointer's run
         try:
             manifest = read_manifest(run.read(f"{FOLDER}/{name}.json"), name)
+            if run_id and manifest.get("run") != run_id:
+                continue  # another run's checkpoint in this folder: never continued from
             payload = load_payload(run.read(f"{FOLDER}/{name}.pt"), manifest, f"{run.url}/{FOLDER}/{name}.pt")
         except CheckpointError as e:
             problems.append(str(e))

@@ -46,7 +46,22 @@ def find_checkpoint(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) 
     found = checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
     if found is not None:
         check_compatible(found[0]["config"], cfg)
+        if resume != "auto" and not overwrite:
+            check_same_run(run_dir, found[0])
     return found
+
+
+def check_same_run(run_dir: RunDir, payload: dict) -> None:
+    """--resume URL continues a checkpoint into an empty folder or its own run's; never into another run's, where
+    two runs' checkpoints would mix."""
+    if not run_dir.has_run():
+        return
+    here = checkpoint.read_pointer(run_dir.read(checkpoint.POINTER)) or {}
+    if not here.get("run") or here.get("run") != payload.get("progress", {}).get("run_id"):
+        raise ConfigError(
+            f"{run_dir.url} holds another run: --resume URL continues a checkpoint into its own run's folder or an "
+            "empty one; use another --output, or --overwrite to replace the run there"
+        )
 
 
 def check_compatible(saved: dict, cfg: Config) -> None:

@@ -154,7 +154,7 @@ def preflight(cfg: Config, req: Request) -> RunDir:
 def open_run(run_dir: RunDir, req: Request, cfg: Config) -> tuple[dict, dict] | None:
     """Rank 0's part of setting up: the checkpoint to continue from, an overwritten run cleared, uploads started."""
     found = find_checkpoint(run_dir, req.resume, req.overwrite, cfg)
-    if req.overwrite and found is None:
+    if req.overwrite and (found is None or req.resume != "auto"):  # the folder afresh, or for the given checkpoint
         clear_run(run_dir)
     run_dir.start_sync()
     return found
@@ -175,7 +175,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     if found is not None:
         state = restore(found, r, log, state.run_id)
         replanned = replan_schedule(cfg, r, state.step)
-        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({found[1]['file']}){replanned}")
+        source = (found[1] or {}).get("file") or req.resume  # a bare .pt given by URL has no manifest
+        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({source}){replanned}")
     stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
         if stop.signal == TIME_LIMIT:  # the next attempt would set up as long: a setting to change, not a retry

@@ -200,3 +200,16 @@ def test_checkpoints_are_ordered_by_epoch_and_step_as_numbers_past_99999_epochs(
         "e99999-s0000199998",
         "e100000-s0000200000",
     ]
+
+
+def test_the_newest_checkpoint_follows_the_pointer_and_never_another_runs(tmp_path):
+    """A folder holding another run's checkpoints beside this run's (left by an older version, or copied in): the
+    pointer names the run, and the fallback search stays within that run."""
+    run = RunDir(str(tmp_path / "run"))
+    checkpoint.commit(run, payload(1), 1, 10, {}, keep_last=5, run_id="a")
+    other = checkpoint.commit(run, payload(5), 5, 50, {}, keep_last=5, run_id="b")
+    pointer_a = checkpoint.commit(run, payload(2), 2, 20, {}, keep_last=5, run_id="a")
+    assert other > "" and checkpoint.read_pointer(run.read("checkpoints/latest.json"))["run"] == "a"
+    assert checkpoint.load_latest(run)[1]["file"] == f"{pointer_a}.pt"  # not b's newer epoch 5
+    run.write(f"checkpoints/{pointer_a}.pt", b"damaged")
+    assert checkpoint.load_latest(run)[1]["file"] == "e00001-s0000000010.pt"  # a's older one, never b's

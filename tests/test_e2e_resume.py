@@ -221,3 +221,22 @@ def test_running_a_finished_run_again_changes_nothing_and_says_it_is_complete(tm
         assert code == 0 and len(err.strip().splitlines()) == 1, err
         assert f"iris in {out} is complete: {why}" in err
         assert files() == before  # byte for byte: no config, weights, event file or metrics written
+
+
+def test_resuming_a_checkpoint_into_another_runs_folder_is_refused_unless_overwritten(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = ["train", "--device", "cpu", *sets("train.eval_every_epochs=100")]
+    for out, epochs in ((a, 200), (b, 100)):
+        code, err = invoke([*common, "--output", out, *sets(f"train.epochs={epochs}")])
+        assert code == 0, err
+    before = {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()}
+    into_b = [*common, "--resume", a, "--output", b, *sets("train.epochs=300")]
+    code, err = invoke(into_b)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"{b} holds another run" in err and "--overwrite" in err
+    assert {p: p.read_bytes() for p in (tmp_path / "b").rglob("*") if p.is_file()} == before
+    code, err = invoke([*into_b, "--overwrite"])
+    assert code == 0 and "resuming iris from epoch 200" in err, err
+    runs = {json.loads(m.read_text())["run"] for m in (tmp_path / "b/checkpoints").glob("e*.json")}
+    assert runs == {pointer(a)["run"]} == {pointer(b)["run"]}  # only run a's checkpoints, continued
+    assert [json.loads(line)["epoch"] for line in (tmp_path / "b/metrics.jsonl").read_text().splitlines()] == [300]
