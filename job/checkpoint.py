@@ -228,8 +228,9 @@ def read_manifest(data: bytes | None, name: str) -> dict:
     return manifest
 
 
-def load_payload(data: bytes | None, manifest: dict | None, where: str) -> dict:
-    """Verify size and sha256 against the manifest (when there is one), then load weights-only."""
+def load_payload(data: bytes | None, manifest: dict | None, where: str, weights: bool = False) -> dict:
+    """Verify size and sha256 against the manifest (when there is one), then load weights-only. `weights`: a
+    run's model.pt (a state dict alone) is taken too, as {"model": state dict}."""
     if data is None:
         raise CheckpointError(f"{where}: missing")
     if manifest is not None:
@@ -247,14 +248,20 @@ def load_payload(data: bytes | None, manifest: dict | None, where: str) -> dict:
         ) from None
     except Exception as e:  # a damaged zip or pickle raises many types
         raise CheckpointError(f"{where}: not a readable checkpoint: {one_line(e)}") from None
+    if weights and is_state_dict(payload):
+        return {"model": payload}
     if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
         raise CheckpointError(f"{where}: not a checkpoint of this job (format {FORMAT})")
     return payload
 
 
-def load_url(url: str) -> tuple[dict, dict | None]:
+def is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def load_url(url: str, weights: bool = False) -> tuple[dict, dict | None]:
     """A checkpoint given by URL: a run folder (its newest good checkpoint) or a .pt file (checked against
-    its manifest beside it when there is one)."""
+    its manifest beside it when there is one); with `weights`, a run's model.pt too."""
     fs, path = filesystem(url)
     try:
         is_dir = fs.isdir(path)
@@ -277,7 +284,7 @@ def load_url(url: str) -> tuple[dict, dict | None]:
         raise
     except Exception as e:
         raise StorageError(f"cannot read the checkpoint: {describe_storage_error(url, e)}") from None
-    return load_payload(data, manifest, url), manifest
+    return load_payload(data, manifest, url, weights), manifest
 
 
 HOW_KEYS = ("fused", "foreach", "capturable")

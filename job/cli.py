@@ -115,10 +115,10 @@ def evaluate(
         if as_json:
             print(json.dumps(result))
         else:
+            where = f": epoch {result['epoch']}, step {result['step']}" if result["epoch"] is not None else ""
             print(
-                f"{result['checkpoint']}: epoch {result['epoch']}, step {result['step']}: "
-                f"test_loss {result['test_loss']:.4f}  test_accuracy {result['test_accuracy']:.4f} "
-                f"({result['samples']} samples)"
+                f"{result['checkpoint']}{where}: test_loss {result['test_loss']:.4f}  "
+                f"test_accuracy {result['test_accuracy']:.4f} ({result['samples']} samples)"
             )
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from job import checkpoint, recipe
+from job.cloud import filesystem
 from job.config import apply_override, load_config, validate
 from job.data.loader import BatchLoader
 from job.env import pick_device
@@ -29,9 +30,15 @@ def test_sums(model, loader: BatchLoader, amp) -> torch.Tensor:
 
 def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], device_name: str) -> dict:
     """Test loss and accuracy of a checkpoint (or a run folder's newest) on the test split."""
-    payload, _ = checkpoint.load_url(url)
+    payload, _ = checkpoint.load_url(url, weights=True)
     if config:
         cfg = load_config(config, overrides)
+    elif "config" not in payload:  # a run's model.pt: the weights alone, the run's config.yaml beside them
+        beside = f"{url.rstrip('/').rsplit('/', 1)[0]}/config.yaml" if "/" in url else "config.yaml"
+        fs, path = filesystem(beside)
+        if not fs.exists(path):
+            raise CheckpointError(f"{url}: the weights alone, with no config beside it: pass --config")
+        cfg = load_config(beside, overrides)
     else:
         raw = payload.get("config")
         if not isinstance(raw, dict):

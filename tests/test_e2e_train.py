@@ -167,6 +167,16 @@ def test_evaluate_a_saved_run(tmp_path):
         assert got["test_accuracy"] == pytest.approx(last["test_accuracy"])
         assert got["test_loss"] == pytest.approx(last["test_loss"], rel=1e-5)
         assert got["epoch"] == 1000
+    # model.pt, the documented final weights: evaluated with the run's config beside it, or the one given
+    for extra in ([], ["--config", str(run_dir / "config.yaml")]):
+        result = run_job("evaluate", "--checkpoint", str(run_dir / "model.pt"), *extra, "--json", "--device", "cpu")
+        assert result.returncode == 0, result.stderr[-2000:]
+        got = json.loads(result.stdout)
+        assert got["test_accuracy"] == pytest.approx(last["test_accuracy"]) and got["epoch"] is None
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights/model.pt").write_bytes((run_dir / "model.pt").read_bytes())
+    alone = run_job("evaluate", "--checkpoint", str(tmp_path / "weights/model.pt"), "--device", "cpu")
+    assert alone.returncode == 5 and "no config beside it: pass --config" in alone.stderr
 
 
 def test_outputs_to_memory_url_in_process():
