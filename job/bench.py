@@ -59,7 +59,9 @@ def bench(cfg: Config, devices: list[torch.device]) -> dict:
         same = next(n for n in rows if n["loop"] == "naive" and n["device"] == r["device"])
         r["speedup_vs_naive"] = same["seconds_per_epoch"] / r["seconds_per_epoch"]
         r["speedup_vs_naive_cpu"] = cpu_naive["seconds_per_epoch"] / r["seconds_per_epoch"] if cpu_naive else None
+    steps_per_epoch = -(-per_epoch // batch)
     recipe = {
+        "steps": cfg.train.epochs * steps_per_epoch,
         "name": cfg.name,
         "model": cfg.model.name,
         "data": data.describe(),
@@ -132,6 +134,8 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+FEW_STEPS = 500  # below this, a run's one-time costs are a large share of its time
+
 COLUMNS = ("device", "loop", "precision", "s/epoch", "samples/s", "test acc", "vs naive", "vs naive cpu")
 
 
@@ -164,6 +168,12 @@ def format_table(result: dict) -> str:
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     for c in cells:
         lines.append("  ".join(v.ljust(w) if i < 3 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+    if r["steps"] < FEW_STEPS:
+        lines += [
+            "",
+            f"note: {r['steps']} steps are few: the job's one-time costs (tracing or capturing its step, cuDNN's "
+            f"autotuning) weigh on its s/epoch here; use --epochs for at least {FEW_STEPS} steps to compare speeds",
+        ]
     lines += [
         "",
         "s/epoch: seconds in training epochs (test passes excluded) per epoch; vs naive: the naive loop's s/epoch "

@@ -1,6 +1,7 @@
 """The command line: parse, call, and turn the user's faults into one line and an exit code (the only place that
 knows exit codes). Exit codes: 0 done, 1 a bug, 2 command line or config, 3 data, 4 storage or credentials,
-5 checkpoint unusable, 75 interrupted with a checkpoint committed (run the same command again)."""
+5 checkpoint unusable, 75 interrupted with a checkpoint committed (run the same command again), 130 stopped by
+the user (Ctrl-C) with nothing to continue."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 import typer
 
-from job.errors import CheckpointError, ConfigError, DataError, Interrupted, JobError, StorageError
+from job.errors import Cancelled, CheckpointError, ConfigError, DataError, Interrupted, JobError, StorageError
 
 EXIT_CODES: dict[type[JobError], int] = {
     ConfigError: 2,
@@ -19,6 +20,7 @@ EXIT_CODES: dict[type[JobError], int] = {
     StorageError: 4,
     CheckpointError: 5,
     Interrupted: 75,
+    Cancelled: 130,
 }
 
 app = typer.Typer(
@@ -39,7 +41,7 @@ def user_errors() -> Iterator[None]:
         yield
     except JobError as e:
         code = next(c for cls, c in EXIT_CODES.items() if isinstance(e, cls))
-        prefix = "" if code == 75 else "error: "
+        prefix = "" if code in (75, 130) else "error: "
         print(f"{prefix}{e}", file=sys.stderr)
         raise typer.Exit(code) from None
     except KeyboardInterrupt:

@@ -22,7 +22,12 @@ class CheckpointError(JobError):
 
 
 class Interrupted(JobError):
-    """The run was stopped by a signal after committing a checkpoint."""
+    """The run was stopped by a signal after committing a checkpoint (or before it had anything to save): the same
+    command continues it."""
+
+
+class Cancelled(JobError):
+    """The user stopped the run (Ctrl-C) before it had anything to save."""
 
 
 def one_line(e: BaseException) -> str:

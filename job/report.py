@@ -92,8 +92,12 @@ class Report:
         """The hparams summary with the run's final metrics, curves.png, and a last upload."""
         from torch.utils.tensorboard.summary import hparams
 
-        for summary in hparams(self.hparams, {f"hparam/{k}": v for k, v in final.items()}):
+        metrics = {f"hparam/{k}": v for k, v in final.items()}
+        for summary in hparams(self.hparams, metrics):
             self.writer.file_writer.add_summary(summary)
+        step = self.records[-1]["step"] if self.records else 0
+        for tag, value in metrics.items():  # the HPARAMS tab reads its metric columns from these scalars
+            self.writer.add_scalar(tag, value, step)
         self.writer.close()
         self.run.write(CURVES, plot_curves(self.records))
         self.flush()

@@ -366,11 +366,13 @@ def build_step(r: Recipe, sums: torch.Tensor, capture: str, step_flops: float = 
         return step
     if device.type == "cuda":
         return CudaGraphStep(*args)
-    if device.type == "cpu" and step_flops < SMALL_STEP_FLOPS and not scaler.is_enabled():
+    if device.type == "cpu" and step_flops < SMALL_STEP_FLOPS and r.precision == "fp32":
         return CpuTracedStep(*args)
     step = EagerStep(*args)
     if device.type == "cpu" and scaler.is_enabled():
         step.description = "eager (fp16's loss scaler on a CPU)"
+    elif device.type == "cpu" and step_flops < SMALL_STEP_FLOPS:  # the check against the eager step would refuse it
+        step.description = f"eager ({r.precision} on a CPU: a traced step would round differently from the eager one)"
     elif device.type == "cpu":
         step.description = "eager (a CPU step this large is bound by arithmetic; capture would not help)"
     else:

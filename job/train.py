@@ -8,6 +8,7 @@ time without blocking (job/meters.py); the host reads numbers only at evaluation
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -17,7 +18,7 @@ import torch
 from job import checkpoint, cloud, distributed, recipe
 from job.config import Config, flat_items, to_yaml
 from job.env import describe_device, pick_device, seed_everything
-from job.errors import ConfigError, Interrupted, StorageError
+from job.errors import Cancelled, ConfigError, Interrupted, StorageError
 from job.evaluate import test_sums
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
@@ -176,12 +177,15 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         state = restore(found, r, log, state.run_id)
         replanned = replan_schedule(cfg, r, state.step)
         source = (found[1] or {}).get("file") or req.resume  # a bare .pt given by URL has no manifest
-        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step} ({source}){replanned}")
+        into = f" ({state.epoch_step} steps into epoch {state.epoch + 1})" if state.epoch_step else ""
+        say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step}{into} ({source}){replanned}")
     stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
         if stop.signal == TIME_LIMIT:  # the next attempt would set up as long: a setting to change, not a retry
             raise ConfigError(f"{stop.describe()} ran out before training began: allow more with train.time_limit")
-        raise Interrupted(f"stopped by {stop.describe()} before training began: run the same command again to continue")
+        if stop.signal == signal.SIGINT:  # the user's Ctrl-C: nothing to continue, and 75 would promise a checkpoint
+            raise Cancelled(f"stopped by {stop.describe()} before training began; nothing was saved")
+        raise Interrupted(f"stopped by {stop.describe()} before training began: run the same command again to start")
     report = FollowerReport()
     if distributed.is_writer():
         run_dir.write("config.yaml", to_yaml(cfg).encode())
@@ -197,16 +201,23 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
             test_and_report(loop)
         stopping = stop.signal is not None and not last
         if stopping:
-            say(f"{stop.describe()}: stopping at epoch {state.epoch}, step {state.step}; committing a checkpoint")
+            say(f"{stop.describe()}: stopping {position(state)}; committing a checkpoint")
         if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
             save(loop)
         if stopping:
             raise Interrupted(
-                f"stopped by {stop.describe()} at epoch {state.epoch}, step {state.step}; "
+                f"stopped by {stop.describe()} {position(state)}; "
                 f"checkpoint committed to {run_dir.url}: run the same command again to continue"
             )
     stop.finishing()
     return finish(loop, first_epoch)
+
+
+def position(state: Progress) -> str:
+    """Where the run stands, in words: during an epoch, or at the end of one."""
+    if state.epoch_step:
+        return f"in epoch {state.epoch + 1} at step {state.step}"
+    return f"after epoch {state.epoch} at step {state.step}"
 
 
 def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:

@@ -121,6 +121,7 @@ def test_bench_command_prints_the_table(tmp_path):
     assert float(rows[1][-1].rstrip("x")) == pytest.approx(float(rows[0][3]) / float(rows[1][3]), rel=0.01)
     assert "bench: the naive loop on cpu" in result.stderr and "bench: the job on cpu" in result.stderr
     assert not list(scratch.glob("job-bench-*"))  # the job's run went to a scratch folder, removed afterwards
+    assert "note: 200 steps are few" in result.stdout and "at least 500 steps" in result.stdout
 
 
 def test_bench_refuses_an_unknown_device_before_any_training():

@@ -52,6 +52,9 @@ def test_default_run_in_an_empty_folder(tmp_path):
     assert [s for s, _ in tb["train/loss"]] == list(range(200, 20001, 200))
     assert tb["train/loss"][-1][1] < tb["train/loss"][0][1] / 3
     assert tb["test/accuracy"][-1] == (20000, pytest.approx(records[-1]["test_accuracy"]))
+    # the HPARAMS tab's metric columns: the final metrics the hparams summary declares, logged as scalars
+    assert tb["hparam/final_accuracy"] == [(20000, pytest.approx(records[-1]["test_accuracy"]))]
+    assert tb["hparam/best_accuracy"] == [(20000, pytest.approx(max(r["test_accuracy"] for r in records)))]
     assert "done: 20000 epochs" in result.stderr and "runs/iris" in result.stderr
 
 

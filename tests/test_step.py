@@ -171,3 +171,14 @@ def test_a_cnn_on_a_cpu_trains_channels_last_by_default_and_learns_the_same(tmp_
     assert "step: fp32, channels-last;" in said["auto"] and "channels-last" not in said["off"]
     for k, v in weights["off"].items():
         assert torch.allclose(v, weights["auto"][k], rtol=1e-4, atol=1e-5), k
+
+
+def test_bf16_on_a_cpu_says_once_how_its_step_runs(tmp_path):
+    """autocast's rounding on a CPU differs between a traced and an eager step, so the check refuses every trace:
+    the run says up front that its step is eager and why, in one `step:` line, not a trace and then a retraction."""
+    from conftest import invoke, sets
+
+    code, err = invoke(["train", "--device", "cpu", "--output", str(tmp_path / "r"), *sets("train.precision=bf16")])
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("step:")]
+    assert lines == ["step: bf16; eager (bf16 on a CPU: a traced step would round differently from the eager one)"]

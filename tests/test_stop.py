@@ -26,7 +26,7 @@ from torch import nn
 
 class Net(nn.Module):
     '''The Iris preset's 4-10-3 MLP, which sends its process SIGTERM (or $STOP_SIGNAL) in training step $STOP_AT_STEP
-    of this process (counted from 1; unset: never).'''
+    of this process (counted from 1; unset: never), or when built with $STOP_WHEN_BUILT set.'''
 
     def __init__(self, num_classes):
         super().__init__()
@@ -34,6 +34,8 @@ class Net(nn.Module):
         self.steps = 0
         self.at = int(os.environ.get("STOP_AT_STEP", "0"))
         self.sig = getattr(signal, os.environ.get("STOP_SIGNAL", "SIGTERM"))
+        if os.environ.get("STOP_WHEN_BUILT"):  # while the run sets up, before any training step
+            os.kill(os.getpid(), self.sig)
 
     def forward(self, x):
         if self.training and self.at:  # the job's shape and FLOPs probes run in eval mode
@@ -71,15 +73,15 @@ def test_sigterm_in_a_chosen_step_commits_there_and_resumes_exactly(tmp_path, mo
     out = tmp_path / "stopped"
     stopped = run_job("train", *ARGS, "--output", str(out), env={**models, "STOP_AT_STEP": "45"})
     assert stopped.returncode == 75, stopped.stderr[-2000:]
-    assert "SIGTERM: stopping at epoch 1, step 45; committing a checkpoint" in stopped.stderr
-    assert f"stopped by SIGTERM at epoch 1, step 45; checkpoint committed to {out}" in stopped.stderr
+    assert "SIGTERM: stopping in epoch 2 at step 45; committing a checkpoint" in stopped.stderr
+    assert f"stopped by SIGTERM in epoch 2 at step 45; checkpoint committed to {out}" in stopped.stderr
     assert "Traceback" not in stopped.stderr
     assert pointer(out)["step"] == 45
     payload = torch.load(out / "checkpoints" / pointer(out)["file"], weights_only=True)
     assert payload["progress"]["epoch"] == 1 and payload["progress"]["epoch_step"] == 15
     again = run_job("train", *ARGS, "--output", str(out), env=models)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "resuming iris from epoch 1, step 45" in again.stderr
+    assert "resuming iris from epoch 1, step 45 (15 steps into epoch 2)" in again.stderr
     assert_same_run(tmp_path / "reference", out)
     assert len(metrics(out)) == 4
 
@@ -108,8 +110,8 @@ def test_time_limit_commits_and_exits_75_then_the_run_continues(tmp_path):
     assert code == 75, err[-2000:]
     assert took >= 6 and "Traceback" not in err
     step = pointer(out)["step"]
-    assert step > 0 and f"the time limit (6s): stopping at epoch {step}, step {step}" in err
-    assert f"stopped by the time limit (6s) at epoch {step}, step {step}; checkpoint committed" in err
+    assert step > 0 and f"the time limit (6s): stopping after epoch {step} at step {step}" in err
+    assert f"stopped by the time limit (6s) after epoch {step} at step {step}; checkpoint committed" in err
     # The next attempt, with another limit (a resumed run may change it) and the run's real length.
     end = step + 200
     code, err = invoke([*long, *sets(f"train.epochs={end}", "train.time_limit=1h"), "--output", str(out)])
@@ -229,3 +231,16 @@ def test_stop_request_alone_limit_describe_cancel_and_sync():
         assert timers_alive(before)  # the grace period runs: 30 s, then the process would exit 75
         stop.cancel()
         assert not timers_alive(before)
+
+
+@pytest.mark.parametrize(("sig", "code", "says"), [("SIGINT", 130, "nothing was saved"), ("SIGTERM", 75, "start")])
+def test_a_signal_while_setting_up_exits_with_the_code_that_matches(tmp_path, models, sig, code, says):
+    """Exit 75 promises that the same command continues: right for a preemption (SIGTERM) before the first step,
+    which a retry starts again. A Ctrl-C there is the user stopping a run that saved nothing: 130, and it says so."""
+    out = tmp_path / "run"
+    env = {**models, "STOP_WHEN_BUILT": "1", "STOP_SIGNAL": sig}
+    stopped = run_job("train", *ARGS, "--output", str(out), env=env)
+    assert stopped.returncode == code, stopped.stderr[-2000:]
+    last = stopped.stderr.strip().splitlines()[-1]
+    assert f"stopped by {sig} before training began" in last and says in last and "Traceback" not in stopped.stderr
+    assert not out.exists()  # nothing written, no folder left
