@@ -44,7 +44,10 @@ def gcs_credentials() -> tuple[Any, str]:
 
     try:
         credentials, project = google.auth.default(scopes=[SCOPE])
-    except DefaultCredentialsError:
+    except DefaultCredentialsError as e:
+        if key:  # the file is there: it is what is wrong (google-auth's args: the message, then the cause)
+            why = "; ".join(one_line(a) if isinstance(a, BaseException) else str(a) for a in e.args) or one_line(e)
+            raise StorageError(f"GOOGLE_APPLICATION_CREDENTIALS={key}: not a usable key file: {why}") from None
         raise StorageError(
             "gs://: no Google Cloud credentials found: set GOOGLE_APPLICATION_CREDENTIALS to a key file, run "
             "`gcloud auth application-default login`, or run on a VM or job with a service account"

@@ -142,10 +142,14 @@ def test_missing_bucket_is_refused_by_preflight(bucket, tmp_path):
     [
         ({"GOOGLE_APPLICATION_CREDENTIALS": "/nonexistent/key.json"}, "no such key file"),
         ({}, "no Google Cloud credentials found"),
+        ({"GOOGLE_APPLICATION_CREDENTIALS": "{tmp}/key.json"}, "GOOGLE_APPLICATION_CREDENTIALS={tmp}/key.json: "),
     ],
-    ids=["missing key file", "no credentials at all"],
+    ids=["missing key file", "no credentials at all", "malformed key file"],
 )
 def test_missing_credentials_are_one_line_exit_4(tmp_path, env, needle):
+    (tmp_path / "key.json").write_text('{"type": "service_account", "client_email": ')  # cut short
+    env = {k: v.replace("{tmp}", str(tmp_path)) for k, v in env.items()}
+    needle = needle.replace("{tmp}", str(tmp_path))
     closed = f"127.0.0.1:{free_port()}"  # no metadata server: connections are refused at once
     full = {
         "STORAGE_EMULATOR_HOST": "",
@@ -160,6 +164,7 @@ def test_missing_credentials_are_one_line_exit_4(tmp_path, env, needle):
     r = run_job("train", "--device", "cpu", "--output", "gs://some-bucket/run", cwd=tmp_path, env=full)
     assert r.returncode == 4 and needle in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and time.time() - t0 < 30
+    assert "not a usable key file" in r.stderr or "key.json" not in needle
 
 
 def test_permission_denied_is_one_line_exit_4(bucket, gcs_server, tmp_path):
