@@ -54,6 +54,11 @@ def write_atomic(target: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    folder = os.open(target.parent, os.O_RDONLY)  # the rename itself, durable: a crash now still finds the file
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def send(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:

@@ -113,3 +113,22 @@ def test_a_store_that_refuses_uploads_is_given_up_with_the_queue_kept_in_order(t
     assert up.error.startswith("put ck/1.pt: ")
     assert [op.rel for op in up.pending()] == ["ck/1.pt", "ck/1.json", "ck/latest.json"]
     up.stop()
+
+
+def test_an_atomic_write_makes_the_file_and_its_folder_entry_durable(tmp_path, monkeypatch):
+    """fsync of the file, then of its folder after the rename: a crash right after a commit finds the new name."""
+    import os
+
+    from job import sync
+
+    synced = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(sync.os, "fsync", spy)
+    sync.write_atomic(tmp_path / "ck" / "latest.json", b"{}")
+    assert (tmp_path / "ck/latest.json").read_bytes() == b"{}"
+    assert synced[-1] == str(tmp_path / "ck") and len(synced) == 2  # the temporary file's data, then the folder
