@@ -89,6 +89,11 @@ def folder(path, *overrides: str) -> list[str]:
     return cifar(path, "data.kind=folder", *overrides)
 
 
+def weights_of_another_model(tmp: Path) -> Path:
+    torch.save({"w": torch.ones(1)}, tmp / "w.pt")
+    return tmp / "w.pt"
+
+
 def cifar_with(tmp: Path, name: str, data: bytes) -> Path:
     batches = write_cifar_batches(tmp / "cifar-10-batches-py", n_train=50, n_test=20)
     (batches / name).write_bytes(data)
@@ -278,9 +283,21 @@ CASES = [
     ),
     (
         "evaluate another program's file",
-        lambda t, r: ["evaluate", "--checkpoint", str(torch.save({"w": torch.ones(1)}, t / "w.pt") or t / "w.pt")],
+        lambda t, r: ["evaluate", "--checkpoint", str(torch.save({"w": [1, 2]}, t / "w.pt") or t / "w.pt")],
         5,
         "not a checkpoint of this job",
+    ),
+    (
+        "evaluate bare weights without a config",
+        lambda t, r: ["evaluate", "--checkpoint", str(torch.save({"w": torch.ones(1)}, t / "w.pt") or t / "w.pt")],
+        5,
+        "the weights alone, with no config beside it: pass --config",
+    ),
+    (
+        "evaluate weights of another model",
+        lambda t, r: ["evaluate", "--checkpoint", str(weights_of_another_model(t)), "--config", "iris"],
+        5,
+        "weights do not fit model mlp",
     ),
     ("evaluate nothing", lambda t, r: ["evaluate", "--checkpoint", str(t / "none")], 5, "no such checkpoint"),
 ]
