@@ -8,7 +8,8 @@ The way a run's data goes through the modules, top to bottom:
                                      and the loaders that cut and augment batches on the device
     recipe      job/recipe.py        what the config means on a device: model, precision, optimizer, schedule, loaders
     loop        job/train.py         the run: epochs of steps (job/step.py), evaluations, stops (job/stop.py)
-    checkpoint  job/checkpoint.py    snapshots committed to the run folder; job/resume.py picks the one to continue from
+    checkpoint  job/checkpoint.py    snapshots committed to the run folder; job/resume.py opens the folder and
+                                     picks the checkpoint to continue from
     report      job/report.py        metrics.jsonl, TensorBoard, curves and the console
     storage     job/storage.py       the run folder: written locally, mirrored to the store by job/sync.py
 

@@ -1,11 +1,14 @@
-"""The resume policy: which checkpoint a run continues from (--resume auto, never, or a URL), which settings may
-change when it does, and what --overwrite clears."""
+"""Opening a run folder: the checks before any work, the checkpoint a run continues from (--resume auto, never, or a
+URL) and the settings that may change when it does, what --overwrite clears, and a finished run left as it is."""
 
 from __future__ import annotations
 
-from job import checkpoint
+from dataclasses import dataclass
+
+from job import checkpoint, cloud, distributed
 from job.config import Config, flat_items
 from job.errors import ConfigError
+from job.report import say
 from job.storage import RunDir
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
@@ -35,6 +38,18 @@ RESUME_SAFE = {
     "train.keep_best",
     "train.deterministic",  # cuDNN's choice of kernels, not the state
 }
+
+
+@dataclass(frozen=True)
+class Request:
+    """How the run was asked for besides its config: where it goes, on which device, and what to do with a run
+    already in the folder."""
+
+    output: str
+    device: str = "auto"
+    resume: str = "auto"  # auto, never, or a checkpoint's URL
+    overwrite: bool = False
+    routes: dict[str, str] | None = None  # some of the run's files elsewhere (Vertex AI's folders)
 
 
 def find_checkpoint(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
@@ -85,3 +100,72 @@ def clear_run(run_dir: RunDir) -> None:
         run_dir.delete(f"tensorboard/{rel}")
     for rel in ("metrics.jsonl", "model.pt", "curves.png", "config.yaml"):
         run_dir.delete(rel)
+
+
+def preflight(cfg: Config, req: Request) -> RunDir:
+    """Before any work: the credentials in use, the inputs there, every output location writable."""
+    urls = [u for u in (cfg.data.path, cfg.data.test_path, req.output, *(req.routes or {}).values()) if u]
+    if req.resume not in ("auto", "never"):
+        urls.append(req.resume)
+    if any(cloud.is_gcs(u) for u in urls):
+        say(f"storage: gs:// as {cloud.gcs_credentials()[1]}")
+    for key, url in (("data.path", cfg.data.path), ("data.test_path", cfg.data.test_path)):
+        if url and not (key == "data.path" and cfg.data.download):  # a download makes it
+            cloud.check_input(url, key)
+    o = cfg.output
+    run_dir = RunDir(req.output, req.routes, o.upload_timeout_seconds, o.sync_every_seconds, staged=o.staged)
+    run_dir.prepare()
+    if req.resume == "never" and run_dir.staged_files() and not req.overwrite:
+        raise ConfigError(
+            f"{run_dir.url}: an earlier attempt left files on this machine ({run_dir.local}): --resume auto "
+            "uploads them and continues, --overwrite discards them"
+        )
+    if req.resume == "never":
+        run_dir.clear_staging()
+    else:
+        checkpoint.recover(run_dir)
+    if run_dir.remote:  # the store's checkpoints and their manifests, read now rather than from the loop
+        for name in run_dir.list(checkpoint.FOLDER):
+            if checkpoint.is_manifest(name):
+                run_dir.read(f"{checkpoint.FOLDER}/{name}")
+    return run_dir
+
+
+def open_run(run_dir: RunDir, req: Request, cfg: Config) -> tuple[dict, dict] | None:
+    """Rank 0's part of setting up: the checkpoint to continue from, an overwritten run cleared, uploads started."""
+    found = find_checkpoint(run_dir, req.resume, req.overwrite, cfg)
+    if req.overwrite and (found is None or req.resume != "auto"):  # the folder afresh, or for the given checkpoint
+        clear_run(run_dir)
+    run_dir.start_sync()
+    return found
+
+
+def has_results(run_dir: RunDir) -> bool:
+    """Whether the run wrote its results (an attempt stopped after its last checkpoint has them still to write).
+    Asked by every process of a group, which must all take the same way: rank 0 asks, the others are told."""
+    got = distributed.on_writer(lambda: run_dir.has("model.pt"), lambda has: ({"has": has}, b""))
+    return got[0]["has"] if isinstance(got, tuple) else got
+
+
+def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
+    """The run in the folder has done train.epochs (or more) already: it is left exactly as it is."""
+    progress, manifest = found[0]["progress"], found[1]
+    done = progress["epoch"]
+    why = f"{done} of {done} epochs done"
+    if done > cfg.train.epochs:
+        why = f"{done} epochs done, more than train.epochs={cfg.train.epochs}"
+    if distributed.is_writer():
+        run_dir.finish()  # nothing was queued: this only stops the uploader
+    say(f"{cfg.name} in {run_dir.url} is complete: {why}; nothing to do (a larger train.epochs trains it longer)")
+    metrics = manifest.get("metrics") or {}
+    return {
+        "complete": True,
+        "epochs": done,
+        "steps": progress["step"],
+        "best_accuracy": progress.get("best_accuracy"),
+        "best_epoch": progress.get("best_epoch"),
+        "final_accuracy": metrics.get("test_accuracy"),
+        "final_test_loss": metrics.get("test_loss"),
+        "epochs_run": 0,
+        "output": run_dir.url,
+    }

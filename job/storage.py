@@ -225,6 +225,18 @@ class RunDir:
             except Exception as e:
                 raise StorageError(f"cannot delete {rel}: {describe_storage_error(self.url, e)}") from None
 
+    def has(self, rel: str) -> bool:
+        """Whether the run has this file, here or in the store, without reading it."""
+        if self.deleted(rel):
+            return False
+        if self.path(rel).is_file() or not self.remote:
+            return self.path(rel).is_file()
+        fs, path = self.target(rel)
+        try:
+            return fs.exists(path)
+        except Exception as e:
+            raise StorageError(f"cannot read {rel}: {describe_storage_error(self.url, e)}") from None
+
     def has_run(self) -> bool:
         """Whether the folder already holds a run (its config or checkpoints)."""
         return self.read("config.yaml") is not None or bool(self.list("checkpoints"))

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from job import checkpoint, cloud, distributed, recipe
+from job import checkpoint, distributed, recipe
 from job.config import Config, flat_items, to_yaml
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Cancelled, ConfigError, Interrupted, StorageError
@@ -24,7 +24,7 @@ from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
-from job.resume import clear_run, find_checkpoint
+from job.resume import Request, complete, has_results, open_run, preflight
 from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops
 from job.stop import TIME_LIMIT, StopRequest
 from job.storage import RunDir
@@ -42,18 +42,6 @@ class Progress:
     best_accuracy: float = -1.0
     best_epoch: int = 0
     run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
-
-
-@dataclass(frozen=True)
-class Request:
-    """How the run was asked for besides its config: where it goes, on which device, and what to do with a run
-    already in the folder."""
-
-    output: str
-    device: str = "auto"
-    resume: str = "auto"  # auto, never, or a checkpoint's URL
-    overwrite: bool = False
-    routes: dict[str, str] | None = None  # some of the run's files elsewhere (Vertex AI's folders)
 
 
 @dataclass
@@ -123,51 +111,13 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> 
         raise
 
 
-def preflight(cfg: Config, req: Request) -> RunDir:
-    """Before any work: the credentials in use, the inputs there, every output location writable."""
-    urls = [u for u in (cfg.data.path, cfg.data.test_path, req.output, *(req.routes or {}).values()) if u]
-    if req.resume not in ("auto", "never"):
-        urls.append(req.resume)
-    if any(cloud.is_gcs(u) for u in urls):
-        say(f"storage: gs:// as {cloud.gcs_credentials()[1]}")
-    for key, url in (("data.path", cfg.data.path), ("data.test_path", cfg.data.test_path)):
-        if url and not (key == "data.path" and cfg.data.download):  # a download makes it
-            cloud.check_input(url, key)
-    o = cfg.output
-    run_dir = RunDir(req.output, req.routes, o.upload_timeout_seconds, o.sync_every_seconds, staged=o.staged)
-    run_dir.prepare()
-    if req.resume == "never" and run_dir.staged_files() and not req.overwrite:
-        raise ConfigError(
-            f"{run_dir.url}: an earlier attempt left files on this machine ({run_dir.local}): --resume auto "
-            "uploads them and continues, --overwrite discards them"
-        )
-    if req.resume == "never":
-        run_dir.clear_staging()
-    else:
-        checkpoint.recover(run_dir)
-    if run_dir.remote:  # the store's checkpoints and their manifests, read now rather than from the loop
-        for name in run_dir.list(checkpoint.FOLDER):
-            if checkpoint.is_manifest(name):
-                run_dir.read(f"{checkpoint.FOLDER}/{name}")
-    return run_dir
-
-
-def open_run(run_dir: RunDir, req: Request, cfg: Config) -> tuple[dict, dict] | None:
-    """Rank 0's part of setting up: the checkpoint to continue from, an overwritten run cleared, uploads started."""
-    found = find_checkpoint(run_dir, req.resume, req.overwrite, cfg)
-    if req.overwrite and (found is None or req.resume != "auto"):  # the folder afresh, or for the given checkpoint
-        clear_run(run_dir)
-    run_dir.start_sync()
-    return found
-
-
 def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_start: float) -> dict:
     device = pick_device(req.device)
     seed_everything(cfg.seed, cfg.train.deterministic)
     data = recipe.read_data(cfg)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
     found = distributed.share_checkpoint(lambda: open_run(run_dir, req, cfg))
-    if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs:
+    if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs and has_results(run_dir):
         return complete(cfg, run_dir, found)
     step_flops = set_cpu_threads(cfg, r, data.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, held on {r.feed.where}")
@@ -218,30 +168,6 @@ def position(state: Progress) -> str:
     if state.epoch_step:
         return f"in epoch {state.epoch + 1} at step {state.step}"
     return f"after epoch {state.epoch} at step {state.step}"
-
-
-def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
-    """The run in the folder has done train.epochs (or more) already: it is left exactly as it is."""
-    progress, manifest = found[0]["progress"], found[1]
-    done = progress["epoch"]
-    why = f"{done} of {done} epochs done"
-    if done > cfg.train.epochs:
-        why = f"{done} epochs done, more than train.epochs={cfg.train.epochs}"
-    if distributed.is_writer():
-        run_dir.finish()  # nothing was queued: this only stops the uploader
-    say(f"{cfg.name} in {run_dir.url} is complete: {why}; nothing to do (a larger train.epochs trains it longer)")
-    metrics = manifest.get("metrics") or {}
-    return {
-        "complete": True,
-        "epochs": done,
-        "steps": progress["step"],
-        "best_accuracy": progress.get("best_accuracy"),
-        "best_epoch": progress.get("best_epoch"),
-        "final_accuracy": metrics.get("test_accuracy"),
-        "final_test_loss": metrics.get("test_loss"),
-        "epochs_run": 0,
-        "output": run_dir.url,
-    }
 
 
 def set_cpu_threads(cfg: Config, r: Recipe, input_shape: tuple[int, ...]) -> float:
