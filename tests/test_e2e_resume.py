@@ -240,3 +240,15 @@ def test_resuming_a_checkpoint_into_another_runs_folder_is_refused_unless_overwr
     runs = {json.loads(m.read_text())["run"] for m in (tmp_path / "b/checkpoints").glob("e*.json")}
     assert runs == {pointer(a)["run"]} == {pointer(b)["run"]}  # only run a's checkpoints, continued
     assert [json.loads(line)["epoch"] for line in (tmp_path / "b/metrics.jsonl").read_text().splitlines()] == [300]
+
+
+def test_a_run_stopped_after_its_last_checkpoint_writes_its_results_when_run_again(tmp_path):
+    out = tmp_path / "run"
+    base = ["train", "--device", "cpu", "--output", str(out), *sets("train.epochs=200", "train.eval_every_epochs=100")]
+    code, err = invoke(base)
+    assert code == 0, err
+    weights = (out / "model.pt").read_bytes()
+    (out / "model.pt").unlink()  # as if the machine went away between the last commit and the results
+    code, err = invoke(base)
+    assert code == 0 and "is complete" not in err and "done: 200 epochs" in err, err
+    assert (out / "model.pt").read_bytes() == weights
