@@ -154,6 +154,26 @@ def bench(
         print(json.dumps(result, indent=1) if as_json else format_table(result))
 
 
+@app.command()
+def shard(
+    src: str = typer.Argument(
+        ..., help="An image folder (train/<class>/*, test/<class>/*) or a .tar/.tar.gz of one, at any URL."
+    ),
+    dst: str = typer.Argument(
+        ..., help="The shard folder to write, at any URL (train/*.tar, test/*.tar, classes.txt)."
+    ),
+    shard_size: str = typer.Option("256MB", "--shard-size", help="Largest shard, e.g. 256MB or 1GB."),
+    samples_per_shard: int = typer.Option(1000, "--samples-per-shard", help="Most samples in one shard."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the shuffle across shards."),
+) -> None:
+    """Pack an image folder into WebDataset-style tar shards, shuffled, for streaming (data.kind=shards)."""
+    with user_errors():
+        from job.data.pack import pack, parse_size
+        from job.report import say
+
+        pack(src, dst, say, shard_bytes=parse_size(shard_size), shard_samples=samples_per_shard, seed=seed)
+
+
 @app.command("find-batch-size")
 def find_batch_size(
     config: str = typer.Option("iris", "--config", "-c", help=CONFIG_HELP),

@@ -48,9 +48,10 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    kind: Literal["csv", "cifar10", "folder"] = Field(
+    kind: Literal["csv", "cifar10", "folder", "shards"] = Field(
         "csv",
-        description="Reader: a CSV table, CIFAR-10's python-version layout, or train/<class>/ image folders.",
+        description="Reader: a CSV table, CIFAR-10's python-version layout, train/<class>/ image folders, or "
+        "WebDataset-style tar shards (train/*.tar, test/*.tar; `python -m job shard` makes them).",
     )
     path: str = Field(
         "",
@@ -78,17 +79,36 @@ class DataConfig(Section):
         description="Remote data: keep a local copy (in $JOB_CACHE_DIR, else ~/.cache/job), keyed by URL and the "
         "objects' generation and size, so later runs do not download it again.",
     )
-    placement: Literal["auto", "device", "host"] = Field(
+    placement: Literal["auto", "device", "host", "stream"] = Field(
         "auto",
-        description="Where the decoded data lives: on the training device (fast), in host memory, "
-        "or auto (the device when it fits in device_share of free device memory).",
+        description="Where the decoded data lives: on the training device (fast), in host memory, nowhere (stream: "
+        "shards are read and decoded as the run trains), or auto (shards stream when decoded they would not fit in "
+        "device_share of free host memory; data held in memory goes on the device when it fits in device_share of "
+        "free device memory).",
     )
-    device_share: float = Field(0.5, gt=0, le=1, description="placement auto: share of free device memory.")
+    device_share: float = Field(
+        0.5, gt=0, le=1, description="placement auto: share of free device (and, for shards, host) memory."
+    )
+    shuffle_buffer: int = Field(
+        1000, ge=0, description="shards, streamed: samples held in the shuffle buffer (0: shard order only)."
+    )
+    workers: int | Literal["auto"] = Field(
+        "auto",
+        description="shards, streamed: image-decoding processes (0: decode in the training process); "
+        "auto: one per CPU core but one, at most 8.",
+    )
 
     @field_validator("batch_size", mode="before")
     @classmethod
     def _batch_size(cls, v: Any) -> Any:
         return positive_int_or("full", v)
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if v == 0:
+            return v
+        return positive_int_or("auto", v)
 
 
 class ModelConfig(Section):

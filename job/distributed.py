@@ -141,6 +141,15 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj` (plain values: lists, dicts, numbers), in rank order."""
+    if not active() or world() == 1:
+        return [obj]
+    rows: list[Any] = [None] * world()
+    peer_call(dist.all_gather_object, rows, obj)
+    return rows
+
+
 def own(saved: list) -> torch.Tensor:
     """This process's loss sums from a checkpoint: its row of a gather() saved by a group of the same size; the rows'
     mean for a group of another size, where no process has a row of its own (what the group's reductions would make

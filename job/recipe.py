@@ -17,6 +17,7 @@ from torch import nn
 from job.config import Config
 from job.data import Dataset, Split, load_data
 from job.data.loader import BatchLoader, channel_stats, choose_placement
+from job.data.stream import Decoder, StreamData, StreamLoader, auto_workers, first_images
 from job.env import resolve_precision
 from job.errors import ConfigError
 from job.models import build_model
@@ -34,10 +35,26 @@ class Feed:
     any batch size, normalised by the training split's channel statistics when the config asks."""
 
     def __init__(
-        self, cfg: Config, data: Dataset, device: torch.device, channels_last: bool, limit: float | None = None
+        self,
+        cfg: Config,
+        data: Dataset | StreamData,
+        device: torch.device,
+        channels_last: bool,
+        limit: float | None = None,
     ) -> None:
         self.cfg, self.device, self.channels_last = cfg, device, channels_last
         d = cfg.data
+        self.is_image = data.is_image
+        self.stream = data if isinstance(data, StreamData) else None
+        if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
+            self.held_on = None
+            self.decoder = Decoder(auto_workers(d.workers), d.image_size)
+            self.mean = self.std = None
+            if d.normalize:
+                self.mean, self.std = channel_stats(first_images(data.shards.splits["train"], self.decoder))
+            n = data.shards.samples("train")
+            self.batch_size = n if d.batch_size == "full" else d.batch_size
+            return
         nbytes = data.train.x.nbytes + data.test.x.nbytes
         self.held_on = choose_placement(nbytes, device, d.placement, d.device_share, limit)
         self.mean = self.std = None
@@ -47,15 +64,44 @@ class Feed:
             Split(s.x.to(self.held_on), s.y.to(self.held_on)) for s in (data.train, data.test)
         )
         self.batch_size = len(data.train) if d.batch_size == "full" else d.batch_size
-        self.is_image = data.is_image
 
     @property
     def where(self) -> str:
         return "the device" if self.held_on.type == self.device.type != "cpu" else "the host"
 
-    def train(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader:
+    def streaming(self) -> str:
+        n = self.decoder.workers
+        return (
+            f"streamed, decoded in {n} worker process{'es' if n > 1 else ''}" if n else "streamed, decoded in-process"
+        )
+
+    def streamed(self, split: str, batch: int, rank: int, world: int, **how) -> StreamLoader:
+        d = self.cfg.data
+        return StreamLoader(
+            self.stream.shards.splits[split],
+            batch,
+            self.device,
+            self.decoder,
+            seed=self.cfg.seed,
+            mean=self.mean,
+            std=self.std,
+            rank=rank,
+            world=world,
+            channels_last=self.channels_last,
+            buffer=d.shuffle_buffer,
+            **how,
+        )
+
+    def train(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader | StreamLoader:
         """Training batches, this process's slice of each (rank of world)."""
-        d, n = self.cfg.data, len(self.train_split)
+        d = self.cfg.data
+        if self.stream is not None:
+            aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip}
+            loader = self.streamed("train", batch, rank, world, shuffle=d.shuffle, drop_last=d.drop_last, **aug)
+            if len(loader) == 0:
+                raise ConfigError("data.drop_last: a process's share of the training shards is smaller than one batch")
+            return loader
+        n = len(self.train_split)
         size = min(batch, n)
         smallest = n % size if n % size and not d.drop_last else size
         if smallest < world:
@@ -82,8 +128,10 @@ class Feed:
             raise ConfigError(f"data.drop_last: the training split ({n}) is smaller than one batch")
         return loader
 
-    def test(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader:
+    def test(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader | StreamLoader:
         """Test batches of data.eval_batch_size, else of the training batch size."""
+        if self.stream is not None:
+            return self.streamed("test", self.cfg.data.eval_batch_size or batch, rank, world)
         return BatchLoader(
             self.test_split,
             self.cfg.data.eval_batch_size or batch,
@@ -107,8 +155,8 @@ class Recipe:
     scheduler: Any  # per step over the whole run, or None
     scaler: torch.amp.GradScaler  # enabled for fp16 only
     feed: Feed
-    train: BatchLoader | None  # at the config's batch size (None when built without loaders)
-    test: BatchLoader | None
+    train: BatchLoader | StreamLoader | None  # at the config's batch size (None when built without loaders)
+    test: BatchLoader | StreamLoader | None
 
 
 def build(

@@ -18,7 +18,7 @@ import torch
 from job import checkpoint, distributed, recipe
 from job.config import Config, flat_items, to_yaml
 from job.env import describe_device, pick_device, seed_everything
-from job.errors import Cancelled, ConfigError, Interrupted, StorageError
+from job.errors import Cancelled, CheckpointError, ConfigError, Interrupted, StorageError
 from job.evaluate import test_sums
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
@@ -120,7 +120,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs and has_results(run_dir):
         return complete(cfg, run_dir, found)
     step_flops = set_cpu_threads(cfg, r, data.input_shape)
-    say(f"device {describe_device(device)}; data {data.describe()}, held on {r.feed.where}")
+    held = f"held on {r.feed.where}" if r.feed.stream is None else r.feed.streaming()
+    say(f"device {describe_device(device)}; data {data.describe()}, {held}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
@@ -188,7 +189,16 @@ def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str) -> P
     recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
     saved = dict(payload["progress"])
     log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
-    return Progress(**{"run_id": run_id, **saved})
+    places = saved.pop("stream", None)
+    state = Progress(**{"run_id": run_id, **saved})
+    if hasattr(r.train, "resume_at") and state.epoch_step:
+        if not places or len(places) != distributed.world():
+            raise CheckpointError(
+                f"the checkpoint was taken in epoch {state.epoch + 1} by {len(places or [])} process(es) of a stream "
+                f"and holds no place for {distributed.world()}: resume with as many, or from an epoch's end"
+            )
+        r.train.resume_at(state.epoch, state.epoch_step, places[distributed.rank()])
+    return state
 
 
 def replan_schedule(cfg: Config, r: Recipe, step: int) -> str:
@@ -279,15 +289,17 @@ def save(loop: Loop) -> None:
     resumes with exactly what it had. Rank 0 flushes the logs and writes it."""
     loop.clock.stop()
     sums = distributed.gather(loop.log.sums).tolist()  # one row per process
-    distributed.on_writer(lambda: commit(loop, sums))
+    streamed = getattr(loop.r.train, "position", None)  # a stream's place in the epoch, one per process
+    places = distributed.gather_objects(streamed()) if streamed and loop.state.epoch_step else None
+    distributed.on_writer(lambda: commit(loop, sums, places))
 
 
-def commit(loop: Loop, loss_sums: list[list[float]]) -> None:
+def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None) -> None:
     cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
     for step, loss, lr in loop.log.ready(wait=True):
         report.loss(step, loss, lr)
     report.flush()
-    progress = {**asdict(state), "loss_sums": loss_sums}
+    progress = {**asdict(state), "loss_sums": loss_sums, **({"stream": places} if places else {})}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump())
     t = cfg.train

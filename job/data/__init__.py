@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from job.errors import DataError
+from job.errors import ConfigError, DataError
 
 
 @dataclass
@@ -50,6 +50,11 @@ def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Datase
     that has no test table; remote data are kept in the folder `cache` (unless cfg.cache is off); `log` prints
     one line for the user."""
     kept = cache if cfg.cache else None
+    if cfg.placement == "stream" and cfg.kind != "shards":
+        raise ConfigError(
+            f"data.placement=stream: streams data.kind=shards; pack {cfg.path or 'the data'} with "
+            "`python -m job shard SRC DST` and train on DST"
+        )
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
         from job.data.tabular import load_table
 
@@ -58,6 +63,12 @@ def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Datase
         from job.data.cifar10 import load_cifar10
 
         data = load_cifar10(cfg, kept, log)
+    elif cfg.kind == "shards":
+        from job.data.stream import load_shards
+
+        data = load_shards(cfg, kept, log)
+        if not isinstance(data, Dataset):
+            return data  # streamed: nothing read yet (open_shards has checked both splits have shards)
     else:
         from job.data.folder import load_folder
 

@@ -15,7 +15,7 @@ from job.data import Dataset, Split
 from job.data.files import Log, read_entries
 from job.errors import DataError, one_line
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 SPLITS = ("train", "test")
 
 

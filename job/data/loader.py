@@ -112,12 +112,17 @@ class BatchLoader:
 
     def scale(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 images to float in [0, 1], then normalised; tables pass through."""
-        if not self.is_image:
-            return x
-        x = x.to(torch.float32, memory_format=self.layout).div_(255)
-        if self.mean is not None:
-            x = x.sub_(self.mean).div_(self.std)
-        return x
+        return to_float(x, self.layout, self.mean, self.std) if self.is_image else x
+
+
+def to_float(
+    x: torch.Tensor, layout: torch.memory_format, mean: torch.Tensor | None, std: torch.Tensor | None
+) -> torch.Tensor:
+    """uint8 images to float in [0, 1] in the model's memory layout, normalised when given the statistics."""
+    x = x.to(torch.float32, memory_format=layout).div_(255)
+    if mean is not None:
+        x = x.sub_(mean).div_(std)
+    return x
 
 
 def crop_flip(x: torch.Tensor, padding: int, crops: torch.Tensor | None, flips: torch.Tensor | None) -> torch.Tensor:

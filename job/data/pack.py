@@ -1,0 +1,245 @@
+"""`job shard SRC DST`: an image folder (train/<class>/*, test/<class>/*; at any URL, or a .tar/.tar.gz of one)
+packed into WebDataset-style shards (job/data/shards.py), samples shuffled across shards with a seed.
+
+It streams: the images are read once, checked and appended to a spool file on local disk with their offsets; the
+spool is then read in the shuffled order into shards of at most `shard_bytes` bytes and `shard_samples` samples,
+each written to DST as it is finished. Memory holds one shard and the offsets, whatever the data set's size.
+index.json, written last, records each shard's sample count; its presence makes a re-run a no-op.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+import tempfile
+from array import array
+from pathlib import Path
+
+import numpy as np
+from fsspec.implementations.local import LocalFileSystem
+from PIL import Image, UnidentifiedImageError
+from tqdm import tqdm
+
+from job.cloud import describe_storage_error, filesystem
+from job.data.files import Log, read_entries, resolve
+from job.data.folder import layout_key
+from job.data.shards import CLASSES, INDEX, SPLITS, read_json
+from job.errors import ConfigError, DataError, StorageError, one_line
+
+SIZE_UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """'256MB', '1.5GB', '4000000' -> bytes."""
+    t = text.strip().upper()
+    unit = next((u for u in SIZE_UNITS if t.endswith(u)), "")
+    try:
+        value = float(t[: len(t) - len(unit)] if unit else t) * SIZE_UNITS.get(unit, 1)
+    except ValueError:
+        raise ConfigError(f"--shard-size: expected a size such as 256MB, got {text!r}") from None
+    if value < 1e4:
+        raise ConfigError(f"--shard-size: at least 10KB, got {text!r}")
+    return int(value)
+
+
+class Spool:
+    """One split's images appended to a local file, with where each one lies, its class and extension."""
+
+    def __init__(self, folder: Path, split: str) -> None:
+        self.path = folder / f"{split}.spool"
+        self.f = open(self.path, "wb")  # noqa: SIM115 (closed by spool() once every image is in)
+        self.offsets, self.sizes, self.labels = array("q"), array("q"), array("l")
+        self.exts: list[str] = []
+        self.class_ids: dict[str, int] = {}
+        self.end = 0
+
+    def add(self, cls: str, ext: str, data: bytes) -> None:
+        self.offsets.append(self.end)
+        self.sizes.append(len(data))
+        self.labels.append(self.class_ids.setdefault(cls, len(self.class_ids)))
+        self.exts.append(ext)
+        self.f.write(data)
+        self.end += len(data)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+
+def check_image(name: str, data: bytes, src: str) -> tuple[int, int]:
+    """The image's (width, height), read from its header; a file that is not an image is named in one line."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            size = img.size
+            img.verify()
+    except UnidentifiedImageError:
+        raise DataError(f"{src}: cannot read image {name}: not an image file (JPEG, PNG or WebP)") from None
+    except (OSError, ValueError, SyntaxError) as e:
+        raise DataError(f"{src}: cannot read image {name}: {one_line(e)}") from None
+    return size
+
+
+def pack(
+    src: str, dst: str, log: Log, *, shard_bytes: int = 256_000_000, shard_samples: int = 1000, seed: int = 0
+) -> dict:
+    """Pack SRC into shards at DST; returns DST's index. A DST already packed from SRC is left as it is."""
+    if shard_samples < 1:
+        raise ConfigError(f"--samples-per-shard: expected a positive number, got {shard_samples}")
+    out_fs, out_path = filesystem(dst)
+    root = out_path.rstrip("/")
+    done = read_json(out_fs, f"{root}/{INDEX}", dst)
+    if done is not None:
+        if done.get("source") != src:
+            raise ConfigError(f"{dst} holds shards packed from {done.get('source')}: choose another destination")
+        counts = {s: sum(e["nsamples"] for e in done["splits"][s]) for s in SPLITS}
+        log(f"shard: {dst} is already packed from {src} ({counts['train']} train / {counts['test']} test samples)")
+        return done
+    resolve(src)
+    local = Path(out_path) if isinstance(out_fs, LocalFileSystem) else None
+    made = local is not None and not local.exists()
+    if local is not None:
+        local.mkdir(parents=True, exist_ok=True)
+    try:
+        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed)
+    except BaseException:
+        if made and not any(local.iterdir()):  # a failed start leaves no empty folder behind
+            local.rmdir()
+        raise
+    n = {s: sum(e["nsamples"] for e in index["splits"][s]) for s in SPLITS}
+    k = {s: len(index["splits"][s]) for s in SPLITS}
+    log(
+        f"shard: {n['train']} train samples in {k['train']} shards, {n['test']} test samples in {k['test']} shards, "
+        f"{len(index['classes'])} classes, in {dst}"
+    )
+    return index
+
+
+def pack_into(
+    src: str, dst: str, local: Path | None, log: Log, shard_bytes: int, shard_samples: int, seed: int
+) -> dict:
+    with tempfile.TemporaryDirectory(prefix=".spool-", dir=local) as tmp:
+        spools, sizes = spool(src, Path(tmp), log)
+        classes = sorted(spools["train"].class_ids)
+        unknown = sorted(set(spools["test"].class_ids) - set(classes))
+        if unknown:
+            raise DataError(f"{src}: test classes without training images: {', '.join(unknown[:5])}")
+        rng = np.random.default_rng(seed)
+        index = {
+            "format": "webdataset",
+            "source": src,
+            "seed": seed,
+            "classes": classes,
+            "image_sizes": sorted(sizes)[:16],
+            "splits": {},
+        }
+        for split in SPLITS:
+            index["splits"][split] = write_shards(
+                spools[split], classes, rng, dst, split, Path(tmp), shard_bytes, shard_samples, log
+            )
+    write(dst, CLASSES, "".join(f"{c}\n" for c in classes).encode())
+    write(dst, INDEX, json.dumps(index, indent=1).encode())
+    return index
+
+
+def spool(src: str, folder: Path, log: Log) -> tuple[dict[str, Spool], set[tuple[int, int]]]:
+    """Every image of SRC checked and appended to its split's spool; the image sizes seen (up to 17 of them)."""
+    spools = {s: Spool(folder, s) for s in SPLITS}
+    sizes: set[tuple[int, int]] = set()
+    log(f"shard: reading {src}")
+    with tqdm(desc="reading", unit=" images", disable=None, mininterval=1) as bar:
+        for name, data in read_entries(src, layout_key, None, log):
+            split, cls = layout_key(name)
+            size = check_image(name, data, src)
+            if len(sizes) <= 16:
+                sizes.add(size)
+            spools[split].add(cls, name.rsplit(".", 1)[-1].lower(), data)
+            bar.update()
+    for s in spools.values():
+        s.f.close()
+    if not len(spools["train"]):
+        raise DataError(f"{src}: no images in the train/<class>/*.jpg|png layout")
+    if not len(spools["test"]):
+        raise DataError(f"{src}: no images in the test/<class>/*.jpg|png layout")
+    return spools, sizes
+
+
+def write_shards(
+    sp: Spool,
+    classes: list[str],
+    rng: np.random.Generator,
+    dst: str,
+    split: str,
+    tmp: Path,
+    shard_bytes: int,
+    shard_samples: int,
+    log: Log,
+) -> list[dict]:
+    """The split's samples in a shuffled order, cut into shards, each written to DST/<split>/ when full."""
+    label_of = {i: classes.index(c) for c, i in sp.class_ids.items()}
+    order = rng.permutation(len(sp))
+    entries: list[dict] = []
+    pending: list[int] = []
+    pending_bytes = 0
+
+    def flush() -> None:
+        name = f"{split}/{split}-{len(entries):06d}.tar"
+        part = tmp / "shard.tar"
+        with open(sp.path, "rb") as spooled, tarfile.open(part, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for i in pending:
+                spooled.seek(sp.offsets[i])
+                key = f"{split}{i:08d}"
+                add(tar, f"{key}.{sp.exts[i]}", spooled.read(sp.sizes[i]))
+                add(tar, f"{key}.cls", str(label_of[sp.labels[i]]).encode())
+        entries.append({"url": name, "nsamples": len(pending), "filesize": part.stat().st_size})
+        put(part, dst, name)
+
+    with tqdm(total=len(sp), desc=f"writing {split}", unit=" samples", disable=None, mininterval=1) as bar:
+        for i in order.tolist():
+            size = sp.sizes[i] + 2048  # the image, its .cls, two headers and padding
+            if pending and (len(pending) >= shard_samples or pending_bytes + size > shard_bytes):
+                flush()
+                bar.update(len(pending))
+                pending, pending_bytes = [], 0
+            pending.append(i)
+            pending_bytes += size
+        if pending:
+            flush()
+            bar.update(len(pending))
+    return entries
+
+
+def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    member = tarfile.TarInfo(name)
+    member.size = len(data)
+    tar.addfile(member, io.BytesIO(data))
+
+
+def put(local: Path, dst: str, rel: str) -> None:
+    """A finished file into DST at `rel`: renamed into place on a local disk, uploaded to a remote store."""
+    fs, path = filesystem(dst)
+    target = f"{path.rstrip('/')}/{rel}"
+    try:
+        if isinstance(fs, LocalFileSystem):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(local, target)
+        else:
+            fs.put_file(str(local), target)
+    except Exception as e:
+        raise StorageError(f"cannot write {dst}/{rel}: {describe_storage_error(dst, e)}") from None
+
+
+def write(dst: str, rel: str, data: bytes) -> None:
+    fs, path = filesystem(dst)
+    target = f"{path.rstrip('/')}/{rel}"
+    try:
+        if isinstance(fs, LocalFileSystem):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            tmp = f"{target}.part"
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, target)
+        else:
+            fs.pipe_file(target, data)
+    except Exception as e:
+        raise StorageError(f"cannot write {dst}/{rel}: {describe_storage_error(dst, e)}") from None

@@ -1,0 +1,303 @@
+"""WebDataset-style shards: a data set as a folder URL holding train/*.tar and test/*.tar, optionally classes.txt
+(class names, one a line) and index.json (samples per shard, written by `job shard`).
+
+A sample is the run of consecutive tar members sharing a key, the member's path up to the first dot of its file
+name: `<key>.jpg|jpeg|png|webp` holds the image and `<key>.cls` its class index as text. Shards written by other
+tools in this convention load; without an index, each shard's samples are counted once and the count is cached.
+
+Members are read by a small tar reader of our own: tarfile spends about 34 us a member (TarInfo objects,
+checksums), this one about 2 us, which for a CIFAR-size epoch is 0.2 s of the training process's time, not 3 s.
+It knows the byte offset of every sample, which is what lets a stream's position be saved and restored exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from job.cloud import describe_storage_error, filesystem
+from job.data.files import Log, resolve
+from job.errors import DataError, StorageError, one_line
+
+SPLITS = ("train", "test")
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+INDEX = "index.json"
+CLASSES = "classes.txt"
+BLOCK = 512
+READ_RETRIES = 5  # a read that fails mid-shard is retried from where it stopped this many times
+
+
+@dataclass(frozen=True)
+class Shard:
+    url: str
+    samples: int
+    size: int  # bytes
+    top_label: int = -1  # the largest class index in it, when counted (classes.txt or the index name the classes)
+
+
+@dataclass
+class Sample:
+    shard: int  # the shard's place in the list being read
+    start: int  # byte offsets of the sample's first header and of what follows its last member
+    end: int
+    key: str
+    members: dict[str, bytes]  # extension -> contents
+
+    def image(self) -> tuple[str, bytes]:
+        for ext in IMAGE_EXTS:
+            if ext in self.members:
+                return ext, self.members[ext]
+        raise DataError(f"sample {self.key}: no image (.{'|.'.join(IMAGE_EXTS)}) among .{', .'.join(self.members)}")
+
+    def label(self) -> int:
+        raw = self.members.get("cls")
+        try:
+            return int(raw.decode().strip())
+        except (AttributeError, ValueError):
+            raise DataError(f"sample {self.key}: no class index in a .cls member") from None
+
+
+class ShardFile:
+    """Sequential reads of one shard from an offset; a read that fails (a dropped connection, a store's error) is
+    retried from where it stopped, READ_RETRIES times, before the store's error is raised."""
+
+    def __init__(self, url: str, offset: int = 0, block_size: int = 8 << 20) -> None:
+        self.url, self.pos, self.block_size = url, offset, block_size
+        self.fs, self.path = filesystem(url)
+        self.f = None
+
+    def read(self, n: int) -> bytes:
+        for attempt in range(READ_RETRIES + 1):
+            try:
+                if self.f is None:
+                    self.f = self.fs.open(self.path, "rb", block_size=self.block_size)
+                    self.f.seek(self.pos)
+                data = self.f.read(n)
+                self.pos += len(data)
+                return data
+            except (FileNotFoundError, PermissionError):
+                raise
+            except Exception as e:  # the stores' clients raise many types
+                self.close()
+                if attempt == READ_RETRIES:
+                    raise StorageError(f"cannot read shard {self.url}: {describe_storage_error(self.url, e)}") from None
+                time.sleep(min(0.2 * 2**attempt, 5))
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.f is not None:
+            with contextlib.suppress(Exception):
+                self.f.close()
+            self.f = None
+
+
+def octal(field: bytes) -> int:
+    text = field.rstrip(b"\0 ").strip()
+    return int(text, 8) if text else 0
+
+
+def pax_path(data: bytes) -> str | None:
+    """The path record of a pax extended header ("<len> path=<value>\\n" records), if any."""
+    pos = 0
+    while pos < len(data):
+        space = data.index(b" ", pos)
+        length = int(data[pos:space])
+        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        if key == b"path":
+            return value.decode("utf-8", "surrogateescape")
+        pos += length
+    return None
+
+
+def members(f: ShardFile, url: str) -> Iterator[tuple[int, str, bytes]]:
+    """(header offset, name, contents) of each regular file of a tar read from f's position, until its end."""
+    long_name = None
+    while True:
+        at = f.pos
+        header = f.read(BLOCK)
+        if len(header) < BLOCK or header == bytes(BLOCK):
+            return
+        if sum(header[:148]) + 256 + sum(header[156:]) != octal(header[148:156]):
+            raise DataError(f"{url}: not a readable tar shard (a bad header at byte {at}: truncated or corrupt?)")
+        size, kind = octal(header[124:136]), header[156:157]
+        data = f.read(size)
+        if len(data) < size:
+            raise DataError(f"{url}: truncated (a member ends past the end of the file at byte {at})")
+        f.read(-size % BLOCK)
+        if kind in (b"x", b"L"):  # a pax or GNU header naming the next member
+            long_name = pax_path(data) if kind == b"x" else data.rstrip(b"\0").decode("utf-8", "surrogateescape")
+            continue
+        if kind == b"g":
+            continue
+        name = long_name
+        long_name = None
+        if kind not in (b"0", b"\0", b"7"):
+            continue
+        if name is None:
+            name = header[0:100].rstrip(b"\0").decode("utf-8", "surrogateescape")
+            if header[257:262] == b"ustar" and header[345:500].rstrip(b"\0"):
+                name = header[345:500].rstrip(b"\0").decode("utf-8", "surrogateescape") + "/" + name
+        yield at, name, data
+
+
+def split_key(name: str) -> tuple[str, str]:
+    """(key, extension) of a member: the path up to the first dot of the file name, and what follows it."""
+    folder, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), ext.lower()
+
+
+def samples(f: ShardFile, shard: int, url: str) -> Iterator[Sample]:
+    """The samples of a shard from f's position: runs of members sharing a key. Hidden files are skipped."""
+    current: Sample | None = None
+    for at, name, data in members(f, url):
+        key, ext = split_key(name)
+        if name.rpartition("/")[2].startswith("."):
+            continue
+        if current is not None and key != current.key:
+            current.end = at
+            yield current
+            current = None
+        if current is None:
+            current = Sample(shard, at, at, key, {})
+        current.members[ext] = data
+    if current is not None:
+        current.end = f.pos
+        yield current
+
+
+def read_range(url: str, shard: int, start: int, end: int) -> Sample:
+    """The one sample stored between two byte offsets of a shard."""
+    f = ShardFile(url, start, block_size=max(end - start, BLOCK))
+    try:
+        raw = f.read(end - start)
+    finally:
+        f.close()
+    got = list(samples(_Bytes(raw, start), shard, url))
+    if len(got) != 1:
+        raise DataError(f"{url}: no sample at bytes {start}-{end} (the shard changed since the checkpoint?)")
+    return got[0]
+
+
+class _Bytes(ShardFile):
+    """A ShardFile over bytes already read, at their offset in the shard."""
+
+    def __init__(self, data: bytes, offset: int) -> None:
+        self.data, self.base, self.pos = data, offset, offset
+
+    def read(self, n: int) -> bytes:
+        lo = self.pos - self.base
+        out = self.data[lo : lo + n]
+        self.pos += len(out)
+        return out
+
+
+@dataclass
+class ShardSet:
+    """One data set's shards: per split, its shards in name order with their sample counts; the class names."""
+
+    url: str
+    splits: dict[str, list[Shard]]
+    classes: list[str]
+    image_sizes: list[tuple[int, int]]  # the (width, height) seen when packing; empty when unknown
+
+    def samples(self, split: str) -> int:
+        return sum(s.samples for s in self.splits[split])
+
+
+def open_shards(url: str, cache: Path | None, log: Log) -> ShardSet:
+    """The shard folder at `url`: its index when it has one, else its listing with each shard counted once (the
+    count cached in `cache` under the listing's names, sizes and versions)."""
+    fs, path = resolve(url)
+    root = url.rstrip("/")
+    index = read_json(fs, f"{path.rstrip('/')}/{INDEX}", url)
+    if index is not None:
+        try:
+            splits = {
+                s: [
+                    Shard(f"{root}/{e['url']}", int(e["nsamples"]), int(e.get("filesize", 0)))
+                    for e in index["splits"][s]
+                ]
+                for s in SPLITS
+            }
+            classes = [str(c) for c in index.get("classes", [])]
+            sizes = [tuple(s) for s in index.get("image_sizes", [])]
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{url}/{INDEX}: not a shard index ({one_line(e)})") from None
+    else:
+        splits = {s: count_split(fs, path, root, s, cache, log) for s in SPLITS}
+        classes, sizes = [], []
+    for s in SPLITS:
+        if not splits[s]:
+            raise DataError(f"{url}: no {s}/*.tar shards")
+    names = read_text(fs, f"{path.rstrip('/')}/{CLASSES}", url)
+    if names is not None:
+        classes = [line.strip() for line in names.splitlines() if line.strip()]
+    if not classes:  # neither file names them: classes 0..the largest index seen
+        classes = [str(c) for c in range(1 + max(s.top_label for s in splits["train"] + splits["test"]))]
+    return ShardSet(url, splits, classes, sizes)
+
+
+def read_json(fs, path: str, url: str) -> dict | None:
+    text = read_text(fs, path, url)
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise DataError(f"{url}/{path.rsplit('/', 1)[-1]}: not JSON ({one_line(e)})") from None
+
+
+def read_text(fs, path: str, url: str) -> str | None:
+    try:
+        if not fs.exists(path):
+            return None
+        return fs.cat_file(path).decode()
+    except UnicodeDecodeError:
+        raise DataError(f"{url}/{path.rsplit('/', 1)[-1]}: not text") from None
+    except Exception as e:
+        raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
+
+
+def count_split(fs, path: str, root: str, split: str, cache: Path | None, log: Log) -> list[Shard]:
+    """A split's shards with their samples counted by reading them once; the counts kept in `cache`."""
+    try:
+        listing = fs.find(f"{path.rstrip('/')}/{split}", maxdepth=1, detail=True)
+    except Exception as e:
+        raise StorageError(f"cannot list the data: {describe_storage_error(root, e)}") from None
+    tars = sorted((p, info) for p, info in listing.items() if p.endswith(".tar"))
+    if not tars:
+        return []
+    described = "\n".join(f"{p} {info.get('size')} {info.get('generation') or info.get('mtime')}" for p, info in tars)
+    key = hashlib.sha256(f"{root}\n{described}".encode()).hexdigest()[:32]
+    kept = cache / "shard-counts" / f"{key}.json" if cache is not None else None
+    if kept is not None and kept.is_file():
+        counts, labels = json.loads(kept.read_text())
+    else:
+        t0 = time.perf_counter()
+        counts, labels = [], []
+        for p, _ in tars:
+            url = f"{root}/{split}/{p.rsplit('/', 1)[-1]}"
+            f = ShardFile(url)
+            try:
+                found = [s.label() for s in samples(f, 0, url)]
+            finally:
+                f.close()
+            counts.append(len(found))
+            labels.append(max(found, default=-1))
+        log(f"data: counted {sum(counts)} {split} samples in {len(tars)} shards in {time.perf_counter() - t0:.1f} s")
+        if kept is not None:
+            try:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                kept.write_text(json.dumps([counts, labels]))
+            except OSError:
+                pass  # a read-only cache: count again next time
+    return [
+        Shard(f"{root}/{split}/{p.rsplit('/', 1)[-1]}", n, int(info.get("size") or 0), top)
+        for (p, info), n, top in zip(tars, counts, labels)
+    ]
