@@ -4,20 +4,30 @@ a faulty store, split over torchrun's processes with every sample seen once, and
 
 import io
 import json
+import os
+import shutil
+import subprocess
+import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import (
+    assert_same_run,
     encode,
     invoke,
+    job_env,
     metrics,
     pattern_images,
+    run_job,
     sets,
+    start_job,
     tar_folder,
     write_image_folder,
 )
+from faultproxy import FaultProxy
 
 from job.data.shards import open_shards
 from job.data.stream import Decoder, SampleStream, StreamLoader, deal
@@ -146,3 +156,178 @@ def test_shards_dealt_over_processes_cover_the_epoch_once_with_zero_weight_paddi
     assert len(seen) == 60 and len(set(seen)) == 60
     for i in range(steps):  # the processes' weights average to one over each step (DDP divides by 3)
         assert sum(x.loss_weight(i) for x in loaders) == pytest.approx(3.0)
+
+
+RECORDER = """
+import os, signal
+import torch
+from torch import nn
+
+class Net(nn.Module):
+    '''A linear model over 3x16x16 images that writes the first pixels of every training sample it sees to
+    $RECORD.<rank> and sends its process SIGTERM in training step $STOP_AT_STEP (from 1; unset: never).'''
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, num_classes))
+        self.steps, self.at = 0, int(os.environ.get("STOP_AT_STEP", "0"))
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if os.environ.get("RECORD"):
+                ids = (x.flatten(1)[:, :24] * 255).round().to(torch.uint8)
+                with open(f"{os.environ['RECORD']}.{os.environ.get('RANK', '0')}", "a") as f:
+                    f.writelines(row.numpy().tobytes().hex() + "\\n" for row in ids)
+        return self.net(x)
+"""
+
+
+@pytest.fixture
+def recorder(tmp_path) -> dict:
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    return {"PYTHONPATH": str(tmp_path)}
+
+
+def image_ids(shards_root: Path) -> list[str]:
+    """The same first pixels of every training image in the shards, decoded as the job decodes them."""
+    from job.data.stream import read_all
+
+    split = read_all(open_shards(str(shards_root), None, lambda line: None).splits["train"], Decoder(0, None))
+    return [row.numpy().tobytes().hex() for row in split.x.flatten(1)[:, :24]]
+
+
+RECORDED = [
+    *STREAM,
+    *sets("model.name=recorder:Net", "train.step_capture=off", "data.batch_size=4", "train.log_every_steps=5"),
+]
+
+
+def test_sigterm_mid_epoch_of_a_stream_commits_and_resumes_exactly(packed, recorder, tmp_path):
+    """60 samples in batches of 4: 15 steps an epoch; the model stops its process in step 22 (epoch 2)."""
+    args = [*RECORDED, *sets(f"data.path={packed}", "train.epochs=3", "data.random_hflip=true")]
+    out = tmp_path / "cut"
+    stopped = run_job("train", *args, "--output", str(out), env={**recorder, "STOP_AT_STEP": "22"})
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    assert "in epoch 2 at step 22" in stopped.stderr
+    again = run_job("train", *args, "--output", str(out), env=recorder)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "7 steps into epoch 2" in again.stderr
+    reference = run_job("train", *args, "--output", str(tmp_path / "ref"), env=recorder)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert_same_run(str(tmp_path / "ref"), str(out))
+
+
+def test_torchrun_processes_see_disjoint_samples_covering_the_epoch(tmp_path, recorder):
+    src = write_image_folder(tmp_path / "images", per_class=20, test_per_class=4)
+    code, err = invoke(["shard", str(src), str(tmp_path / "sh"), "--samples-per-shard", "10"])  # 6 shards
+    assert code == 0, err
+    record = tmp_path / "seen"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "job", "train"]
+    args = [*RECORDED, *sets(f"data.path={tmp_path / 'sh'}", "train.epochs=1", "data.batch_size=8")]
+    env = {**job_env(recorder["PYTHONPATH"]), "RECORD": str(record)}
+    done = subprocess.run([*cmd, *args, "--output", str(tmp_path / "run")], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = [Path(f"{record}.{r}").read_text().split() for r in range(2)]
+    assert len(seen[0]) == len(seen[1]) == 30  # 3 shards of 10 each, 4 a step: 8 steps, no padding
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == sorted(image_ids(tmp_path / "sh"))
+
+
+def test_streaming_from_gcs_through_a_store_failing_mid_shard(tmp_path, bucket, gcs_server):
+    """Shards on the GCS emulator read through a proxy that resets connections and answers 503: downloads in 4 KB
+    requests, so each shard takes many and some fail mid-shard; the run ends as the one from local disk does."""
+    src = write_image_folder(tmp_path / "images", per_class=20, test_per_class=4)
+    code, err = invoke(["shard", str(src), bucket.url("sh"), "--samples-per-shard", "10"])
+    assert code == 0, err
+    assert sorted(n.rsplit("/", 1)[-1] for n in bucket.names("sh/train")) == [f"train-{i:06d}.tar" for i in range(6)]
+    code, err = invoke(["shard", str(src), str(tmp_path / "local"), "--samples-per-shard", "10"])
+    assert code == 0, err
+    args = [
+        *STREAM,
+        *sets("data.batch_size=8", "model.name=mlp", "train.epochs=2", "data.cache=false", "train.log_every_steps=4"),
+    ]
+    small_reads = "import sys, job.data.stream as s; s.CHUNK = 4096; from job.cli import main; main()"
+    with FaultProxy(gcs_server, fail_rate=0.15, seed=3, kinds=("reset", "503")) as proxy:
+        remote = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                small_reads,
+                "train",
+                *args,
+                *sets(f"data.path={bucket.url('sh')}"),
+                "--output",
+                str(tmp_path / "g"),
+            ],
+            capture_output=True,
+            text=True,
+            env={**job_env(), "STORAGE_EMULATOR_HOST": proxy.url},
+            timeout=300,
+        )
+        assert remote.returncode == 0, remote.stderr[-2000:]
+        assert proxy.counts["reset"] + proxy.counts["503"] > 5 and proxy.counts["requests"] > 60
+    local = run_job("train", *args, *sets(f"data.path={tmp_path / 'local'}"), "--output", str(tmp_path / "l"))
+    assert local.returncode == 0, local.stderr[-2000:]
+    assert_same_run(str(tmp_path / "l"), str(tmp_path / "g"))
+
+
+@pytest.mark.parametrize("damage", ["header", "image"])
+def test_a_corrupt_shard_is_named_in_one_line(packed, tmp_path, damage):
+    bad = tmp_path / "bad"
+    shutil.copytree(packed, bad)
+    victim = shard_names(bad, "train")[3]
+    data = bytearray(victim.read_bytes())
+    size = int(data[124:136].rstrip(b"\0 "), 8)
+    second = 512 + -(-size // 512) * 512  # the .cls member's header follows the first image
+    if damage == "header":
+        data[second + 148 : second + 156] = b"0000001\0"  # a checksum that cannot match
+    else:
+        data[512 + 40 : 512 + size - 20] = bytes(range(256)) * ((size - 60) // 256) + bytes((size - 60) % 256)
+    victim.write_bytes(bytes(data))
+    args = [*STREAM, *sets(f"data.path={bad}", "model.name=mlp", "train.epochs=1")]
+    code, err = invoke(["train", *args, "--output", str(tmp_path / "r")])
+    assert code == 3 and victim.name in err and "Traceback" not in err, err
+
+
+def peak_tree_rss(proc: subprocess.Popen) -> int:
+    """The largest sum of resident memory over a process and its descendants, sampled every 20 ms until it ends."""
+    peak = 0
+    while proc.poll() is None:
+        total, todo = 0, [proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo += [int(c) for c in f.read().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        peak = max(peak, total)
+        time.sleep(0.02)
+    return peak
+
+
+def test_memory_of_a_stream_does_not_grow_with_the_data(tmp_path):
+    """The same 64x64 shards listed once and ten times over (copies): 10x the data (9,000 images, 110 MB decoded),
+    the same peak memory of the process and its decoders."""
+    src = write_image_folder(tmp_path / "images", per_class=300, size=64, test_per_class=10)
+    code, err = invoke(["shard", str(src), str(tmp_path / "x1"), "--samples-per-shard", "100"])
+    assert code == 0, err
+    x10 = tmp_path / "x10"
+    shutil.copytree(tmp_path / "x1" / "test", x10 / "test")
+    for copy in range(10):
+        for t in shard_names(tmp_path / "x1", "train"):
+            (x10 / "train").mkdir(parents=True, exist_ok=True)
+            shutil.copy(t, x10 / "train" / f"{copy}-{t.name}")
+    peaks = {}
+    for name in ("x1", "x10"):
+        args = sets(f"data.path={tmp_path / name}", "model.name=mlp", "data.batch_size=100", "train.epochs=1")
+        proc = start_job("train", *STREAM, *args, "--output", str(tmp_path / f"run-{name}"))
+        peaks[name] = peak_tree_rss(proc)
+        assert proc.wait() == 0, proc.stderr.read()[-2000:]
+    assert peaks["x10"] < peaks["x1"] * 1.05 + 20e6, peaks  # in memory, x10 would hold 110 MB more

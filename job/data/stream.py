@@ -32,6 +32,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,7 @@ from job.memory import available_host_memory
 
 MASK = (1 << 64) - 1
 READ_AHEAD = 2  # remote shards downloaded ahead of the one being read
+CHUNK = 8 << 20  # bytes a remote shard is downloaded in: one request each
 
 
 def mix(*parts: int) -> int:
@@ -150,10 +152,10 @@ class ShardPrefetch:
 
     def download(self, k: int) -> ShardFile:
         start = self.offset if k == self.first else 0
-        f = ShardFile(self.urls[k], start)
+        f = ShardFile(self.urls[k], start, block_size=CHUNK)
         chunks = []
         try:
-            while chunk := f.read(8 << 20):
+            while chunk := f.read(CHUNK):
                 chunks.append(chunk)
         finally:
             f.close()
@@ -233,10 +235,7 @@ class Decoder:
 
     def __init__(self, workers: int, size: int | None) -> None:
         self.size, self.workers = size, workers
-        self.pool = None
-        if workers:
-            ctx = multiprocessing.get_context("forkserver")
-            self.pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=start_worker)
+        self.pool = shared_pool(workers) if workers else None
 
     def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
         if self.pool is None:
@@ -248,10 +247,28 @@ class Decoder:
             return f
         return self.pool.submit(decode, items, self.size)
 
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = None
+
+POOLS: dict[int, ProcessPoolExecutor] = {}
+
+
+def shared_pool(workers: int) -> ProcessPoolExecutor:
+    """One pool of decoding processes per size, kept for the process's life: a run in a notebook, or the
+    evaluation after training, does not start them again (they start in about as long as `import torch`)."""
+    pool = POOLS.get(workers)
+    if pool is None or getattr(pool, "_broken", False):
+        ctx = multiprocessing.get_context("forkserver")
+        pool = POOLS[workers] = ProcessPoolExecutor(workers, mp_context=ctx, initializer=start_worker)
+    return pool
+
+
+def decoded(future: Future, names: tuple[str, str]) -> np.ndarray:
+    """A batch's images; a decoder process that died on it (a native decoder's abort on a corrupt image) is named."""
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise DataError(
+            f"a decoding process died on the batch of samples {names[0]} to {names[1]}: a corrupt image among them?"
+        ) from None
 
 
 def auto_workers(setting: int | str) -> int:
@@ -365,6 +382,7 @@ class StreamLoader:
         self.last_position = stream.position()
         steps, b = len(self), self.local[self.rank]
         pending: deque = deque()
+        group_names: deque = deque()
         samples_iter = iter(stream)
         i, last = start, None
         try:
@@ -376,9 +394,10 @@ class StreamLoader:
                     items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
                     labels = torch.tensor([s.label() for s in group])
                     pending.append((self.decoder.submit(items), labels, stream.position()))
+                    group_names.append((items[0][0], items[-1][0]))
                 if pending:
                     future, labels, position = pending.popleft()
-                    x, y = self.place(torch.from_numpy(future.result()), labels)
+                    x, y = self.place(torch.from_numpy(decoded(future, group_names.popleft())), labels)
                     x = self.augment(x, epoch, i)
                     last = (to_float(x, self.layout, self.mean, self.std), y)
                     self.last_position = position
@@ -429,10 +448,7 @@ def load_shards(cfg, cache, log) -> StreamData | Dataset:
             )
             return data
     decoder = Decoder(auto_workers(cfg.workers), cfg.image_size)
-    try:
-        splits = [read_all(shards.splits[s], decoder) for s in ("train", "test")]
-    finally:
-        decoder.close()
+    splits = [read_all(shards.splits[s], decoder) for s in ("train", "test")]
     return Dataset(splits[0], splits[1], shards.classes, f"shards {cfg.path}")
 
 
