@@ -5,7 +5,8 @@ The way a run's data goes through the modules, top to bottom:
     config      job/config.py        the YAML preset or file, --set overrides, validated
     storage     job/cloud.py         fsspec filesystems and credentials for every URL (local, gs://, a Drive mount)
     data        job/data/            the data set read through fsspec (cached locally) into tensors in memory,
-                                     and the loaders that cut and augment batches on the device
+                                     and the loaders that cut and augment batches on the device; or shards
+                                     streamed as the run trains (job/data/stream.py, packed by job/data/pack.py)
     recipe      job/recipe.py        what the config means on a device: model, precision, optimizer, schedule, loaders
     loop        job/train.py         the run: epochs of steps (job/step.py), evaluations, stops (job/stop.py)
     checkpoint  job/checkpoint.py    snapshots committed to the run folder; job/resume.py opens the folder and
