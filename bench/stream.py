@@ -18,27 +18,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
 
-def peak_tree_rss(proc: subprocess.Popen) -> int:
-    peak = 0
-    while proc.poll() is None:
-        total, todo = 0, [proc.pid]
-        while todo:
-            pid = todo.pop()
-            try:
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{task}/children") as f:
-                        todo += [int(c) for c in f.read().split()]
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-        peak = max(peak, total)
-        time.sleep(0.05)
-    return peak
+from job.memory import peak_tree_rss  # noqa: E402
 
 
 def train(shards: Path, out: Path, placement: str, epochs: int) -> tuple[float, int]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import subprocess
+import time
 from collections.abc import Iterator
 
 import torch
@@ -89,3 +91,24 @@ def virtual_size() -> int:
             if line.startswith("VmSize:"):
                 return int(line.split()[1]) * 1024
     raise OSError("no VmSize in /proc/self/status")
+
+
+def peak_tree_rss(proc: subprocess.Popen, every_s: float = 0.02) -> int:
+    """The largest sum of resident memory over a process and its descendants (a run and its decoding processes),
+    sampled every `every_s` until the process ends: what the benchmark and the tests of streaming measure."""
+    peak = 0
+    while proc.poll() is None:
+        total, todo = 0, [proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo += [int(c) for c in f.read().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # it ended between the listing and the read
+        peak = max(peak, total)
+        time.sleep(every_s)
+    return peak

@@ -95,9 +95,9 @@ class Feed:
     def train(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader | StreamLoader:
         """Training batches, this process's slice of each (rank of world)."""
         d = self.cfg.data
+        image_aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip} if self.is_image else {}
         if self.stream is not None:
-            aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip}
-            loader = self.streamed("train", batch, rank, world, shuffle=d.shuffle, drop_last=d.drop_last, **aug)
+            loader = self.streamed("train", batch, rank, world, shuffle=d.shuffle, drop_last=d.drop_last, **image_aug)
             if len(loader) == 0:
                 raise ConfigError("data.drop_last: a process's share of the training shards is smaller than one batch")
             return loader
@@ -109,7 +109,6 @@ class Feed:
                 f"data.batch_size: a training batch of {smallest} samples cannot be split over {world} processes; "
                 "use a larger batch, fewer processes, or data.drop_last=true"
             )
-        image_aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip} if self.is_image else {}
         loader = BatchLoader(
             self.train_split,
             batch,

@@ -4,12 +4,10 @@ a faulty store, split over torchrun's processes with every sample seen once, and
 
 import io
 import json
-import os
 import shutil
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +29,7 @@ from faultproxy import FaultProxy
 
 from job.data.shards import open_shards
 from job.data.stream import Decoder, SampleStream, StreamLoader, deal
+from job.memory import peak_tree_rss
 
 STREAM = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=shards", "data.placement=stream")]
 
@@ -290,26 +289,6 @@ def test_a_corrupt_shard_is_named_in_one_line(packed, tmp_path, damage):
     args = [*STREAM, *sets(f"data.path={bad}", "model.name=mlp", "train.epochs=1")]
     code, err = invoke(["train", *args, "--output", str(tmp_path / "r")])
     assert code == 3 and victim.name in err and "Traceback" not in err, err
-
-
-def peak_tree_rss(proc: subprocess.Popen) -> int:
-    """The largest sum of resident memory over a process and its descendants, sampled every 20 ms until it ends."""
-    peak = 0
-    while proc.poll() is None:
-        total, todo = 0, [proc.pid]
-        while todo:
-            pid = todo.pop()
-            try:
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{task}/children") as f:
-                        todo += [int(c) for c in f.read().split()]
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-        peak = max(peak, total)
-        time.sleep(0.02)
-    return peak
 
 
 def test_memory_of_a_stream_does_not_grow_with_the_data(tmp_path):

@@ -137,8 +137,9 @@ def pack_into(
             index["splits"][split] = write_shards(
                 spools[split], classes, rng, dst, split, Path(tmp), shard_bytes, shard_samples, log
             )
-    write(dst, CLASSES, "".join(f"{c}\n" for c in classes).encode())
-    write(dst, INDEX, json.dumps(index, indent=1).encode())
+        for rel, text in ((CLASSES, "".join(f"{c}\n" for c in classes)), (INDEX, json.dumps(index, indent=1))):
+            (Path(tmp) / rel).write_text(text)
+            put(Path(tmp) / rel, dst, rel)  # index.json last: its presence says DST is complete
     return index
 
 
@@ -225,21 +226,5 @@ def put(local: Path, dst: str, rel: str) -> None:
             os.replace(local, target)
         else:
             fs.put_file(str(local), target)
-    except Exception as e:
-        raise StorageError(f"cannot write {dst}/{rel}: {describe_storage_error(dst, e)}") from None
-
-
-def write(dst: str, rel: str, data: bytes) -> None:
-    fs, path = filesystem(dst)
-    target = f"{path.rstrip('/')}/{rel}"
-    try:
-        if isinstance(fs, LocalFileSystem):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            tmp = f"{target}.part"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, target)
-        else:
-            fs.pipe_file(target, data)
     except Exception as e:
         raise StorageError(f"cannot write {dst}/{rel}: {describe_storage_error(dst, e)}") from None

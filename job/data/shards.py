@@ -178,23 +178,26 @@ def read_range(url: str, shard: int, start: int, end: int) -> Sample:
         raw = f.read(end - start)
     finally:
         f.close()
-    got = list(samples(_Bytes(raw, start), shard, url))
+    got = list(samples(InMemory(raw, start), shard, url))
     if len(got) != 1:
         raise DataError(f"{url}: no sample at bytes {start}-{end} (the shard changed since the checkpoint?)")
     return got[0]
 
 
-class _Bytes(ShardFile):
-    """A ShardFile over bytes already read, at their offset in the shard."""
+class InMemory(ShardFile):
+    """Bytes of a shard from `base` on (a download, or one sample's range), read like the file."""
 
-    def __init__(self, data: bytes, offset: int) -> None:
-        self.data, self.base, self.pos = data, offset, offset
+    def __init__(self, data: bytes, base: int) -> None:
+        self.data, self.base, self.pos = data, base, base
 
     def read(self, n: int) -> bytes:
         lo = self.pos - self.base
         out = self.data[lo : lo + n]
         self.pos += len(out)
         return out
+
+    def close(self) -> None:
+        self.data = b""
 
 
 @dataclass

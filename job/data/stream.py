@@ -42,7 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 from job.cloud import filesystem
 from job.data import Dataset, Split
 from job.data.loader import crop_flip, epoch_seed, to_float
-from job.data.shards import Sample, Shard, ShardFile, ShardSet, open_shards, read_range, samples
+from job.data.shards import InMemory, Sample, Shard, ShardFile, ShardSet, open_shards, read_range, samples
 from job.errors import ConfigError, DataError, one_line
 from job.memory import available_host_memory
 
@@ -171,22 +171,6 @@ class ShardPrefetch:
         for f in self.pending.values():
             f.cancel()
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-class InMemory(ShardFile):
-    """Bytes of a shard from `base` on, read like the file."""
-
-    def __init__(self, data: bytes, base: int) -> None:
-        self.data, self.base, self.pos = data, base, base
-
-    def read(self, n: int) -> bytes:
-        lo = self.pos - self.base
-        out = self.data[lo : lo + n]
-        self.pos += len(out)
-        return out
-
-    def close(self) -> None:
-        self.data = b""
 
 
 def refill(urls: list[str], refs: list[list[int]]) -> list[Sample]:
