@@ -66,11 +66,37 @@ class DataConfig(Section):
     test_path: str = Field("", description="csv: a separate test table; empty: split the table by test_split.")
     test_split: float = Field(0.2, gt=0, lt=1, description="csv: share of rows held out for testing.")
     image_size: int | None = Field(
-        None, gt=0, description="folder: resize images to this square size; required when sizes differ."
+        None,
+        gt=0,
+        description="Images: the square size the model sees. folder and shards: images are resized to it when read "
+        "(required when sizes differ), unless data.resize_size holds them larger; other sizes held are resized on "
+        "the batch. Default with torchvision weights: their crop size (224 for most).",
     )
-    normalize: bool = Field(False, description="Images: subtract the training set's mean and divide by its std.")
+    resize_size: int | None = Field(
+        None,
+        gt=0,
+        description="Photos: folder and shards hold each image at this square size (the short side resized to it, "
+        "the centre kept); evaluation sees its centre image_size/resize_size, resized to image_size. Default: the "
+        "torchvision weights' resize size (256 or 232 for 224), or image_size x 8/7 with random_resized_crop.",
+    )
+    normalize: bool | Literal["auto"] = Field(
+        "auto",
+        description="Images: true: subtract the training set's mean and divide by its std; false: none; auto: the "
+        "pretrained weights' own mean and std when model.weights names torchvision weights, else none.",
+    )
     random_crop_padding: int = Field(
-        0, ge=0, description="Images: pad by this many pixels and crop back at random (0: off)."
+        0, ge=0, description="Small images: pad by this many pixels and crop back at random (0: off)."
+    )
+    random_resized_crop: bool = Field(
+        False,
+        description="Photos: train on a random crop of data.crop_scale of each image's area, with aspect ratio in "
+        "data.crop_ratio, resized to data.image_size (torchvision's RandomResizedCrop, on the whole batch at once).",
+    )
+    crop_scale: tuple[float, float] = Field(
+        (0.08, 1.0), description="random_resized_crop: the range of the crop's share of the image's area."
+    )
+    crop_ratio: tuple[float, float] = Field(
+        (3 / 4, 4 / 3), description="random_resized_crop: the range of the crop's aspect ratio (width / height)."
     )
     random_hflip: bool = Field(False, description="Images: flip horizontally with probability 0.5.")
     download: bool = Field(False, description="cifar10: download with torchvision when the local path is empty.")
@@ -103,6 +129,15 @@ class DataConfig(Section):
     def _batch_size(cls, v: Any) -> Any:
         return positive_int_or("full", v)
 
+    @field_validator("crop_scale", "crop_ratio")
+    @classmethod
+    def _range(cls, v: tuple[float, float], info: ValidationInfo) -> tuple[float, float]:
+        lo, hi = v
+        if not 0 < lo <= hi or (info.field_name == "crop_scale" and hi > 1):
+            top = " <= 1" if info.field_name == "crop_scale" else ""
+            raise ValueError(f"expected [low, high] with 0 < low <= high{top}")
+        return v
+
     @field_validator("workers", mode="before")
     @classmethod
     def _workers(cls, v: Any) -> Any:
@@ -112,19 +147,59 @@ class DataConfig(Section):
 
 
 class ModelConfig(Section):
-    name: str = Field("mlp", description=f"mlp, cifar_cnn, resnet18, or {USER_MODEL_HINT} for your own nn.Module.")
+    name: str = Field(
+        "mlp",
+        description="mlp, cifar_cnn, resnet18, any classification model torchvision has (resnet50, "
+        f"mobilenet_v3_small, efficientnet_b0, vit_b_16, ...), or {USER_MODEL_HINT} for your own nn.Module.",
+    )
+    weights: str = Field(
+        "",
+        description="Pretrained weights: a torchvision weights name of the model (DEFAULT, IMAGENET1K_V2, ...; "
+        "downloaded once into the job's cache, and their preprocessing becomes the data's default), or the URL of a "
+        "state_dict file (.pt/.pth: local path, gs://, http(s)://, a Drive path), read without running code. "
+        "Layers whose shape does not fit the data's classes are replaced.",
+    )
+    freeze_backbone: bool = Field(
+        False,
+        description="With model.weights: train only the layers replaced to fit the classes (else the class layer); "
+        "the rest keep the loaded weights, their batch-norm statistics included.",
+    )
     hidden: list[int] = Field([10], description="mlp: hidden layer sizes (ReLU between layers).")
-    small_stem: bool = Field(True, description="resnet18: 3x3 stride-1 stem without max-pool, for small images.")
-    kwargs: dict[str, Any] = Field({}, description=f"{USER_MODEL_HINT}: keyword arguments of the constructor.")
+    small_stem: bool | None = Field(
+        None,
+        description="resnet18: 3x3 stride-1 stem without max-pool, for small images; default: on, off with "
+        "model.weights (pretrained weights have the 7x7 stem).",
+    )
+    kwargs: dict[str, Any] = Field(
+        {}, description=f"{USER_MODEL_HINT} and torchvision models: keyword arguments of the constructor."
+    )
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        from job.models import MODELS
+        from job.models import check_name
 
-        if v in MODELS or (":" in v and all(part.strip() for part in v.split(":", 1))):
-            return v
-        raise ValueError(f"expected one of {', '.join(MODELS)} or {USER_MODEL_HINT}")
+        check_name(v)
+        return v
+
+    @field_validator("weights")
+    @classmethod
+    def _weights(cls, v: str, info: ValidationInfo) -> str:
+        from job.weights import resolve
+
+        if v and "name" in info.data:
+            try:
+                resolve(info.data["name"], v)
+            except ConfigError as e:
+                raise ValueError(str(e).removeprefix("model.weights: ")) from None
+        return v
+
+    @field_validator("freeze_backbone")
+    @classmethod
+    def _freeze(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and not info.data.get("weights"):
+            raise ValueError("needs model.weights: a backbone to keep")
+        return v
 
     @field_validator("hidden")
     @classmethod
@@ -161,6 +236,13 @@ class TrainConfig(Section):
         "auto",
         description="auto: replay each training step as one CUDA graph on a GPU, and trace small steps into one graph "
         "on a CPU, where the model allows it (the run says what it chose and why); on: the same; off: eager steps.",
+    )
+    accumulate_steps: int = Field(
+        1,
+        gt=0,
+        description="Gradient accumulation: step the optimizer every this many batches, on their gradients summed "
+        "with each batch weighted by its share of the samples (N batches of B train as one batch of N*B). The "
+        "schedule counts optimizer steps; logs and checkpoint names count batches.",
     )
     compile: bool = Field(False, description="Run the model through torch.compile (step capture is then off).")
     cpu_threads: int | Literal["auto"] = Field(
@@ -345,7 +427,7 @@ def _is_field(loc: list[str]) -> bool:
 
 
 def to_yaml(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
 def flat_items(cfg: Config) -> dict[str, Any]:

@@ -47,7 +47,7 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
             apply_override(raw, item)
         cfg = validate(raw)
     device = pick_device(device_name)
-    r = recipe.build(cfg, device, recipe.read_data(cfg))
+    r = recipe.build(cfg, device, recipe.read_data(cfg), pretrained=False)  # the checkpoint holds the weights
     try:
         r.model.load_state_dict(payload["model"])
     except RuntimeError as e:

@@ -1,7 +1,10 @@
-"""The model registry, and the import of a user's own nn.Module named as package.module:ClassName."""
+"""The models a config can name: the job's own registry, every classification model torchvision has, and a user's
+own nn.Module named as package.module:ClassName."""
 
 from __future__ import annotations
 
+import difflib
+import functools
 import importlib
 import inspect
 import math
@@ -52,18 +55,69 @@ def resnet18(num_classes: int, in_channels: int, small_stem: bool) -> nn.Module:
     return model
 
 
+def small_stem(cfg) -> bool:
+    """resnet18's stem: small unless asked otherwise, or unless pretrained weights (made with the 7x7 stem) load."""
+    return cfg.small_stem if cfg.small_stem is not None else not cfg.weights
+
+
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": lambda cfg, shape, n: mlp(shape, cfg.hidden, n),
     "cifar_cnn": lambda cfg, shape, n: CifarCNN(n, shape[0]),
-    "resnet18": lambda cfg, shape, n: resnet18(n, shape[0], cfg.small_stem),
+    "resnet18": lambda cfg, shape, n: resnet18(n, shape[0], small_stem(cfg)),
 }
+
+# Heads torchvision adds for auxiliary losses in training; the job trains on the main output alone.
+AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
+
+
+@functools.cache
+def torchvision_models() -> tuple[str, ...]:
+    """The classification models torchvision builds by name (its detection, video and quantized ones aside)."""
+    import torchvision
+
+    return tuple(torchvision.models.list_models(module=torchvision.models))
+
+
+def check_name(name: str) -> None:
+    """ConfigError for a name that is none of the job's models, torchvision's, or package.module:ClassName."""
+    if name in MODELS or (":" in name and all(part.strip() for part in name.split(":", 1))):
+        return
+    if name in torchvision_models():
+        return
+    close = difflib.get_close_matches(name, [*MODELS, *torchvision_models()], n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    raise ValueError(
+        f"unknown model {name!r} ({hint}the job's {', '.join(MODELS)}, any of torchvision's "
+        f"{len(torchvision_models())} classification models such as resnet50 or mobilenet_v3_small, or "
+        "package.module:ClassName)"
+    )
 
 
 def build_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """The model the config names, checked with one forward pass on a sample of the data's shape."""
-    model = MODELS[cfg.name](cfg, input_shape, num_classes) if cfg.name in MODELS else user_model(cfg, num_classes)
+    if cfg.name in MODELS:
+        model = MODELS[cfg.name](cfg, input_shape, num_classes)
+    elif ":" in cfg.name:
+        model = user_model(cfg, num_classes)
+    else:
+        model = torchvision_model(cfg, num_classes)
     check_shapes(model, cfg.name, input_shape, num_classes)
     return model
+
+
+def torchvision_model(cfg, num_classes: int) -> nn.Module:
+    """A torchvision classification model with `num_classes` outputs, freshly initialised (model.weights loads
+    after), built with model.kwargs; without the auxiliary training heads of GoogLeNet and Inception v3."""
+    import torchvision
+
+    kwargs = {"num_classes": num_classes, **cfg.kwargs}
+    if cfg.name in AUX_HEADS:
+        kwargs.setdefault("aux_logits", False)
+        kwargs.setdefault("init_weights", True)
+    try:
+        return torchvision.models.get_model(cfg.name, weights=None, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"model.kwargs: torchvision's {cfg.name} does not take {kwargs}: {one_line(e)}") from None
 
 
 def user_model(cfg, num_classes: int) -> nn.Module:

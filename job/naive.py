@@ -62,7 +62,7 @@ def make_data_loaders(cfg: Config, data: Dataset) -> tuple[DataLoader, DataLoade
     d = cfg.data
     train_tf = test_tf = None
     if data.is_image:
-        mean, std = channel_stats(data.train.x) if d.normalize else (None, None)
+        mean, std = channel_stats(data.train.x) if d.normalize is True else (None, None)
         size = tuple(data.input_shape[1:])
         train_tf = image_transform(size, d.random_crop_padding, d.random_hflip, mean, std)
         test_tf = image_transform(size, 0, False, mean, std)

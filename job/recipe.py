@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from job import weights
 from job.config import Config
 from job.data import Dataset, Split, load_data
-from job.data.loader import BatchLoader, channel_stats, choose_placement
-from job.data.stream import Decoder, StreamData, StreamLoader, auto_workers, first_images
+from job.data.loader import BatchLoader, View, channel_stats, choose_placement
+from job.data.stream import StreamData, StreamLoader, first_images, held_decoder
 from job.env import resolve_precision
 from job.errors import ConfigError
 from job.models import build_model
@@ -25,9 +26,67 @@ from job.report import say
 from job.storage import cache_dir
 
 
-def read_data(cfg: Config) -> Dataset:
-    """The config's data set in memory, remote inputs cached in the job's cache folder."""
-    return load_data(cfg.data, cfg.seed, cache_dir("data"), say)
+def resolved(cfg: Config) -> Config:
+    """The config with the defaults that follow from other settings filled in, as config.yaml records them: the
+    image and resize sizes of torchvision weights' preprocessing, random_resized_crop's resize size (8/7 of the
+    input, 256 for 224, as ImageNet recipes hold their images)."""
+    d = cfg.data
+    if d.kind == "csv":
+        return cfg
+    w = weights.resolve(cfg.model.name, cfg.model.weights)
+    image, resize = d.image_size, d.resize_size
+    if w is not None and w.crop_size:
+        image = image or w.crop_size
+        resize = resize or round(image * w.resize_size / w.crop_size)
+    if d.random_resized_crop:
+        if image is None:
+            raise ConfigError("data.random_resized_crop: needs data.image_size, the size of the crops")
+        if d.random_crop_padding:
+            raise ConfigError(
+                "data.random_resized_crop: crops photos; data.random_crop_padding crops small images; choose one"
+            )
+        resize = resize or round(image * 8 / 7)
+    if (image, resize) == (d.image_size, d.resize_size):
+        return cfg
+    return cfg.model_copy(update={"data": d.model_copy(update={"image_size": image, "resize_size": resize})})
+
+
+def read_data(cfg: Config) -> Dataset | StreamData:
+    """The config's data set in memory (or, streamed, its shards opened), remote inputs cached in the job's cache
+    folder."""
+    return load_data(resolved(cfg).data, cfg.seed, cache_dir("data"), say)
+
+
+def model_input(cfg: Config, held: tuple[int, ...], is_image: bool) -> tuple[tuple[int, ...], View | None]:
+    """The model's input shape, and the view that makes it from images held at `held` (None when they already are
+    the model's inputs): data.image_size crops or resizes them on the batch, data.resize_size sets evaluation's
+    centre crop, data.random_resized_crop training's crops."""
+    d = cfg.data
+    if not is_image:
+        return held, None
+    c, h, w = held
+    size = d.image_size or h
+    centre = min(1.0, size / d.resize_size) if d.resize_size else 1.0
+    scale = tuple(d.crop_scale) if d.random_resized_crop else None
+    if scale is None and centre == 1.0 and (h, w) == (size, size):
+        return held, None
+    return (c, size, size), View(size, centre, scale, tuple(d.crop_ratio))
+
+
+def normalization(cfg: Config, data: Dataset | StreamData, decoder=None) -> tuple[torch.Tensor | None, ...]:
+    """The mean and std images are normalised with (None, None: not normalised): the training set's with
+    data.normalize=true; with auto, the mean and std torchvision weights were trained with."""
+    d = cfg.data
+    if not data.is_image or d.normalize is False:
+        return None, None
+    if d.normalize is True:
+        if isinstance(data, StreamData):
+            return channel_stats(first_images(data.shards.splits["train"], decoder))
+        return channel_stats(data.train.x)
+    w = weights.resolve(cfg.model.name, cfg.model.weights)
+    if w is None or w.mean is None:
+        return None, None
+    return torch.tensor(w.mean), torch.tensor(w.std)
 
 
 class Feed:
@@ -41,25 +100,22 @@ class Feed:
         device: torch.device,
         channels_last: bool,
         limit: float | None = None,
+        view: View | None = None,
     ) -> None:
-        self.cfg, self.device, self.channels_last = cfg, device, channels_last
+        self.cfg, self.device, self.channels_last, self.view = cfg, device, channels_last, view
         d = cfg.data
         self.is_image = data.is_image
         self.stream = data if isinstance(data, StreamData) else None
         if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
             self.held_on = None
-            self.decoder = Decoder(auto_workers(d.workers), d.image_size)
-            self.mean = self.std = None
-            if d.normalize:
-                self.mean, self.std = channel_stats(first_images(data.shards.splits["train"], self.decoder))
+            self.decoder = held_decoder(d)
+            self.mean, self.std = normalization(cfg, data, self.decoder)
             n = data.shards.samples("train")
             self.batch_size = n if d.batch_size == "full" else d.batch_size
             return
         nbytes = data.train.x.nbytes + data.test.x.nbytes
         self.held_on = choose_placement(nbytes, device, d.placement, d.device_share, limit)
-        self.mean = self.std = None
-        if data.is_image and d.normalize:
-            self.mean, self.std = channel_stats(data.train.x)
+        self.mean, self.std = normalization(cfg, data)
         self.train_split, self.test_split = (
             Split(s.x.to(self.held_on), s.y.to(self.held_on)) for s in (data.train, data.test)
         )
@@ -89,6 +145,7 @@ class Feed:
             world=world,
             channels_last=self.channels_last,
             buffer=d.shuffle_buffer,
+            view=self.view,
             **how,
         )
 
@@ -96,6 +153,8 @@ class Feed:
         """Training batches, this process's slice of each (rank of world)."""
         d = self.cfg.data
         image_aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip} if self.is_image else {}
+        if self.view is not None and d.random_resized_crop:
+            image_aug["resized_crops"] = True
         if self.stream is not None:
             loader = self.streamed("train", batch, rank, world, shuffle=d.shuffle, drop_last=d.drop_last, **image_aug)
             if len(loader) == 0:
@@ -121,6 +180,7 @@ class Feed:
             std=self.std,
             shard=(rank, world),
             channels_last=self.channels_last,
+            view=self.view,
             **image_aug,
         )
         if len(loader) == 0:
@@ -140,6 +200,7 @@ class Feed:
             std=self.std,
             shard=(rank, world),
             channels_last=self.channels_last,
+            view=self.view,
         )
 
 
@@ -156,6 +217,8 @@ class Recipe:
     feed: Feed
     train: BatchLoader | StreamLoader | None  # at the config's batch size (None when built without loaders)
     test: BatchLoader | StreamLoader | None
+    input_shape: tuple[int, ...]  # what the model takes: the data's, or its view's
+    accumulate: int = 1  # batches per optimizer step
 
 
 def build(
@@ -167,10 +230,16 @@ def build(
     rank: int = 0,
     world: int = 1,
     memory_limit: float | None = None,
+    pretrained: bool = True,
 ) -> Recipe:
     """Everything the config asks for, on `device`. `loaders`: the training and test loaders at the config's batch
-    size (the schedule spans their steps); `memory_limit`: bytes the data may take on the device at most."""
-    model = build_model(cfg.model, data.input_shape, len(data.classes))
+    size (the schedule spans their steps); `memory_limit`: bytes the data may take on the device at most;
+    `pretrained`: load model.weights (not when a checkpoint's weights replace them)."""
+    cfg = resolved(cfg)
+    input_shape, view = model_input(cfg, data.input_shape, data.is_image)
+    model = build_model(cfg.model, input_shape, len(data.classes))
+    if pretrained:
+        weights.load_pretrained(cfg.model, model, len(data.classes), cache_dir("weights"))
     precision = resolve_precision(cfg.train.precision, device)
     channels_last = use_channels_last(cfg.train.channels_last, model, device, precision)
     if device.type == "cuda":
@@ -179,14 +248,35 @@ def build(
     model.train()
     optimizer = make_optimizer(cfg, model, fused=device.type == "cuda" and precision == "fp16")
     prime_momentum(optimizer)
-    feed = Feed(cfg, data, device, channels_last, memory_limit)
+    feed = Feed(cfg, data, device, channels_last, memory_limit, view)
     train = test = scheduler = None
+    accumulate = cfg.train.accumulate_steps
     if loaders:
         train, test = feed.train(feed.batch_size, rank, world), feed.test(feed.batch_size, rank, world)
-        scheduler = make_scheduler(cfg, optimizer, cfg.train.epochs * len(train))
+        scheduler = make_scheduler(cfg, optimizer, optimizer_steps(cfg, len(train)))
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     amp = autocast(precision, device)
-    return Recipe(model, device, precision, channels_last, amp, optimizer, scheduler, scaler, feed, train, test)
+    return Recipe(
+        model,
+        device,
+        precision,
+        channels_last,
+        amp,
+        optimizer,
+        scheduler,
+        scaler,
+        feed,
+        train,
+        test,
+        input_shape,
+        accumulate,
+    )
+
+
+def optimizer_steps(cfg: Config, batches: int, epochs: int | None = None) -> int:
+    """Optimizer steps in `epochs` (default: the run's) of `batches` batches: one per train.accumulate_steps
+    batches, and one at each epoch's end for the batches left over."""
+    return (cfg.train.epochs if epochs is None else epochs) * math.ceil(batches / cfg.train.accumulate_steps)
 
 
 def autocast(precision: str, device: torch.device) -> Callable[[], Any]:
@@ -212,12 +302,13 @@ def make_optimizer(cfg: Config, model: nn.Module, fused: bool = False) -> torch.
     device, so GradScaler never waits for the GPU (with the other kernels it reads the flag on the host every step)."""
     o = cfg.optim
     how = {"fused": True} if fused else {}
+    params = [p for p in model.parameters() if p.requires_grad]  # a frozen backbone has no optimizer state
     if o.name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay, **how)
+        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, **how)
     if o.nesterov and o.momentum == 0:
         raise ConfigError("optim.nesterov: needs optim.momentum > 0")
     return torch.optim.SGD(
-        model.parameters(), lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **how
+        params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **how
     )
 
 

@@ -39,19 +39,70 @@ if TYPE_CHECKING:
 SMALL_STEP_FLOPS = 2e7
 
 
-class EagerStep:
-    """Forward, loss, backward and optimizer step as plain PyTorch calls; the loss is added to `sums` on the device."""
+class Accumulator:
+    """Gradient accumulation (train.accumulate_steps): the gradients of a group of batches summed, each batch's
+    weighted by its share of the group's samples, so that the optimizer steps once on what one batch of all of them
+    would have given. Works on the fresh gradients any kind of step leaves, so capture and AMP keep working (the
+    loss scale of fp16 stays fixed within a group: the scaler updates at the optimizer step)."""
 
-    def __init__(self, model: nn.Module, optimizer, scheduler, scaler, amp: Callable, sums: torch.Tensor) -> None:
+    def __init__(self, params: list[torch.Tensor], every: int) -> None:
+        self.params, self.every = params, every
+        self.sums: list[torch.Tensor] | None = None
+        self.weight, self.last = 1.0, True
+
+    def plan(self, loader, i: int) -> None:
+        """Batch i of the loader's epoch comes next: its weight in its group, and whether it ends the group (the
+        epoch's last batch ends the last group, however short)."""
+        start = i - i % self.every
+        end = min(start + self.every, len(loader))
+        self.weight = loader.samples(i) / sum(loader.samples(j) for j in range(start, end))
+        self.last = i == end - 1
+
+    def add(self) -> bool:
+        """Add the fresh gradients in `.grad` to the group's sum; at the group's last batch, put the sum in `.grad`
+        for the optimizer and return True."""
+        if self.sums is None:
+            self.sums = [torch.zeros_like(p) for p in self.params]
+        pairs = [(s, p.grad) for s, p in zip(self.sums, self.params) if p.grad is not None]
+        if pairs:
+            torch._foreach_add_([s for s, _ in pairs], [g for _, g in pairs], alpha=self.weight)
+        if not self.last:
+            return False
+        for p, s in zip(self.params, self.sums):
+            p.grad = s
+        return True
+
+    def reset(self) -> None:
+        if self.sums is not None:
+            torch._foreach_zero_(self.sums)
+
+
+class EagerStep:
+    """Forward, loss, backward and optimizer step as plain PyTorch calls; the loss is added to `sums` on the device.
+    `accumulate`: batches per optimizer step (an Accumulator sums their gradients)."""
+
+    def __init__(
+        self, model: nn.Module, optimizer, scheduler, scaler, amp: Callable, sums: torch.Tensor, accumulate: int = 1
+    ) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler, self.amp = model, optimizer, scheduler, scaler, amp
         self.sums = sums
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.accumulator = Accumulator(self.params, accumulate) if accumulate > 1 else None
         self.description = "eager"
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         """`weight` scales the loss: a process's uneven part of a global batch under torchrun (1.0 otherwise)."""
         self.backward(x, y, weight)
-        self.update()
+        self.apply()
+
+    def apply(self) -> None:
+        """The optimizer step on the fresh gradients in `.grad`; accumulating, their addition to the group's sum,
+        and the step at the group's last batch."""
+        if self.accumulator is None:
+            self.update()
+        elif self.accumulator.add():
+            self.update()
+            self.accumulator.reset()
 
     def backward(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         """Forward, loss and backward: fresh gradients in `.grad`, the loss added to the sums."""
@@ -89,12 +140,13 @@ def shape_key(x: torch.Tensor, y: torch.Tensor) -> tuple:
 class CudaGraphStep(EagerStep):
     """The step replayed as a CUDA graph per batch shape, after `warmup` eager steps of that shape."""
 
-    def __init__(self, *args, warmup: int = 3) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, accumulate: int = 1, warmup: int = 3) -> None:
+        super().__init__(*args, accumulate=accumulate)
         # The whole step fits in the graph when the optimizer's arithmetic does not change between steps on the
-        # host's side: SGD with a constant rate. Otherwise the graph ends at the gradients.
+        # host's side: SGD with a constant rate, every batch. Otherwise the graph ends at the gradients.
         self.whole = (
-            isinstance(self.optimizer, torch.optim.SGD)
+            self.accumulator is None
+            and isinstance(self.optimizer, torch.optim.SGD)
             and self.scheduler is None
             and not self.scaler.is_enabled()
             and not any(isinstance(g["lr"], torch.Tensor) for g in self.optimizer.param_groups)
@@ -141,7 +193,7 @@ class CudaGraphStep(EagerStep):
         graph.replay()
         if not self.whole:
             self.set_grads(grads)
-            self.update()
+            self.apply()
 
     def last_warmup(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """The last eager step before a capture, watched for the host waiting on the GPU (`.item()`, a Python
@@ -151,7 +203,7 @@ class CudaGraphStep(EagerStep):
             if self.whole:
                 self.update()
         if not self.whole:
-            self.update()
+            self.apply()
         if waits:
             self.fall_back(f"the step waits for the GPU on the host ({waits[0]}; a .item() or a branch on a value)")
 
@@ -215,13 +267,14 @@ class CpuTracedStep(EagerStep):
     """Forward, loss and backward (and a plain SGD update) as one traced graph per batch shape, run by
     TorchScript's interpreter."""
 
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, accumulate: int = 1) -> None:
+        super().__init__(*args, accumulate=accumulate)
         groups = self.optimizer.param_groups
         # Plain SGD (one group, no momentum, a constant rate) is two operations per tensor: traced with the rest,
         # and checked against torch.optim's own step on the first batch like everything else.
         self.whole = (
-            isinstance(self.optimizer, torch.optim.SGD)
+            self.accumulator is None
+            and isinstance(self.optimizer, torch.optim.SGD)
             and self.scheduler is None
             and not self.scaler.is_enabled()
             and len(groups) == 1
@@ -253,7 +306,7 @@ class CpuTracedStep(EagerStep):
         self.sums += loss
         if not self.whole:
             self.set_grads(grads)
-            self.update()
+            self.apply()
 
     def joint(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(loss, *gradients) from (*trainable, *frozen, *buffers, x, y): the function that is traced."""
@@ -360,15 +413,16 @@ def build_step(r: Recipe, sums: torch.Tensor, capture: str, step_flops: float = 
     DistributedDataParallel or compiled wrapper of it); `step_flops`: a forward pass's cost (CPU: trace if small)."""
     device, scaler = r.device, r.scaler
     args = (model if model is not None else r.model, r.optimizer, r.scheduler, scaler, r.amp, sums)
+    how = {"accumulate": r.accumulate}
     if capture == "off":
-        step = EagerStep(*args)
+        step = EagerStep(*args, **how)
         step.description = "eager (train.step_capture off)"
         return step
     if device.type == "cuda":
-        return CudaGraphStep(*args)
+        return CudaGraphStep(*args, **how)
     if device.type == "cpu" and step_flops < SMALL_STEP_FLOPS and r.precision == "fp32":
-        return CpuTracedStep(*args)
-    step = EagerStep(*args)
+        return CpuTracedStep(*args, **how)
+    step = EagerStep(*args, **how)
     if device.type == "cpu" and scaler.is_enabled():
         step.description = "eager (fp16's loss scaler on a CPU)"
     elif device.type == "cpu" and step_flops < SMALL_STEP_FLOPS:  # the check against the eager step would refuse it

@@ -114,19 +114,20 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> 
 def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_start: float) -> dict:
     device = pick_device(req.device)
     seed_everything(cfg.seed, cfg.train.deterministic)
+    cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
     data = recipe.read_data(cfg)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
     found = distributed.share_checkpoint(lambda: open_run(run_dir, req, cfg))
     if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs and has_results(run_dir):
         return complete(cfg, run_dir, found)
-    step_flops = set_cpu_threads(cfg, r, data.input_shape)
+    step_flops = set_cpu_threads(cfg, r, r.input_shape)
     held = f"held on {r.feed.where}" if r.feed.stream is None else r.feed.streaming()
     say(f"device {describe_device(device)}; data {data.describe()}, {held}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
         state = restore(found, r, log, state.run_id)
-        replanned = replan_schedule(cfg, r, state.step)
+        replanned = replan_schedule(cfg, r, state)
         source = (found[1] or {}).get("file") or req.resume  # a bare .pt given by URL has no manifest
         into = f" ({state.epoch_step} steps into epoch {state.epoch + 1})" if state.epoch_step else ""
         say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step}{into} ({source}){replanned}")
@@ -142,6 +143,10 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         run_dir.write("config.yaml", to_yaml(cfg).encode())
         report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), state.step + 1 if found else 0)
     step = make_step(cfg, r, log, step_flops)
+    if step.accumulator is not None and found is not None:
+        step.accumulator.sums = found[0]["progress"].get("accumulated")
+        if step.accumulator.sums is not None:
+            step.accumulator.sums = [t.to(r.device) for t in step.accumulator.sums]
     clock, now = TrainClock(device), time.perf_counter()
     loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock=clock, t_start=t_start, t_eval=now)
     first_epoch = state.epoch
@@ -190,6 +195,7 @@ def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str) -> P
     saved = dict(payload["progress"])
     log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
     places = saved.pop("stream", None)
+    saved.pop("accumulated", None)  # the step takes them when it is made
     state = Progress(**{"run_id": run_id, **saved})
     if hasattr(r.train, "resume_at") and state.epoch_step:
         if not places or len(places) != distributed.world():
@@ -201,12 +207,14 @@ def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str) -> P
     return state
 
 
-def replan_schedule(cfg: Config, r: Recipe, step: int) -> str:
-    """A resumed run of another length: its schedule re-planned over the new length, from `step`; says so."""
-    total = cfg.train.epochs * len(r.train)
+def replan_schedule(cfg: Config, r: Recipe, state: Progress) -> str:
+    """A resumed run of another length: its schedule re-planned over the new length, from where it stands; says
+    so. Schedules count optimizer steps (batches / train.accumulate_steps)."""
+    total = recipe.optimizer_steps(cfg, len(r.train))
     if r.scheduler is None or recipe.planned_steps(r.scheduler) == total:
         return ""
-    r.scheduler = recipe.replan(cfg, r.optimizer, total, step)
+    done = recipe.optimizer_steps(cfg, len(r.train), state.epoch) + state.epoch_step // cfg.train.accumulate_steps
+    r.scheduler = recipe.replan(cfg, r.optimizer, total, done)
     return f"; the {cfg.optim.schedule} schedule re-planned over {cfg.train.epochs} epochs"
 
 
@@ -223,18 +231,21 @@ def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerS
         step.description = "eager (DistributedDataParallel reduces gradients from autograd hooks: no capture)"
     layout = ", channels-last" if r.channels_last else ""
     compiled = ", torch.compile" if t.compile else ""
-    say(f"step: {r.precision}{layout}{compiled}; {step.description}")
+    accumulated = f"; the optimizer steps every {t.accumulate_steps} batches" if t.accumulate_steps > 1 else ""
+    say(f"step: {r.precision}{layout}{compiled}; {step.description}{accumulated}")
     return step
 
 
 def train_epoch(loop: Loop, epoch: int) -> bool:
     """One epoch from where the state says it stands; False when a stop was requested before its end."""
     state, log, report, stop, loader = loop.state, loop.log, loop.report, loop.stop, loop.r.train
-    described, every = loop.step.description, log.every
+    described, every, accumulator = loop.step.description, log.every, loop.step.accumulator
     report.start_epoch(epoch, state.epoch_step)
     loop.clock.start()
     with memory_guard(f"data.batch_size={loop.cfg.data.batch_size}", loop.r.device):
         for x, y in loader.batches(epoch, state.epoch_step):
+            if accumulator is not None:
+                accumulator.plan(loader, state.epoch_step)
             loop.step(x, y, loader.loss_weight(state.epoch_step))
             state.step += 1
             state.epoch_step += 1
@@ -294,12 +305,21 @@ def save(loop: Loop) -> None:
     distributed.on_writer(lambda: commit(loop, sums, places))
 
 
+def accumulated(loop: Loop) -> dict:
+    """Stopped inside a group of accumulated batches: the group's gradient sums so far (the same in every process:
+    DDP has averaged each batch's), which the resumed run adds the rest of the group to."""
+    acc = loop.step.accumulator
+    if acc is None or acc.sums is None or loop.state.epoch_step % acc.every == 0:
+        return {}
+    return {"accumulated": [t.detach().cpu() for t in acc.sums]}
+
+
 def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None) -> None:
     cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
     for step, loss, lr in loop.log.ready(wait=True):
         report.loss(step, loss, lr)
     report.flush()
-    progress = {**asdict(state), "loss_sums": loss_sums, **({"stream": places} if places else {})}
+    progress = {**asdict(state), "loss_sums": loss_sums, **({"stream": places} if places else {}), **accumulated(loop)}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump())
     t = cfg.train

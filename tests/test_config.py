@@ -43,7 +43,7 @@ def test_overrides_are_typed_and_nested():
         ("train.precision=fp8", "train.precision: input should be 'fp32', 'bf16', 'fp16' or 'auto'"),
         ("data.batch_size=-4", "data.batch_size: expected a positive integer or 'full'"),
         ("data.batch_size=half", "data.batch_size: expected a positive integer or 'full'"),
-        ("model.name=transformer", "model.name: expected one of mlp, cifar_cnn, resnet18"),
+        ("model.name=transformer", "model.name: unknown model 'transformer'"),
         ("name=has space", "name: string should match pattern"),
         ("data.test_split=1.5", "data.test_split: input should be less than 1"),
     ],

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from job.data import Dataset, Split
 from job.data.files import Log, read_entries
@@ -32,8 +32,9 @@ def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
     unknown = sorted({cls for cls, _, _ in by_split["test"]} - set(classes))
     if unknown:
         raise DataError(f"{url}: test classes without training images: {', '.join(unknown[:5])}")
-    train = decode_split(sorted(by_split["train"]), classes, cfg.image_size, url)
-    test = decode_split(sorted(by_split["test"]), classes, cfg.image_size, url) if by_split["test"] else None
+    size, fit = cfg.resize_size or cfg.image_size, cfg.resize_size is not None
+    train = decode_split(sorted(by_split["train"]), classes, size, url, fit)
+    test = decode_split(sorted(by_split["test"]), classes, size, url, fit) if by_split["test"] else None
     if test is None:
         raise DataError(f"{url}: no images in the test/<class>/*.jpg|png layout")
     if train.x.shape[1:] != test.x.shape[1:]:
@@ -54,13 +55,15 @@ def layout_key(name: str) -> tuple[str, str] | None:
     return parts[-3], parts[-2]
 
 
-def decode_split(items: list[tuple[str, str, bytes]], classes: list[str], size: int | None, url: str) -> Split:
-    """Decode every image to uint8 3 x H x W, in threads (Pillow's decoders release the GIL)."""
+def decode_split(
+    items: list[tuple[str, str, bytes]], classes: list[str], size: int | None, url: str, fit: bool = False
+) -> Split:
+    """Decode every image to uint8 3 x H x W, in threads (Pillow's decoders release the GIL); resized to size x size
+    when given (`fit`: the short side resized to it and the centre kept, as photos are held)."""
     chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        images = [
-            img for chunk in pool.map(lambda c: [decode(n, b, size, url) for _, n, b in c], chunks) for img in chunk
-        ]
+        decoded = pool.map(lambda c: [decode(n, b, size, url, fit) for _, n, b in c], chunks)
+        images = [img for chunk in decoded for img in chunk]
     shapes = {img.shape for img in images}
     if len(shapes) > 1:
         first = images[0].shape
@@ -73,12 +76,15 @@ def decode_split(items: list[tuple[str, str, bytes]], classes: list[str], size: 
     return Split(torch.stack(images), y)
 
 
-def decode(name: str, data: bytes, size: int | None, url: str) -> torch.Tensor:
+def decode(name: str, data: bytes, size: int | None, url: str, fit: bool = False) -> torch.Tensor:
     try:
         with Image.open(io.BytesIO(data)) as img:
             rgb = img.convert("RGB")
             if size is not None and rgb.size != (size, size):
-                rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+                if fit:
+                    rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BILINEAR)
+                else:
+                    rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
             pixels = np.asarray(rgb, dtype=np.uint8)
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DataError(f"{url}: cannot decode image {name}: {one_line(e)}") from None

@@ -8,7 +8,9 @@ so any step of any epoch can be reproduced, which is what exact resume needs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +37,11 @@ class BatchLoader:
         std: torch.Tensor | None = None,
         shard: tuple[int, int] = (0, 1),
         channels_last: bool = False,
+        view: View | None = None,
+        resized_crops: bool = False,
     ) -> None:
         self.device, self.held_on = device, held_on
+        self.view, self.resized_crops = view, resized_crops  # images viewed at the model's size; random crops
         self.rank, self.world = shard  # this process takes its slice of every batch (data-parallel training)
         # Host-held batches are gathered into page-locked memory so their copy to the GPU is asynchronous.
         self.pin = held_on.type == "cpu" and device.type == "cuda"
@@ -56,7 +61,7 @@ class BatchLoader:
 
     def batches(self, epoch: int = 0, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The epoch's batches from step `start` on, as (inputs, labels) on the training device."""
-        order, crops, flips = self.draws(epoch)
+        order, crops, flips, boxes = self.draws(epoch)
         for i in range(start, len(self)):
             lo, hi = self.slice(i)
             if order is None:
@@ -74,7 +79,11 @@ class BatchLoader:
                     crops[lo:hi] if crops is not None else None,
                     flips[lo:hi] if flips is not None else None,
                 )
-            yield self.scale(x), y
+            yield self.scale(x, boxes[lo:hi] if boxes is not None else None), y
+
+    def samples(self, i: int) -> int:
+        """Samples in batch i over all processes."""
+        return min(self.n, (i + 1) * self.batch_size) - i * self.batch_size
 
     def slice(self, i: int) -> tuple[int, int]:
         """Where batch i lies in the epoch's order; in a group of processes, this process's contiguous part of it.
@@ -90,19 +99,21 @@ class BatchLoader:
         if self.world == 1:
             return 1.0
         lo, hi = self.slice(i)
-        size = min(self.n, (i + 1) * self.batch_size) - i * self.batch_size
-        return (hi - lo) * self.world / size
+        return (hi - lo) * self.world / self.samples(i)
 
-    def draws(self, epoch: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The epoch's order, crop offsets and flips, drawn on the CPU from (seed, epoch), placed once per epoch."""
+    def draws(self, epoch: int) -> tuple[torch.Tensor | None, ...]:
+        """The epoch's order, crop offsets, flips and resized-crop boxes, drawn on the CPU from (seed, epoch),
+        placed once per epoch."""
         shuffle = self.shuffle and len(self) > 1  # one batch holding every sample: its order changes nothing
-        if not (shuffle or self.crop_padding or self.hflip):
-            return None, None, None
+        if not (shuffle or self.crop_padding or self.hflip or self.resized_crops):
+            return None, None, None, None
         g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         order = torch.randperm(self.n, generator=g) if shuffle else None
         crops = torch.randint(0, 2 * self.crop_padding + 1, (self.n, 2), generator=g) if self.crop_padding else None
         flips = torch.rand(self.n, generator=g) < 0.5 if self.hflip else None
-        return self.place(order, self.held_on), self.place(crops, self.device), self.place(flips, self.device)
+        boxes = self.view.draw(self.n, *self.x.shape[-2:], g) if self.resized_crops else None
+        placed = self.place(crops, self.device), self.place(flips, self.device), self.place(boxes, self.device)
+        return self.place(order, self.held_on), *placed
 
     def place(self, t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """Move a CPU tensor without making the host wait (through page-locked memory for a GPU)."""
@@ -110,19 +121,77 @@ class BatchLoader:
             return t
         return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
-    def scale(self, x: torch.Tensor) -> torch.Tensor:
-        """uint8 images to float in [0, 1], then normalised; tables pass through."""
-        return to_float(x, self.layout, self.mean, self.std) if self.is_image else x
+    def scale(self, x: torch.Tensor, boxes: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 images to float in [0, 1] (through the view), then normalised; tables pass through."""
+        return to_float(x, self.layout, self.mean, self.std, self.view, boxes) if self.is_image else x
 
 
 def to_float(
-    x: torch.Tensor, layout: torch.memory_format, mean: torch.Tensor | None, std: torch.Tensor | None
+    x: torch.Tensor,
+    layout: torch.memory_format,
+    mean: torch.Tensor | None,
+    std: torch.Tensor | None,
+    view: View | None = None,
+    boxes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """uint8 images to float in [0, 1] in the model's memory layout, normalised when given the statistics."""
-    x = x.to(torch.float32, memory_format=layout).div_(255)
+    """uint8 images to float in [0, 1] in the model's memory layout, through the view when given (its boxes, else
+    its centre crop), normalised when given the statistics."""
+    if view is not None:
+        x = view(x.float().div_(255), boxes).contiguous(memory_format=layout)
+    else:
+        x = x.to(torch.float32, memory_format=layout).div_(255)
     if mean is not None:
         x = x.sub_(mean).div_(std)
     return x
+
+
+@dataclass(frozen=True)
+class View:
+    """How held images become the model's inputs when they are not already: a box of each image resized to
+    size x size, for the whole batch in one call (torchvision's roi_align, bilinear, averaging over the box where it
+    shrinks). Training draws random resized crops (`scale`, `ratio`: torchvision's RandomResizedCrop); evaluation,
+    and training without them, takes the centre `centre` of each side."""
+
+    size: int
+    centre: float = 1.0
+    scale: tuple[float, float] | None = None
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+
+    def draw(self, n: int, h: int, w: int, g: torch.Generator, tries: int = 10) -> torch.Tensor:
+        """n random crop boxes (x0, y0, x1, y1) in an h x w image, as RandomResizedCrop draws them: up to `tries`
+        area and aspect draws each, the first that fits taken, else the whole image cut to the ratio range."""
+        lo, hi = self.scale
+        area = h * w * (lo + (hi - lo) * torch.rand(n, tries, generator=g, dtype=torch.float64))
+        logs = math.log(self.ratio[0]), math.log(self.ratio[1])
+        aspect = torch.exp(logs[0] + (logs[1] - logs[0]) * torch.rand(n, tries, generator=g, dtype=torch.float64))
+        cw, ch = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()
+        fits = (cw > 0) & (cw <= w) & (ch > 0) & (ch <= h)
+        first = fits.int().argmax(1, keepdim=True)  # the first try that fits (0 when none does)
+        cw, ch, any_fit = cw.gather(1, first)[:, 0], ch.gather(1, first)[:, 0], fits.any(1)
+        fw, fh = float(w), float(h)  # none fits: the whole image, cut to the ratio range, centred
+        if w / h < self.ratio[0]:
+            fh = float(round(w / self.ratio[0]))
+        elif w / h > self.ratio[1]:
+            fw = float(round(h * self.ratio[1]))
+        cw, ch = torch.where(any_fit, cw, fw), torch.where(any_fit, ch, fh)
+        u = torch.rand(n, 2, generator=g, dtype=torch.float64)
+        x0 = torch.where(any_fit, (u[:, 0] * (w - cw + 1)).floor(), ((w - cw) / 2).floor())
+        y0 = torch.where(any_fit, (u[:, 1] * (h - ch + 1)).floor(), ((h - ch) / 2).floor())
+        return torch.stack([x0, y0, x0 + cw, y0 + ch], 1).float()
+
+    def __call__(self, x: torch.Tensor, boxes: torch.Tensor | None = None) -> torch.Tensor:
+        """Float images N x C x H x W to N x C x size x size: the boxes given, else the centre crop."""
+        from torchvision.ops import roi_align
+
+        n, _, h, w = x.shape
+        if boxes is None:
+            if self.centre == 1.0 and (h, w) == (self.size, self.size):
+                return x
+            cw, ch = w * self.centre, h * self.centre
+            box = torch.tensor([(w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2], device=x.device)
+            boxes = box.expand(n, 4)
+        rois = torch.cat([torch.arange(n, device=x.device, dtype=boxes.dtype)[:, None], boxes], 1)
+        return roi_align(x.contiguous(), rois, self.size, sampling_ratio=-1, aligned=True)
 
 
 def crop_flip(x: torch.Tensor, padding: int, crops: torch.Tensor | None, flips: torch.Tensor | None) -> torch.Tensor:

@@ -41,7 +41,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from job.cloud import filesystem
 from job.data import Dataset, Split
-from job.data.loader import crop_flip, epoch_seed, to_float
+from job.data.loader import View, crop_flip, epoch_seed, to_float
 from job.data.shards import InMemory, Sample, Shard, ShardFile, ShardSet, open_shards, read_range, samples
 from job.errors import ConfigError, DataError, one_line
 from job.memory import available_host_memory
@@ -179,11 +179,12 @@ def refill(urls: list[str], refs: list[list[int]]) -> list[Sample]:
         return list(pool.map(lambda ref: read_range(urls[ref[0]], *ref), refs))
 
 
-def decode(items: list[tuple[str, str, bytes]], size: int | None) -> np.ndarray:
+def decode(items: list[tuple[str, str, bytes]], size: int | None, fit: bool = False) -> np.ndarray:
     """Images (name, extension, bytes) decoded to one uint8 N x 3 x H x W array, each resized to size x size when
-    a size is given. Runs in a worker process."""
+    a size is given (`fit`: the short side resized to it and the centre kept, as photos are held). Runs in a
+    worker process."""
     from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.v2.functional import resize
+    from torchvision.transforms.v2.functional import center_crop, resize
 
     out = None
     for n, (name, _, data) in enumerate(items):
@@ -194,7 +195,10 @@ def decode(items: list[tuple[str, str, bytes]], size: int | None) -> np.ndarray:
         except RuntimeError as e:
             raise DataError(f"cannot decode image {name}: {one_line(e)}") from None
         if size is not None and tuple(img.shape[1:]) != (size, size):
-            img = resize(img, [size, size], antialias=True)
+            if fit:
+                img = center_crop(resize(img, size, antialias=True), [size, size])
+            else:
+                img = resize(img, [size, size], antialias=True)
         if out is None:
             out = np.empty((len(items), *img.shape), dtype=np.uint8)
         elif img.shape != out.shape[1:]:
@@ -217,19 +221,19 @@ def start_worker() -> None:
 class Decoder:
     """Batches of images decoded in `workers` processes (0: in the calling thread), in submission order."""
 
-    def __init__(self, workers: int, size: int | None) -> None:
-        self.size, self.workers = size, workers
+    def __init__(self, workers: int, size: int | None, fit: bool = False) -> None:
+        self.size, self.fit, self.workers = size, fit, workers
         self.pool = shared_pool(workers) if workers else None
 
     def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
         if self.pool is None:
             f: Future = Future()
             try:
-                f.set_result(decode(items, self.size))
+                f.set_result(decode(items, self.size, self.fit))
             except DataError as e:
                 f.set_exception(e)
             return f
-        return self.pool.submit(decode, items, self.size)
+        return self.pool.submit(decode, items, self.size, self.fit)
 
 
 POOLS: dict[int, ProcessPoolExecutor] = {}
@@ -302,8 +306,11 @@ class StreamLoader:
         world: int = 1,
         channels_last: bool = False,
         ahead: int = 4,
+        view: View | None = None,
+        resized_crops: bool = False,
     ) -> None:
         self.shards, self.device, self.decoder = shards, device, decoder
+        self.view, self.resized_crops = view, resized_crops
         self.seed, self.shuffle, self.buffer, self.drop_last = seed, shuffle, buffer if shuffle else 0, drop_last
         self.crop_padding, self.hflip, self.rank, self.world = crop_padding, hflip, rank, world
         self.hands = deal(shards, world)
@@ -336,8 +343,11 @@ class StreamLoader:
         mean over the samples of the step (0 for a process whose shards ran out)."""
         if self.world == 1:
             return 1.0
-        total = sum(self.taken(r, i) for r in range(self.world))
-        return self.taken(self.rank, i) * self.world / total
+        return self.taken(self.rank, i) * self.world / self.samples(i)
+
+    def samples(self, i: int) -> int:
+        """Samples in step i over all processes."""
+        return sum(self.taken(r, i) for r in range(self.world))
 
     def resume_at(self, epoch: int, step: int, position: dict | None) -> None:
         """Where the next batches(epoch, step) starts: the stream position saved after step `step`."""
@@ -382,8 +392,8 @@ class StreamLoader:
                 if pending:
                     future, labels, position = pending.popleft()
                     x, y = self.place(torch.from_numpy(decoded(future, group_names.popleft())), labels)
-                    x = self.augment(x, epoch, i)
-                    last = (to_float(x, self.layout, self.mean, self.std), y)
+                    x, boxes = self.augment(x, epoch, i)
+                    last = (to_float(x, self.layout, self.mean, self.std, self.view, boxes), y)
                     self.last_position = position
                 elif last is None:
                     return
@@ -398,20 +408,25 @@ class StreamLoader:
             x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def augment(self, x: torch.Tensor, epoch: int, i: int) -> torch.Tensor:
-        if not (self.crop_padding or self.hflip):
-            return x
+    def augment(self, x: torch.Tensor, epoch: int, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Batch i's crops and flips done, and its resized-crop boxes drawn (the view applies them)."""
+        if not (self.crop_padding or self.hflip or self.resized_crops):
+            return x, None
         g = torch.Generator().manual_seed(mix(epoch_seed(self.seed, epoch), self.rank, i) >> 1)
         n = x.shape[0]
         crops = torch.randint(0, 2 * self.crop_padding + 1, (n, 2), generator=g) if self.crop_padding else None
         flips = torch.rand(n, generator=g) < 0.5 if self.hflip else None
+        boxes = self.view.draw(n, *x.shape[-2:], g).to(self.device) if self.resized_crops else None
+        if crops is None and flips is None:
+            return x, boxes
         to = self.device
-        return crop_flip(
+        x = crop_flip(
             x,
             self.crop_padding,
             crops.to(to) if crops is not None else None,
             flips.to(to) if flips is not None else None,
         )
+        return x, boxes
 
 
 def load_shards(cfg, cache, log) -> StreamData | Dataset:
@@ -431,16 +446,27 @@ def load_shards(cfg, cache, log) -> StreamData | Dataset:
                 "streaming it"
             )
             return data
-    decoder = Decoder(auto_workers(cfg.workers), cfg.image_size)
+    decoder = held_decoder(cfg)
     splits = [read_all(shards.splits[s], decoder) for s in ("train", "test")]
     return Dataset(splits[0], splits[1], shards.classes, f"shards {cfg.path}")
 
 
+def held_decoder(cfg) -> Decoder:
+    """The decoder of data.workers processes that makes images the size they are held at (held_size)."""
+    return Decoder(auto_workers(cfg.workers), held_size(cfg), fit=cfg.resize_size is not None)
+
+
+def held_size(cfg) -> int | None:
+    """The square size images are decoded to: data.resize_size (photos, kept larger than the model's input for
+    crops), else data.image_size, else None (as they are)."""
+    return cfg.resize_size or cfg.image_size
+
+
 def image_shape(cfg, shards: ShardSet) -> tuple[int, int, int]:
-    """3 x H x W of the images as the model sees them: data.image_size, else the one size the shards' index
-    records, else the first image's."""
-    if cfg.image_size is not None:
-        return 3, cfg.image_size, cfg.image_size
+    """3 x H x W of the images as they are held: data.resize_size or data.image_size, else the one size the shards'
+    index records, else the first image's."""
+    if held_size(cfg) is not None:
+        return 3, held_size(cfg), held_size(cfg)
     if len(shards.image_sizes) > 1:
         seen = ", ".join(f"{w}x{h}" for w, h in shards.image_sizes[:3])
         raise ConfigError(
