@@ -138,7 +138,7 @@ CASES = [
     ),
     ("zero batch", lambda t, r: iris("data.batch_size=0"), 2, "data.batch_size: expected a positive integer"),
     ("split out of range", lambda t, r: iris("data.test_split=1.5"), 2, "data.test_split"),
-    ("unknown model", lambda t, r: iris("model.name=transformer"), 2, "model.name: expected one of"),
+    ("unknown model", lambda t, r: iris("model.name=transformer"), 2, "model.name: unknown model 'transformer'"),
     ("bad run name", lambda t, r: iris("name=a/b"), 2, "name: string should match pattern"),
     ("yaml syntax", lambda t, r: ["train", "--config", str(write(t / "c.yaml", "train: [1,\n"))], 2, "not valid YAML"),
     (
@@ -300,6 +300,40 @@ CASES = [
         "weights do not fit model mlp",
     ),
     ("evaluate nothing", lambda t, r: ["evaluate", "--checkpoint", str(t / "none")], 5, "no such checkpoint"),
+    ("misspelt model name", lambda t, r: iris("model.name=resnet_9000"), 2, "did you mean resnet50"),
+    (
+        "torchvision weights name for the job's mlp",
+        lambda t, r: iris("model.weights=DEFAULT"),
+        2,
+        "needs a torchvision model, and mlp is not one",
+    ),
+    (
+        "weights of another model",
+        lambda t, r: iris(f"model.weights={weights_of_another_model(t)}"),
+        2,
+        "are not weights of mlp: keys 4 missing (0.weight, 0.bias, 2.weight); 1 unexpected (w)",
+    ),
+    (
+        "weights file that would run code",
+        lambda t, r: iris(f"model.weights={torch.save({'0.weight': Evil()}, t / 'evil.pt') or t / 'evil.pt'}"),
+        5,
+        "not a state_dict file torch.load can read without running code",
+    ),
+    ("weights file missing", lambda t, r: iris(f"model.weights={t / 'none.pt'}"), 2, "none.pt: no such file"),
+    ("frozen backbone without weights", lambda t, r: iris("model.freeze_backbone=true"), 2, "needs model.weights"),
+    ("accumulate zero batches", lambda t, r: iris("train.accumulate_steps=0"), 2, "train.accumulate_steps"),
+    (
+        "random resized crops without a size",
+        lambda t, r: cifar(write_cifar_batches(t / "c" / "cifar-10-batches-py"), "data.random_resized_crop=true"),
+        2,
+        "data.random_resized_crop: needs data.image_size",
+    ),
+    (
+        "crop scale backwards",
+        lambda t, r: iris("data.crop_scale=[0.9, 0.1]"),
+        2,
+        "data.crop_scale: expected [low, high] with 0 < low <= high <= 1",
+    ),
 ]
 
 
