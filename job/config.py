@@ -17,7 +17,7 @@ from job.cloud import describe_storage_error, filesystem
 from job.duration import parse_duration
 from job.errors import ConfigError, StorageError
 
-PRESETS = ("iris", "cifar10")
+PRESETS = ("iris", "cifar10", "finetune")
 PRESET_LIST = ", ".join(PRESETS)
 USER_MODEL_HINT = "package.module:ClassName"
 

@@ -103,12 +103,16 @@ def read_state(w: Weights, cache: Path) -> dict[str, torch.Tensor]:
     return to_state_dict(data, w.source)
 
 
+def cache_path(w: Weights, cache: Path) -> Path:
+    """Where the file at w.url is kept in `cache`: keyed by the URL, so two files of one name do not collide."""
+    name = Path(urlparse(w.url).path).name or "weights.pt"
+    return cache / f"{hashlib.sha256(w.url.encode()).hexdigest()[:12]}-{name}"
+
+
 def download(w: Weights, cache: Path) -> Path:
     """The file at w.url in the cache, downloaded on first use (torch.hub's downloader: a temporary file renamed
-    into place, torchvision's hash prefix checked). Keyed by the URL, so two files of one name do not collide."""
-    name = Path(urlparse(w.url).path).name or "weights.pt"
-    key = hashlib.sha256(w.url.encode()).hexdigest()[:12]
-    path = cache / f"{key}-{name}"
+    into place, torchvision's hash prefix checked)."""
+    path = cache_path(w, cache)
     if path.is_file():
         say(f"weights: {w.name or w.url} from the cache ({path})")
         return path

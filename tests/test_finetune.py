@@ -29,7 +29,7 @@ from job.config import load_config
 from job.data import Split
 from job.data.loader import BatchLoader, View
 from job.errors import StorageError
-from job.weights import Weights, download, resolve
+from job.weights import Weights, cache_path, download, resolve
 
 
 def test_a_torchvision_weights_name_resolves_to_its_url_and_preprocessing():
@@ -321,3 +321,43 @@ def test_photos_are_held_square_by_their_short_side_and_centre():
         assert held.float().mean() > 190  # only the centre: the dark sides are cut, not squeezed in
     squeezed = decode_file("w.png", data, 12, "photos")
     assert squeezed.float().mean() < 150
+
+
+def test_the_finetune_preset_trains_a_photo_folder_from_the_cached_weights(tmp_path, job_cache):
+    """The preset as the README runs it, with its torchvision weights already in the cache (this machine has no
+    internet): the weights' preprocessing is the data's, the classifier is replaced, and the run trains on
+    random resized crops of photos held at the weights' resize size."""
+    cfg = load_config("finetune")
+    assert (cfg.model.name, cfg.model.weights, cfg.optim.name, cfg.optim.schedule) == (
+        "resnet50",
+        "DEFAULT",
+        "adamw",
+        "cosine",
+    )
+    assert cfg.train.precision == "auto" and cfg.train.accumulate_steps == 1 and cfg.data.random_resized_crop
+    d = recipe.resolved(cfg).data
+    assert (d.image_size, d.resize_size) == (224, 232)
+    # A smaller torchvision model keeps the run short on a CPU; its DEFAULT weights are seeded into the cache
+    # where the download would put them.
+    w = resolve("mobilenet_v3_small", "DEFAULT")
+    state = mobilenet_file(tmp_path / "mnv3.pth")
+    cached = cache_path(w, job_cache / "weights")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_bytes((tmp_path / "mnv3.pth").read_bytes())
+    photos = write_image_folder(tmp_path / "photos", n_classes=2, per_class=4, size=48, fmt="jpg", test_per_class=2)
+    done = run_job(
+        "train",
+        "--config",
+        "finetune",
+        "--device",
+        "cpu",
+        *sets(f"data.path={photos}", "model.name=mobilenet_v3_small", "train.epochs=1", "data.batch_size=4"),
+        "--output",
+        str(tmp_path / "run"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "from the cache" in done.stderr and "classifier.3 replaced to fit 2 classes" in done.stderr
+    assert "inputs 3x256x256" in done.stderr  # held at mobilenet_v3_small weights' resize size
+    out = weights(str(tmp_path / "run"))
+    assert out["classifier.3.weight"].shape == (2, 1024)
+    assert not torch.equal(out["features.0.0.weight"], state["features.0.0.weight"])  # the whole model trains
