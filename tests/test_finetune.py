@@ -337,6 +337,9 @@ def test_the_finetune_preset_trains_a_photo_folder_from_the_cached_weights(tmp_p
     assert cfg.train.precision == "auto" and cfg.train.accumulate_steps == 1 and cfg.data.random_resized_crop
     d = recipe.resolved(cfg).data
     assert (d.image_size, d.resize_size) == (224, 232)
+    # Weights of the user's own file know no preprocessing: the preset's 224 px crops, held at 8/7 of that.
+    d = recipe.resolved(load_config("finetune", ["model.weights=gs://bucket/backbone.pth"])).data
+    assert (d.image_size, d.resize_size) == (224, 256)
     # A smaller torchvision model keeps the run short on a CPU; its DEFAULT weights are seeded into the cache
     # where the download would put them.
     w = resolve("mobilenet_v3_small", "DEFAULT")
