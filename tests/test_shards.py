@@ -310,3 +310,60 @@ def test_memory_of_a_stream_does_not_grow_with_the_data(tmp_path):
         peaks[name] = peak_tree_rss(proc)
         assert proc.wait() == 0, proc.stderr.read()[-2000:]
     assert peaks["x10"] < peaks["x1"] * 1.05 + 20e6, peaks  # in memory, x10 would hold 110 MB more
+
+
+FOLDER_STREAM = [
+    "--device",
+    "cpu",
+    "--config",
+    "cifar10",
+    *sets("data.kind=folder", "data.placement=stream", "model.name=recorder:Net", "train.step_capture=off"),
+    *sets("data.batch_size=4", "train.log_every_steps=5"),
+]
+
+
+def test_an_image_folder_streams_from_shards_packed_once_and_resumes_elsewhere(tmp_path, recorder):
+    """A folder with data.placement=stream is packed into the job's cache once; a run stopped mid-epoch and resumed
+    on a machine without that cache (the cache wiped) packs the same shards again and ends as the run that never
+    stopped, bit for bit."""
+    src = write_image_folder(tmp_path / "images", per_class=20, test_per_class=5)  # 60 train, 15 test
+    args = [*FOLDER_STREAM, *sets(f"data.path={src}", "train.epochs=2", "data.random_hflip=true")]
+    cache = tmp_path / "cache"
+    env = {**recorder, "JOB_CACHE_DIR": str(cache)}
+    reference = run_job("train", *args, "--output", str(tmp_path / "ref"), env=env)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert "packing it into shards" in reference.stderr and "streamed" in reference.stderr
+    packs = list((cache / "data" / "shards").glob("*-*"))
+    assert len(packs) == 1 and len(list((packs[0] / "train").glob("*.tar"))) == 15  # 16 a split at least: 4 each
+    out = tmp_path / "cut"
+    stopped = run_job("train", *args, "--output", str(out), env={**env, "STOP_AT_STEP": "20"})
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    assert "from its shards" in stopped.stderr and "packing" not in stopped.stderr
+    shutil.rmtree(cache)
+    again = run_job("train", *args, "--output", str(out), env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "packing it into shards" in again.stderr and "5 steps into epoch 2" in again.stderr
+    assert_same_run(str(tmp_path / "ref"), str(out))
+
+
+def test_an_archive_streams_and_a_changed_one_is_packed_again(tmp_path):
+    src = write_image_folder(tmp_path / "images", per_class=8, test_per_class=3, size=32)
+    archive = tar_folder(src, tmp_path / "photos.tar.gz", "photos")
+    cache = tmp_path / "cache"
+    args = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=folder", "data.placement=stream")]
+    args += sets(f"data.path={archive}", "train.epochs=1", "data.batch_size=4")
+    first = run_job("train", *args, "--output", str(tmp_path / "a"), env={"JOB_CACHE_DIR": str(cache)})
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "24 train / 9 test" in first.stderr and "streamed" in first.stderr
+    (src / "train" / "class0" / "0000.png").unlink()
+    tar_folder(src, archive, "photos")
+    second = run_job("train", *args, "--output", str(tmp_path / "b"), env={"JOB_CACHE_DIR": str(cache)})
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "packing it into shards" in second.stderr and "23 train / 9 test" in second.stderr
+    assert len(list((cache / "data" / "shards").glob("*-*"))) == 1  # the earlier version's pack removed
+
+
+def test_tables_and_cifar_batches_do_not_stream(tmp_path):
+    code, err = invoke(["train", "--device", "cpu", "--set", "data.placement=stream", "--output", str(tmp_path / "r")])
+    assert code == 2 and "data.placement=stream: streams image folders" in err and "csv data" in err
+    assert not (tmp_path / "r").exists()

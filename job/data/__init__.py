@@ -50,11 +50,15 @@ def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Datase
     that has no test table; remote data are kept in the folder `cache` (unless cfg.cache is off); `log` prints
     one line for the user."""
     kept = cache if cfg.cache else None
-    if cfg.placement == "stream" and cfg.kind != "shards":
+    if cfg.placement == "stream" and cfg.kind in ("csv", "cifar10"):
         raise ConfigError(
-            f"data.placement=stream: streams data.kind=shards; pack {cfg.path or 'the data'} with "
-            "`python -m job shard SRC DST` and train on DST"
+            f"data.placement=stream: streams image folders, archives of one and shards; {cfg.kind} data are read "
+            "into memory (data.placement auto)"
         )
+    if cfg.placement == "stream" and cfg.kind == "folder":
+        from job.data.pack import packed_for_streaming
+
+        cfg = cfg.model_copy(update={"kind": "shards", "path": packed_for_streaming(cfg.path, cache, log)})
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
         from job.data.tabular import load_table
 

@@ -9,9 +9,12 @@ index.json, written last, records each shard's sample count; its presence makes 
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
 import tempfile
 from array import array
@@ -23,7 +26,7 @@ from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from job.cloud import describe_storage_error, filesystem
-from job.data.files import Log, read_entries, resolve
+from job.data.files import VERSION_KEYS, Log, is_archive, read_entries, resolve
 from job.data.folder import layout_key
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
 from job.errors import ConfigError, DataError, StorageError, one_line
@@ -81,9 +84,17 @@ def check_image(name: str, data: bytes, src: str) -> tuple[int, int]:
 
 
 def pack(
-    src: str, dst: str, log: Log, *, shard_bytes: int = 256_000_000, shard_samples: int = 1000, seed: int = 0
+    src: str,
+    dst: str,
+    log: Log,
+    *,
+    shard_bytes: int = 256_000_000,
+    shard_samples: int = 1000,
+    seed: int = 0,
+    min_shards: int = 1,
 ) -> dict:
-    """Pack SRC into shards at DST; returns DST's index. A DST already packed from SRC is left as it is."""
+    """Pack SRC into shards at DST; returns DST's index. A DST already packed from SRC is left as it is. Each split
+    gets at least `min_shards` shards where it has that many samples (torchrun's processes each need some)."""
     if shard_samples < 1:
         raise ConfigError(f"--samples-per-shard: expected a positive number, got {shard_samples}")
     out_fs, out_path = filesystem(dst)
@@ -101,7 +112,7 @@ def pack(
     if local is not None:
         local.mkdir(parents=True, exist_ok=True)
     try:
-        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed)
+        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards)
     except BaseException:
         if made and not any(local.iterdir()):  # a failed start leaves no empty folder behind
             local.rmdir()
@@ -116,7 +127,7 @@ def pack(
 
 
 def pack_into(
-    src: str, dst: str, local: Path | None, log: Log, shard_bytes: int, shard_samples: int, seed: int
+    src: str, dst: str, local: Path | None, log: Log, shard_bytes: int, shard_samples: int, seed: int, min_shards: int
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix=".spool-", dir=local) as tmp:
         spools, sizes = spool(src, Path(tmp), log)
@@ -134,9 +145,9 @@ def pack_into(
             "splits": {},
         }
         for split in SPLITS:
-            index["splits"][split] = write_shards(
-                spools[split], classes, rng, dst, split, Path(tmp), shard_bytes, shard_samples, log
-            )
+            most = min(shard_samples, -(-len(spools[split]) // min_shards))
+            sp = spools[split]
+            index["splits"][split] = write_shards(sp, classes, rng, dst, split, Path(tmp), shard_bytes, most, log)
         for rel, text in ((CLASSES, "".join(f"{c}\n" for c in classes)), (INDEX, json.dumps(index, indent=1))):
             (Path(tmp) / rel).write_text(text)
             put(Path(tmp) / rel, dst, rel)  # index.json last: its presence says DST is complete
@@ -228,3 +239,64 @@ def put(local: Path, dst: str, rel: str) -> None:
             fs.put_file(str(local), target)
     except Exception as e:
         raise StorageError(f"cannot write {dst}/{rel}: {describe_storage_error(dst, e)}") from None
+
+
+STREAM_SHARDS = 16  # shards per split at least, for a folder packed to stream: enough to deal over 16 processes
+
+
+def packed_for_streaming(src: str, cache: Path, log: Log) -> str:
+    """The shard folder an image folder or archive streams from (data.placement=stream): packed once into `cache`,
+    keyed by SRC's URL and its listing (names, sizes, versions), so a later run, or a resumed one, reads the same
+    shards, and a changed SRC is packed again (its old pack removed).
+
+    Why a copy rather than reading the files as they are: a bucket serves many small objects slowly in any
+    order but one pass, a .tar.gz cannot be read from a saved position, and shards give every process of a group
+    its own balanced share with an exact position to resume from. It costs local disk about SRC's size (twice that
+    while packing); a pack is the same bytes on any machine (SRC's order and seed 0), so a run resumed elsewhere
+    packs it again and goes on where it stopped."""
+    fs, path = resolve(src)
+    version, size = fingerprint(fs, path, src)
+    stem = hashlib.sha256(fs.unstrip_protocol(path).encode()).hexdigest()[:16]
+    folder = cache / "shards"
+    dst = folder / f"{stem}-{version}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / f"{stem}.lock", "w")  # noqa: SIM115 (held until the pack is done)
+    except OSError as e:
+        raise StorageError(f"data.placement=stream: cannot use the job's cache {cache}: {one_line(e)}") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # torchrun's processes on one machine: one packs, the others wait for it
+        if (dst / INDEX).is_file():
+            log(f"data: streaming {src} from its shards in {dst}")
+        else:
+            free = shutil.disk_usage(folder).free
+            if free < 2 * size:
+                raise DataError(
+                    f"data.placement=stream: packing {src} into shards needs about {2 * size / 1e9:.1f} GB of local "
+                    f"disk in {folder}, and {free / 1e9:.1f} GB are free: point JOB_CACHE_DIR at a larger disk, or "
+                    "pack it with `python -m job shard SRC DST` and train on DST"
+                )
+            log(f"data: streaming {src}: packing it into shards in {dst} once (later runs read them)")
+            for old in folder.glob(f"{stem}-*"):
+                if old != dst and old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)  # the pack of an earlier version of SRC
+            pack(src, str(dst), log, min_shards=STREAM_SHARDS)
+    return str(dst)
+
+
+def fingerprint(fs, path: str, url: str) -> tuple[str, int]:
+    """A digest of what SRC holds (each file's name, size and version; an archive's own) and its size in bytes."""
+    try:
+        if is_archive(path):
+            infos = {path: fs.info(path)}
+        else:
+            root = path.rstrip("/") + "/"
+            infos = {p: i for p, i in fs.find(path, detail=True).items() if layout_key(p[len(root) :])}
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
+    lines = []
+    for p, info in sorted(infos.items()):
+        version = next((str(info[k]) for k in VERSION_KEYS if info.get(k)), "")
+        lines.append(f"{p} {info.get('size')} {version}")
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+    return digest, sum(int(i.get("size") or 0) for i in infos.values())
