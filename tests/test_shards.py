@@ -367,3 +367,17 @@ def test_tables_and_cifar_batches_do_not_stream(tmp_path):
     code, err = invoke(["train", "--device", "cpu", "--set", "data.placement=stream", "--output", str(tmp_path / "r")])
     assert code == 2 and "data.placement=stream: streams image folders" in err and "csv data" in err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_folder_too_big_for_its_share_of_memory_streams_under_auto(tmp_path):
+    """placement auto: 33 images of 32x32 take 101 KB decoded; with data.device_share at a billionth of the free
+    memory (bytes, on any machine) the folder streams, and with the default share it is held in memory."""
+    src = write_image_folder(tmp_path / "images", per_class=8, test_per_class=3, size=32)
+    args = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=folder", f"data.path={src}", "train.epochs=1")]
+    env = {"JOB_CACHE_DIR": str(tmp_path / "cache")}
+    small = run_job("train", *args, *sets("data.device_share=1e-9"), "--output", str(tmp_path / "s"), env=env)
+    assert small.returncode == 0, small.stderr[-2000:]
+    assert "would take 0.0 GB" in small.stderr and "streaming it" in small.stderr and "streamed" in small.stderr
+    held = run_job("train", *args, "--output", str(tmp_path / "h"), env=env)
+    assert held.returncode == 0, held.stderr[-2000:]
+    assert "streaming" not in held.stderr and "held on the host" in held.stderr

@@ -55,7 +55,7 @@ def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Datase
             f"data.placement=stream: streams image folders, archives of one and shards; {cfg.kind} data are read "
             "into memory (data.placement auto)"
         )
-    if cfg.placement == "stream" and cfg.kind == "folder":
+    if cfg.kind == "folder" and (cfg.placement == "stream" or too_big_to_hold(cfg, log)):
         from job.data.pack import packed_for_streaming
 
         cfg = cfg.model_copy(update={"kind": "shards", "path": packed_for_streaming(cfg.path, cache, log)})
@@ -81,3 +81,18 @@ def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Datase
         if len(split) == 0:
             raise DataError(f"{data.source}: the {name} split is empty")
     return data
+
+
+def too_big_to_hold(cfg, log: Callable[[str], None]) -> bool:
+    """placement auto: whether an image folder, decoded, would take more than data.device_share of the free host
+    memory (it is then streamed; the run says so)."""
+    if cfg.placement != "auto":
+        return False
+    from job.data.pack import decoded_size
+    from job.memory import available_host_memory
+
+    need, room = decoded_size(cfg.path, cfg.resize_size or cfg.image_size), cfg.device_share * available_host_memory()
+    if need <= room:
+        return False
+    log(f"data: decoded, {cfg.path} would take {need / 1e9:.1f} GB, more than {room / 1e9:.1f} GB: streaming it")
+    return True

@@ -284,16 +284,42 @@ def packed_for_streaming(src: str, cache: Path, log: Log) -> str:
     return str(dst)
 
 
-def fingerprint(fs, path: str, url: str) -> tuple[str, int]:
-    """A digest of what SRC holds (each file's name, size and version; an archive's own) and its size in bytes."""
+def listing(fs, path: str, url: str) -> dict[str, dict]:
+    """The images of a folder in the train|test/<class>/<image> layout, or the archive itself: path -> info."""
     try:
         if is_archive(path):
-            infos = {path: fs.info(path)}
-        else:
-            root = path.rstrip("/") + "/"
-            infos = {p: i for p, i in fs.find(path, detail=True).items() if layout_key(p[len(root) :])}
+            return {path: fs.info(path)}
+        root = path.rstrip("/") + "/"
+        return {p: i for p, i in fs.find(path, detail=True).items() if layout_key(p[len(root) :])}
     except Exception as e:  # the stores' clients raise many types
         raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
+
+
+def decoded_size(src: str, held: int | None) -> int:
+    """About how many bytes SRC's images take decoded (uint8, 3 channels) at `held` x `held` (None: as they are,
+    the first image's size). An archive is not read to count its images: its own size stands in, which only
+    understates (images compress)."""
+    fs, path = resolve(src)
+    infos = listing(fs, path, src)
+    if is_archive(path):
+        return int(next(iter(infos.values())).get("size") or 0)
+    if not infos:
+        return 0
+    if held is None:
+        first = min(infos)
+        try:
+            with fs.open(first, "rb") as f, Image.open(f) as img:
+                held_w, held_h = img.size
+        except Exception:  # an unreadable image is named when the folder is read
+            return 0
+    else:
+        held_w = held_h = held
+    return len(infos) * 3 * held_w * held_h
+
+
+def fingerprint(fs, path: str, url: str) -> tuple[str, int]:
+    """A digest of what SRC holds (each file's name, size and version; an archive's own) and its size in bytes."""
+    infos = listing(fs, path, url)
     lines = []
     for p, info in sorted(infos.items()):
         version = next((str(info[k]) for k in VERSION_KEYS if info.get(k)), "")
