@@ -38,9 +38,12 @@ class Report:
         self.interactive = sys.stderr.isatty()
         self.bar = None
 
-    def loss(self, step: int, loss: float, lr: float) -> None:
+    def loss(self, step: int, loss: float, lr: float, system: dict[str, float] | None = None) -> None:
+        """One log window: its mean training loss, the learning rate, and what the machine did (system/...)."""
         self.writer.add_scalar("train/loss", loss, step)
         self.writer.add_scalar("train/lr", lr, step)
+        for name, value in (system or {}).items():
+            self.writer.add_scalar(f"system/{name}", value, step)
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 

@@ -242,8 +242,9 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
     described, every, accumulator = loop.step.description, log.every, loop.step.accumulator
     report.start_epoch(epoch, state.epoch_step)
     loop.clock.start()
+    log.system.resume(state.step)
     with memory_guard(f"data.batch_size={loop.cfg.data.batch_size}", loop.r.device):
-        for x, y in loader.batches(epoch, state.epoch_step):
+        for x, y in log.system.timed(loader.batches(epoch, state.epoch_step)):
             if accumulator is not None:
                 accumulator.plan(loader, state.epoch_step)
             loop.step(x, y, loader.loss_weight(state.epoch_step))
@@ -253,8 +254,8 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
             state.samples_since_eval += y.shape[0]
             if state.step % every == 0:
                 log.close_window(state.step, loop.r.optimizer.param_groups[0]["lr"])
-                for step, loss, lr in log.ready():
-                    report.loss(step, loss, lr)
+                for window in log.ready():
+                    report.loss(*window)
                 report.advance(every)
                 stop.sync()  # under torchrun the processes agree here whether to stop, every `every` steps
             if stop.signal is not None:
@@ -271,13 +272,14 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
 def test_and_report(loop: Loop) -> None:
     """Test the model and report it with the training loss and throughput since the previous evaluation."""
     loop.clock.stop()
+    loop.log.system.pause()
     r, state, log, test = loop.r, loop.state, loop.log, loop.r.test
     with memory_guard(f"data.eval_batch_size={test.batch_size}", r.device):
         sums = test_sums(r.model, test, r.amp)
     test_loss, correct, train_sum = distributed.totals(sums, log.sums[1:]).tolist()  # the evaluation's host sync
     now = time.perf_counter()
-    for step, loss, lr in log.ready(wait=True):
-        loop.report.loss(step, loss, lr)
+    for window in log.ready(wait=True):
+        loop.report.loss(*window)
     log.sums[1:].zero_()
     record = {
         "epoch": state.epoch,
@@ -299,6 +301,7 @@ def save(loop: Loop) -> None:
     """Commit a checkpoint of the state as it stands, with each process's own loss sums, so that every one of them
     resumes with exactly what it had. Rank 0 flushes the logs and writes it."""
     loop.clock.stop()
+    loop.log.system.pause()
     sums = distributed.gather(loop.log.sums).tolist()  # one row per process
     streamed = getattr(loop.r.train, "position", None)  # a stream's place in the epoch, one per process
     places = distributed.gather_objects(streamed()) if streamed and loop.state.epoch_step else None
@@ -316,8 +319,8 @@ def accumulated(loop: Loop) -> dict:
 
 def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None) -> None:
     cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
-    for step, loss, lr in loop.log.ready(wait=True):
-        report.loss(step, loss, lr)
+    for window in loop.log.ready(wait=True):
+        report.loss(*window)
     report.flush()
     progress = {**asdict(state), "loss_sums": loss_sums, **({"stream": places} if places else {}), **accumulated(loop)}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}

@@ -56,6 +56,12 @@ def test_default_run_in_an_empty_folder(tmp_path):
     assert tb["hparam/final_accuracy"] == [(20000, pytest.approx(records[-1]["test_accuracy"]))]
     assert tb["hparam/best_accuracy"] == [(20000, pytest.approx(max(r["test_accuracy"] for r in records)))]
     assert "done: 20000 epochs" in result.stderr and "runs/iris" in result.stderr
+    # What the machine did in each window: a step's time, the part of it spent waiting for the batch, memory.
+    step_time, wait = dict(tb["system/step_time_s"]), dict(tb["system/data_wait_s"])
+    assert list(step_time) == list(wait) == list(range(200, 20001, 200))
+    assert all(0 < wait[s] < step_time[s] < 1 for s in step_time)
+    assert all(0.05 < gib < 64 for _, gib in tb["system/host_memory_gib"])
+    assert not any(tag.startswith("system/gpu") for tag in tb)  # no GPU, no GPU measures
 
 
 def test_cifar_python_layout_and_image_folder_train(tmp_path):

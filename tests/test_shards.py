@@ -10,6 +10,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import (
@@ -20,6 +21,7 @@ from conftest import (
     metrics,
     pattern_images,
     run_job,
+    scalars,
     sets,
     start_job,
     tar_folder,
@@ -381,3 +383,25 @@ def test_a_folder_too_big_for_its_share_of_memory_streams_under_auto(tmp_path):
     held = run_job("train", *args, "--output", str(tmp_path / "h"), env=env)
     assert held.returncode == 0, held.stderr[-2000:]
     assert "streaming" not in held.stderr and "held on the host" in held.stderr
+
+
+def test_tensorboard_shows_when_the_input_is_the_bottleneck(tmp_path):
+    """Noise PNGs of 256 x 256 (slow to decode) decoded and resized in the training process (data.workers=0) for a
+    linear model over 8 x 8 inputs: most of the steps' time is the wait for their batches, and system/data_wait_s
+    says so."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 80), ("test", 4)):
+        for i in range(n):
+            folder = tmp_path / "images" / split / f"c{i % 2}"
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"{i}.png").write_bytes(encode(rng.integers(0, 256, (3, 256, 256), dtype=np.uint8)))
+    args = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=folder", "data.placement=stream")]
+    args += sets(f"data.path={tmp_path / 'images'}", "train.epochs=2", "data.workers=0", "data.batch_size=4")
+    args += sets("data.image_size=8", "model.name=mlp", "model.hidden=[]", "train.log_every_steps=5")
+    done = run_job("train", *args, "--output", str(tmp_path / "run"), env={"JOB_CACHE_DIR": str(tmp_path / "c")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    step_time = dict(scalars(str(tmp_path / "run"), "system/step_time_s"))
+    wait = dict(scalars(str(tmp_path / "run"), "system/data_wait_s"))
+    assert list(wait) == list(step_time) == list(range(5, 41, 5))  # 80 samples: 20 steps an epoch
+    assert all(0 < wait[s] <= step_time[s] for s in wait)
+    assert all(wait[s] > 0.6 * step_time[s] for s in wait if s > 5), (wait, step_time)  # the first: warm-up
