@@ -1,5 +1,5 @@
-"""The command line: parse, call, and turn the user's faults into one line and an exit code (the only place that
-knows exit codes). Exit codes: 0 done, 1 a bug, 2 command line or config, 3 data, 4 storage or credentials,
+"""The command line: parse, call, and turn the user's faults into one line and their exit code (each error class
+in errors.py carries its own). Exit codes: 0 done, 1 a bug, 2 command line or config, 3 data, 4 storage or credentials,
 5 checkpoint unusable, 75 interrupted with a checkpoint committed (run the same command again), 130 stopped by
 the user (Ctrl-C) with nothing to continue."""
 
@@ -12,16 +12,7 @@ from collections.abc import Iterator
 
 import typer
 
-from job.errors import Cancelled, CheckpointError, ConfigError, DataError, Interrupted, JobError, StorageError
-
-EXIT_CODES: dict[type[JobError], int] = {
-    ConfigError: 2,
-    DataError: 3,
-    StorageError: 4,
-    CheckpointError: 5,
-    Interrupted: 75,
-    Cancelled: 130,
-}
+from job.errors import ConfigError, JobError
 
 app = typer.Typer(
     add_completion=False,
@@ -40,7 +31,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except JobError as e:
-        code = next(c for cls, c in EXIT_CODES.items() if isinstance(e, cls))
+        code = e.exit_code
         prefix = "" if code in (75, 130) else "error: "
         print(f"{prefix}{e}", file=sys.stderr)
         raise typer.Exit(code) from None

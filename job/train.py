@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from job import checkpoint, distributed, recipe
+from job.attempts import Attempt
 from job.config import Config, flat_items, to_yaml
 from job.env import describe_device, pick_device, seed_everything
-from job.errors import Cancelled, CheckpointError, ConfigError, Interrupted, StorageError
+from job.errors import Cancelled, CheckpointError, ConfigError, Interrupted, StorageError, exit_code
 from job.evaluate import test_sums
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
@@ -59,6 +60,7 @@ class Loop:
     clock: TrainClock
     t_start: float
     t_eval: float  # when the last evaluation ended: throughput is measured from there
+    attempt: Attempt  # this invocation's entry in run.json
 
 
 def run(
@@ -92,9 +94,11 @@ def run(
 def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> dict:
     # Rank 0 checks and opens the run folder; the other processes of a group only name it and never write to it.
     run_dir = distributed.on_writer(lambda: preflight(cfg, req)) or RunDir(req.output)
+    attempt = Attempt(run_dir if distributed.is_writer() else None)
     try:
-        return train_loop(cfg, run_dir, req, stop, t_start)
+        return train_loop(cfg, run_dir, req, stop, t_start, attempt)
     except Interrupted as e:
+        attempt.end(e.exit_code)
         try:
             run_dir.finish()  # the grace period's timer ends the process if this takes too long
         except StorageError as failed:  # still exit 75: a retry continues from what the store holds
@@ -102,6 +106,7 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> 
         run_dir.remove_if_empty()
         raise
     except BaseException as e:
+        attempt.end(exit_code(e))
         with contextlib.suppress(Exception):  # send what was committed before the failure, for a retry elsewhere
             run_dir.finish(timeout=30)
         run_dir.abandon()
@@ -111,7 +116,7 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> 
         raise
 
 
-def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_start: float) -> dict:
+def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_start: float, attempt: Attempt) -> dict:
     device = pick_device(req.device)
     seed_everything(cfg.seed, cfg.train.deterministic)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
@@ -148,7 +153,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         if step.accumulator.sums is not None:
             step.accumulator.sums = [t.to(r.device) for t in step.accumulator.sums]
     clock, now = TrainClock(device), time.perf_counter()
-    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock=clock, t_start=t_start, t_eval=now)
+    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt)
+    attempt.begin(state, distributed.world(), device)
     first_epoch = state.epoch
     for epoch in range(state.epoch, cfg.train.epochs):
         finished = train_epoch(loop, epoch)
@@ -342,6 +348,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None)
 def write_results(loop: Loop, final: dict) -> None:
     loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.model))
     loop.report.close(final)
+    loop.attempt.end(0)
 
 
 def finish(loop: Loop, first_epoch: int) -> dict:
@@ -367,6 +374,7 @@ def finish(loop: Loop, first_epoch: int) -> dict:
         "train_seconds": round(loop.clock.seconds(), 4),  # in this process's training epochs only
         "epochs_run": state.epoch - first_epoch,
         "output": run_dir.url,
+        "attempt": loop.attempt.number,
     }
     if stop.signal or stop.received:  # it came during the last step or while the results were written
         reason = stop.describe(stop.signal or stop.received)
@@ -374,6 +382,6 @@ def finish(loop: Loop, first_epoch: int) -> dict:
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; best test accuracy "
         f"{state.best_accuracy:.4f} (epoch {state.best_epoch}), final {final['final_accuracy']:.4f}; "
-        f"outputs in {run_dir.url}"
+        f"outputs in {run_dir.url}" + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
     )
     return summary

@@ -95,6 +95,8 @@ def test_config_data_and_outputs_on_gcs_then_resume(bucket, tmp_path, cifar_fold
     assert [s for s, _ in scalars(bucket.url("runs/c/tensorboard"), "test/accuracy")] == [2, 4, 6]
     assert len(verified_checkpoints(bucket, "runs/c")) == 3
     assert not any(Path(os.environ["JOB_CACHE_DIR"], "staging").glob("*/*.yaml"))  # staging emptied at the end
+    attempts = json.loads(bucket.fs.cat_file(f"{bucket.name}/runs/c/run.json"))["attempts"]
+    assert [(a["exit_code"], a["from"]["epoch"], a["to"]["epoch"]) for a in attempts] == [(0, 0, 2), (0, 2, 3)]
 
 
 def test_image_folder_from_gcs_is_fetched_once_then_cached(bucket, tmp_path):

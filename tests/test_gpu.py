@@ -7,6 +7,7 @@ import torch
 from conftest import run_job, write_image_folder
 
 from job import recipe
+from job.attempts import Attempt
 from job.config import load_config
 from job.data import load_data
 from job.data.loader import BatchLoader
@@ -51,7 +52,7 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
     run_dir = RunDir(str(tmp_path / "run"))
     report = Report(run_dir, {}, 2, len(r.train), 0)
     with StopRequest(20) as stop:
-        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, TrainClock(CUDA), 0.0, 0.0)
+        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, TrainClock(CUDA), 0.0, 0.0, Attempt(None))
         for _ in range(2):  # warm-up: cuDNN picks its kernels, then each batch shape is captured
             train_epoch(loop, 0)
         torch.cuda.synchronize()

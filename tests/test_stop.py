@@ -5,6 +5,7 @@ finished run, and says so. Also the time limit (train.time_limit, --time-limit),
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -82,8 +83,37 @@ def test_sigterm_in_a_chosen_step_commits_there_and_resumes_exactly(tmp_path, mo
     again = run_job("train", *ARGS, "--output", str(out), env=models)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resuming iris from epoch 1, step 45 (15 steps into epoch 2)" in again.stderr
+    assert again.stderr.rstrip().endswith(f"outputs in {out} (attempt 2: run.json)")
     assert_same_run(tmp_path / "reference", out)
     assert len(metrics(out)) == 4
+    # run.json: both attempts, how each ended, and where each started and stopped
+    attempts = json.loads((out / "run.json").read_text())["attempts"]
+    assert [a["exit_code"] for a in attempts] == [75, 0]
+    assert [(a["from"]["step"], a["to"]["step"]) for a in attempts] == [(0, 45), (45, 120)]
+    for a in attempts:
+        assert a["started"] <= a["ended"] and a["argv"][1:4] == ["train", "--device", "cpu"]
+        assert a["versions"]["torch"] == torch.__version__ and a["world_size"] == 1
+        assert a["devices"][0]["type"] == "cpu" and a["host"]
+
+
+def test_a_run_preempted_five_times_shows_six_attempts(tmp_path, models):
+    """Each attempt stops itself in its tenth step: 75 five times over the 60 steps of two epochs, then the sixth
+    attempt's tenth step is the run's last, which ends it (exit 0). A start that fails, and the finished run run
+    again, are no attempts."""
+    args = [*ARGS, *sets("train.epochs=2")]
+    out = tmp_path / "run"
+    codes = [run_job("train", *args, "--output", str(out), env={**models, "STOP_AT_STEP": "10"}).returncode]
+    while codes[-1] == 75 and len(codes) < 8:
+        if len(codes) == 2:
+            bad = run_job("train", *args, "--set", "optim.lr=0.5", "--output", str(out), env=models)
+            assert bad.returncode == 2, bad.stderr[-2000:]  # another learning rate: refused before training
+        codes.append(run_job("train", *args, "--output", str(out), env={**models, "STOP_AT_STEP": "10"}).returncode)
+    assert codes == [75, 75, 75, 75, 75, 0]
+    assert run_job("train", *args, "--output", str(out), env=models).returncode == 0  # complete: nothing to do
+    attempts = json.loads((out / "run.json").read_text())["attempts"]
+    assert [a["exit_code"] for a in attempts] == codes
+    assert [a["to"]["step"] for a in attempts] == [10, 20, 30, 40, 50, 60]
+    assert all(a["from"] == b["to"] for a, b in zip(attempts[1:], attempts))
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
