@@ -8,9 +8,11 @@ import textwrap
 from pathlib import Path
 
 import nbformat
+import pytest
 import torch
 from conftest import ROOT
 from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 NOTEBOOK = ROOT / "colab" / "train.ipynb"
 PARAMETERS = ("CONFIG", "DATA_PATH", "OUTPUT_DIR", "OVERRIDES", "MOUNT_DRIVE", "INSTALL_SPEC")
@@ -103,3 +105,17 @@ def test_notebook_trains_to_drive_then_resumes(tmp_path):
     assert "final (epoch 2400, step 2400)" in second
     records = [json.loads(line) for line in (drive_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1000, 2000, 2400]
+
+
+def test_the_default_install_source_is_a_copy_of_the_repository_on_drive(tmp_path):
+    """No placeholder repository anywhere: the notebook installs from a copy of the repository on Drive by default,
+    and says what to do when there is none there."""
+    for path in (NOTEBOOK, ROOT / "README.md"):
+        assert "OWNER/" not in path.read_text(), path
+    first = next(c for c in nbformat.read(NOTEBOOK, as_version=4).cells if c.cell_type == "code")
+    assert 'INSTALL_SPEC = "/content/drive/MyDrive/job"' in first.source
+    missing = str(tmp_path / "content" / "drive" / "MyDrive" / "job")
+    params = {"OUTPUT_DIR": str(tmp_path / "content" / "drive" / "MyDrive" / "runs" / "x"), "INSTALL_SPEC": missing}
+    with pytest.raises(CellExecutionError, match=f"INSTALL_SPEC: no copy of the job's repository at {missing}"):
+        execute(tmp_path, **params)
+    assert not (tmp_path / "content" / "drive" / "MyDrive" / "runs").exists()  # stopped before training
