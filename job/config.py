@@ -65,6 +65,11 @@ class DataConfig(Section):
     target: str = Field("species", description="csv: the name of the label column.")
     test_path: str = Field("", description="csv: a separate test table; empty: split the table by test_split.")
     test_split: float = Field(0.2, gt=0, lt=1, description="csv: share of rows held out for testing.")
+    split_seed: int = Field(
+        42,
+        description="csv: the seed of the held-out rows, apart from `seed` so that runs of other seeds test on the "
+        "same rows; the rows of scikit-learn's train_test_split(test_size=test_split, random_state=split_seed).",
+    )
     image_size: int | None = Field(
         None,
         gt=0,

@@ -54,7 +54,7 @@ def resolved(cfg: Config) -> Config:
 def read_data(cfg: Config) -> Dataset | StreamData:
     """The config's data set in memory (or, streamed, its shards opened), remote inputs cached in the job's cache
     folder."""
-    return load_data(resolved(cfg).data, cfg.seed, cache_dir("data"), say)
+    return load_data(resolved(cfg).data, cache_dir("data"), say)
 
 
 def model_input(cfg: Config, held: tuple[int, ...], is_image: bool) -> tuple[tuple[int, ...], View | None]:

@@ -83,7 +83,7 @@ def test_naive_items_are_what_the_job_batches_hold(tmp_path):
     folder = write_image_folder(tmp_path / "img", n_classes=2, per_class=3, size=12, test_per_class=2)
     sets = ["data.kind=folder", f"data.path={folder}", "data.normalize=true", "data.random_crop_padding=2"]
     cfg = load_config("cifar10", [*sets, "data.random_hflip=true", "data.batch_size=4"])
-    data = load_data(cfg.data, cfg.seed, tmp_path / "cache", say)
+    data = load_data(cfg.data, tmp_path / "cache", say)
     train, test = make_data_loaders(cfg, data)
     mean, std = channel_stats(data.train.x)
     job_test = next(BatchLoader(data.test, len(data.test), CPU, CPU, mean=mean, std=std).batches())[0]

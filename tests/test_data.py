@@ -23,7 +23,7 @@ def data_cfg(*overrides):
 @pytest.fixture
 def load(tmp_path):
     """load_data as the job calls it, with this test's own cache folder; the lines it logs are dropped."""
-    return lambda cfg, seed=0: load_data(cfg, seed, tmp_path / "cache", lambda line: None)
+    return lambda cfg: load_data(cfg, tmp_path / "cache", lambda line: None)
 
 
 # ---- CSV tables ----
@@ -36,10 +36,24 @@ def test_bundled_iris_split_and_scaling(load):
     assert d.train.x.shape == (120, 4) and d.train.x.dtype == torch.float32
     assert d.train.x.min() == 0 and d.train.x.max() == 1  # min-max fitted on the training split
     assert sorted(torch.bincount(torch.cat([d.train.y, d.test.y])).tolist()) == [50, 50, 50]
-    again = load(data_cfg().data)
-    assert torch.equal(d.test.y, again.test.y)
-    other = load(data_cfg().data, 1)
+    same = load(data_cfg("seed=1").data)  # another run seed: other weights, the same held-out rows
+    assert torch.equal(d.test.x, same.test.x) and torch.equal(d.train.x, same.train.x)
+    other = load(data_cfg("data.split_seed=1").data)
     assert not torch.equal(d.test.x, other.test.x)
+
+
+def test_the_held_out_rows_are_those_of_scikit_learns_split(load):
+    # train_test_split(X, y, test_size=0.2, random_state=42), as the tutorials split Iris: the test rows are the first
+    # ceil(0.2 n) of numpy's RandomState(42).permutation(n), the training rows the rest in that order.
+    text = (resources.files("job.presets") / "iris.csv").read_text().splitlines()[1:]
+    x = torch.tensor([[float(v) for v in line.split(",")[:4]] for line in text])
+    order = np.random.RandomState(42).permutation(len(x))
+    test, train = x[order[:30]], x[order[30:]]
+    low, high = train.min(0).values, train.max(0).values
+    d = load(data_cfg().data)
+    assert torch.allclose(d.test.x, (test - low) / (high - low)) and torch.allclose(
+        d.train.x, (train - low) / (high - low)
+    )
 
 
 def test_csv_with_separate_test_table_and_numeric_labels(tmp_path, load):
@@ -197,25 +211,25 @@ def test_remote_data_is_cached_in_the_given_folder_and_logged_to_the_callable(
     cache, lines = tmp_path / "given-cache", []
     images, table = bucket.url("imgs"), bucket.url("iris.csv")
 
-    first = load_data(folder_cfg(images), 0, cache, lines.append)
+    first = load_data(folder_cfg(images), cache, lines.append)
     assert torch.equal(first.train.x, direct.train.x) and torch.equal(first.test.y, direct.test.y)
     (tar,) = cache.glob("*/files.tar")  # one uncompressed tar of the folder's files, in the folder given
     assert lines[-1].startswith(f"data: fetched 24 files of {images} (") and lines[-1].endswith(" s, cached")
-    again = load_data(folder_cfg(images), 0, cache, lines.append)
+    again = load_data(folder_cfg(images), cache, lines.append)
     assert lines[-1] == f"data: 24 files of {images} from the local cache ({tar.parent})"
     assert torch.equal(again.train.x, first.train.x) and list(cache.glob("*/files.tar")) == [tar]
 
-    load_data(data_cfg(f"data.path={table}").data, 0, cache, lines.append)
+    load_data(data_cfg(f"data.path={table}").data, cache, lines.append)
     (csv,) = cache.glob("*/iris.csv")
     assert lines[-1].startswith(f"data: downloaded {table} (") and lines[-1].endswith(" s, cached")
-    load_data(data_cfg(f"data.path={table}").data, 0, cache, lines.append)
+    load_data(data_cfg(f"data.path={table}").data, cache, lines.append)
     assert lines[-1] == f"data: {table} from the local cache ({csv.parent})"
     assert len(lines) == 4
     for key in (tar.parent.name, csv.parent.name):  # not in $JOB_CACHE_DIR, where the job's own default is
         assert not (job_cache / "data" / key).exists()
 
     off = tmp_path / "cache-off"
-    load_data(folder_cfg(images, "data.cache=false"), 0, off, lines.append)
+    load_data(folder_cfg(images, "data.cache=false"), off, lines.append)
     assert not off.exists() and len(lines) == 4  # data.cache false: nothing kept, nothing to say
     assert capsys.readouterr() == ("", "")  # every line went to the callable, none to the console
 

@@ -43,7 +43,7 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
             "optim.schedule=onecycle",
         ],
     )
-    data = load_data(cfg.data, cfg.seed, tmp_path / "cache", say)
+    data = load_data(cfg.data, tmp_path / "cache", say)
     r = recipe.build(cfg, CUDA, data)  # fp16: fused optimizer kernels, so the loss scaler never syncs
     assert r.feed.where == ("the device" if placement == "device" else "the host")
     state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
@@ -71,7 +71,7 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
 def test_device_and_host_placement_give_the_same_batches(tmp_path):
     root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=10, size=16)
     cfg = load_config("cifar10", ["data.kind=folder", f"data.path={root}"])
-    data = load_data(cfg.data, 0, tmp_path / "cache", say)
+    data = load_data(cfg.data, tmp_path / "cache", say)
     kw = dict(seed=4, shuffle=True, crop_padding=2, hflip=True)
     on_device = list(BatchLoader(data.train, 8, CUDA, CUDA, **kw).batches(epoch=3))
     on_host = list(BatchLoader(data.train, 8, CUDA, torch.device("cpu"), **kw).batches(epoch=3))

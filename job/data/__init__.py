@@ -45,10 +45,9 @@ class Dataset:
         )
 
 
-def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Dataset:
-    """Read the data set the config names into memory. `cfg` is the config's data section; `seed` splits a table
-    that has no test table; remote data are kept in the folder `cache` (unless cfg.cache is off); `log` prints
-    one line for the user."""
+def load_data(cfg, cache: Path, log: Callable[[str], None]) -> Dataset:
+    """Read the data set the config names into memory. `cfg` is the config's data section; remote data are kept in
+    the folder `cache` (unless cfg.cache is off); `log` prints one line for the user."""
     kept = cache if cfg.cache else None
     if cfg.placement == "stream" and cfg.kind in ("csv", "cifar10"):
         raise ConfigError(
@@ -62,7 +61,7 @@ def load_data(cfg, seed: int, cache: Path, log: Callable[[str], None]) -> Datase
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
         from job.data.tabular import load_table
 
-        data = load_table(cfg, seed, kept, log)
+        data = load_table(cfg, kept, log)
     elif cfg.kind == "cifar10":
         from job.data.cifar10 import load_cifar10
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from job.data import Dataset, Split
@@ -16,9 +18,10 @@ from job.errors import DataError, StorageError, one_line
 BUNDLED_IRIS = "bundled iris.csv"
 
 
-def load_table(cfg, seed: int, cache: Path | None, log: Log) -> Dataset:
-    """The table at cfg.path (or the bundled Iris), split by a permutation seeded with `seed` unless
-    cfg.test_path names a test table; remote tables are kept in the folder `cache` (None: no cache)."""
+def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
+    """The table at cfg.path (or the bundled Iris), split as scikit-learn's train_test_split(test_size=
+    cfg.test_split, random_state=cfg.split_seed) splits it unless cfg.test_path names a test table (the same rows, so
+    a result compares with a scikit-learn script's); remote tables are kept in the folder `cache` (None: no cache)."""
     if cfg.path:
         header, rows = read_csv(cfg.path, cache, log)
     else:
@@ -38,8 +41,8 @@ def load_table(cfg, seed: int, cache: Path | None, log: Log) -> Dataset:
             raise DataError(f"{cfg.test_path}: labels not in the training table: {unknown[:5]}")
         train, test = Split(x, y), Split(tx, torch.tensor([classes.index(v) for v in tlabels]))
     else:
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-        n_test = max(1, round(len(y) * cfg.test_split))
+        order = torch.from_numpy(np.random.RandomState(cfg.split_seed).permutation(len(y)))
+        n_test = math.ceil(len(y) * cfg.test_split)
         if n_test >= len(y):
             raise DataError(f"{name}: {len(y)} rows are too few to hold out {cfg.test_split:.0%} for testing")
         test_idx, train_idx = order[:n_test], order[n_test:]
