@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
 
@@ -33,7 +34,8 @@ def user_errors() -> Iterator[None]:
     except JobError as e:
         code = e.exit_code
         prefix = "" if code in (75, 130) else "error: "
-        print(f"{prefix}{e}", file=sys.stderr)
+        if code not in (75, 130) or os.environ.get("RANK", "0") == "0":  # a group's stop is told once, by rank 0
+            print(f"{prefix}{e}", file=sys.stderr)
         raise typer.Exit(code) from None
     except KeyboardInterrupt:
         print("stopped at once by a second interrupt; the last committed checkpoint is kept", file=sys.stderr)
@@ -62,10 +64,42 @@ def train(
         help="Stop after this long (seconds, or e.g. 45m, 11h30m), commit a checkpoint and exit 75; the same command "
         "continues. Sets train.time_limit.",
     ),
+    nproc_per_node: str = typer.Option(
+        "",
+        "--nproc-per-node",
+        help="Start this many worker processes on this machine (auto: one per GPU, 1 without) and train with "
+        "DistributedDataParallel; the job exits with their exit code. Implied (auto) where SkyPilot, Cloud Batch or "
+        "Vertex AI say there are several machines.",
+    ),
+    nnodes: int | None = typer.Option(
+        None, "--nnodes", help="Machines in the group, each running this command; default: 1, or the platform's."
+    ),
+    node_rank: int | None = typer.Option(None, "--node-rank", help="With --nnodes: this machine's place, 0 to N-1."),
+    master_addr: str | None = typer.Option(None, "--master-addr", help="With --nnodes: the first machine's address."),
+    master_port: int | None = typer.Option(
+        None, "--master-port", help="With --nnodes: a free port on the first machine, the same on all (default 29500)."
+    ),
 ) -> None:
     """Train a model as the config says; continue the run when the output folder holds one."""
     from job.stop import StopRequest
 
+    limit = [f"train.time_limit={seconds(time_limit)}"] if time_limit else []
+    with user_errors():
+        from job.launch import launch_plan
+
+        group = launch_plan(nproc_per_node, nnodes, node_rank, master_addr, master_port, device)
+    if group:  # this process starts the workers and waits for them (under torchrun it is a worker, and trains)
+        with user_errors():
+            from job.config import load_config
+            from job.launch import launch
+
+            load_config(config, [*overrides, *limit])  # a bad config: one line here, not one per worker
+            args = {"--config": config, "--output": output, "--device": device, "--resume": resume}
+            args |= {"--time-limit": time_limit, "--overwrite": overwrite}
+            code = launch(group, args, overrides)
+        if code:
+            raise typer.Exit(code)
+        return
     # Watch for SIGTERM from the start: a preemption during the slow imports and data loading still exits 75.
     with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
         from job.cloud import vertex_outputs
@@ -73,7 +107,7 @@ def train(
         from job.report import say
         from job.train import run
 
-        cfg = load_config(config, [*overrides, *([f"train.time_limit={seconds(time_limit)}"] if time_limit else [])])
+        cfg = load_config(config, [*overrides, *limit])
         routes = {} if output or cfg.output.dir else vertex_outputs()
         target = output or cfg.output.dir or routes.pop("run", "") or f"runs/{cfg.name}"
         if not (output or cfg.output.dir) and target != f"runs/{cfg.name}":
@@ -205,4 +239,10 @@ def main() -> None:
         if e.format_message():  # empty after the help that a bare `python -m job` prints
             print(f"error: {e.format_message()} (see python -m job --help)", file=sys.stderr)
         code = e.exit_code
+    if os.environ.get("LOCAL_RANK") is not None:  # a worker of a group, its files written and its group left
+        # Past this point only the interpreter's teardown remains, where the group's transport threads can abort a
+        # process that has finished ("terminate called without an active exception": exit -6 in place of 75).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code or 0)
     sys.exit(code or 0)

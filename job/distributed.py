@@ -64,8 +64,9 @@ def start(device_name: str, stop: StopRequest) -> None:
     size = os.environ.get("WORLD_SIZE", "1").strip()
     if not launched() and size.isdigit() and int(size) > 1:
         raise ConfigError(
-            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but this process was not started by torchrun (Vertex AI sets it to "
-            "the number of machines): launch it through torchrun (docs/distributed.md), or every machine trains alone"
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but this process was not started as a worker of a group (Vertex AI "
+            "sets it to the number of machines): run `python -m job train`, which starts the group itself, or torchrun "
+            "(docs/distributed.md); otherwise every machine would train alone"
         )
     if not launched() or active():
         return
@@ -95,10 +96,11 @@ def start(device_name: str, stop: StopRequest) -> None:
 
 
 def finish(together: bool = False) -> None:
-    """Leave the group (at the end of a run, whatever its outcome). `together` (a run that ended well): wait for
-    every process first, since one that tears its group down while a peer is still finishing (rank 0 uploads
-    and writes the results last) can make the peer's transport threads abort it at exit. Not after a stop or
-    a failure: torchrun ends the others as soon as one process exits non-zero, and they exit 75 by themselves."""
+    """Leave the group (at the end of a run, whatever its outcome). `together` (a run that ended well, or a stop the
+    processes agreed on): wait for every process first, since one that tears its group down while a peer is still
+    finishing (rank 0 commits, uploads and writes the results last) can make the peer's transport threads abort it
+    at exit ("terminate called without an active exception", exit -6 in place of 75). Not after a failure: a peer
+    may be gone."""
     global _control
     if active():
         if together:
@@ -253,3 +255,14 @@ def peer_call(fn: Callable, *args, **kwargs) -> None:
             f"rank {rank()}: another process of the run is gone ({one_line(e)[:160]}); the last committed "
             "checkpoint stands: run the same command again to continue"
         ) from None
+
+
+# What gloo and NCCL say when another process of the group went away in the middle of a collective.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "communicator was aborted")
+
+
+def peer_lost(e: BaseException) -> JobError | None:
+    """A collective that failed because another process of the group died: one line saying so (exit 1), in place of
+    a traceback that points at this process's code; None for any other error."""
+    said = next((p for p in PEER_LOST if p in str(e)), None) if isinstance(e, RuntimeError) and active() else None
+    return JobError(f"another process of the group went away ({said}); this one stopped too") if said else None

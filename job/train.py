@@ -86,6 +86,9 @@ def run(
             summary = train_rank(cfg, Request(output, device_name, resume, overwrite, routes), stop, t_start)
             together = True
             return summary
+        except Interrupted:
+            together = True  # a stop the processes agreed on: they leave the group together, as after a finish
+            raise
         finally:
             distributed.finish(together)
             torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after
@@ -113,6 +116,8 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> 
         run_dir.remove_if_empty()
         if is_out_of_memory(e):  # the loop names its batch sizes itself: this is setting up (data, model)
             raise out_of_memory_error("while setting up the run", pick_device(req.device)) from None
+        if lost := distributed.peer_lost(e):
+            raise lost from None
         raise
 
 

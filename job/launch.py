@@ -1,0 +1,280 @@
+"""`train --nproc-per-node N`: the job starts its own worker processes through PyTorch's elastic agent (what torchrun
+runs), one command on every node, and ends with the workers' exit code, so a platform's retry rule on 75 works with
+no wrapper (torchrun itself turns a worker's 75 into 1).
+
+Signals: the workers run in sessions of their own (the agent starts them so), so a SIGTERM or Ctrl-C reaching the
+job's process is passed on to each of them here; each commits a checkpoint and exits 75, and the job exits 75. The
+agent's own signal handling is turned off: it would stop the workers and lose their exit codes. A worker that dies
+makes the agent stop the others at once; the job names it in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from job.errors import ConfigError, JobError
+from job.report import say
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT)
+SHUTDOWN_SECONDS = 60  # what the agent gives the other workers after one failed, before SIGKILL
+
+
+DEFAULT_PORT = 29500  # torchrun's, for platforms that name the first node but no port
+
+
+@dataclass
+class Launch:
+    """Where this node's workers join: nproc_per_node of them, on node node_rank of nnodes, meeting at
+    master_addr:master_port (the first node's address; one node: this machine, a free port). `source`: the platform
+    whose variables gave the machines, when no flag did."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    source: str = ""
+
+    def describe(self) -> str:
+        one = "process" if self.nproc_per_node == 1 else "processes"
+        if self.nnodes == 1:
+            return f"{self.nproc_per_node} {one}"
+        where = f"meeting at {self.master_addr}:{self.master_port}" + (f"; {self.source}" if self.source else "")
+        return f"{self.nproc_per_node} {one} on node {self.node_rank} of {self.nnodes} ({where})"
+
+
+@dataclass
+class Cluster:
+    """The machines of a job as its platform describes them in the environment (`cluster()`); None fields: not said."""
+
+    source: str
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int | None = None
+    nproc_per_node: int | None = None
+
+
+def launch_plan(
+    nproc_per_node: str,
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    device: str,
+    env: dict[str, str] | None = None,
+) -> Launch | None:
+    """What `train` launches: the flags, and for what they leave out, the platform's variables (`cluster`); None when
+    this process should train by itself (no --nproc-per-node and one machine, or a worker of a group already)."""
+    env = os.environ if env is None else env
+    if is_worker(env):
+        return None
+    found = cluster(env)
+    if not nproc_per_node and not (nnodes or 0) > 1 and not (found and found.nnodes > 1):
+        return None
+    if found and nnodes is None:
+        nnodes, node_rank = found.nnodes, found.node_rank if node_rank is None else node_rank
+        master_addr, master_port = master_addr or found.master_addr, master_port or found.master_port
+    nnodes, node_rank = nnodes or 1, node_rank or 0
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} for {nnodes} machines (--nnodes)")
+    setting = nproc_per_node or (str(found.nproc_per_node) if found and found.nproc_per_node else "auto")
+    source = found.source if found and found.nnodes == nnodes else ""
+    port = master_port or (DEFAULT_PORT if nnodes > 1 else 0)
+    return Launch(processes(setting, device), nnodes, node_rank, master_addr or "127.0.0.1", port, source)
+
+
+def cluster(env: dict[str, str]) -> Cluster | None:
+    """The machines the platform this runs on describes, read from its variables: SkyPilot, Cloud Batch (a task group
+    with requireHostsFile), Vertex AI (CLUSTER_SPEC, or MASTER_ADDR with WORLD_SIZE and RANK counting machines);
+    None elsewhere. A value that cannot be read: one line naming the variable (exit 2)."""
+    if "SKYPILOT_NODE_RANK" in env:
+        ips = env.get("SKYPILOT_NODE_IPS", "").split()
+        nodes = number(env, "SKYPILOT_NUM_NODES", len(ips) or 1)
+        gpus = number(env, "SKYPILOT_NUM_GPUS_PER_NODE", 0)
+        return Cluster("SkyPilot", nodes, number(env, "SKYPILOT_NODE_RANK"), ips[0] if ips else "127.0.0.1", None, gpus)
+    if "BATCH_HOSTS_FILE" in env:
+        try:
+            with open(env["BATCH_HOSTS_FILE"]) as f:
+                hosts = f.read().split()
+        except OSError as e:
+            raise ConfigError(f"BATCH_HOSTS_FILE={env['BATCH_HOSTS_FILE']}: cannot read it: {e.strerror}") from None
+        if not hosts:
+            raise ConfigError(f"BATCH_HOSTS_FILE={env['BATCH_HOSTS_FILE']}: lists no hosts")
+        return Cluster("Cloud Batch", len(hosts), number(env, "BATCH_TASK_INDEX", 0), hosts[0])
+    if "CLUSTER_SPEC" in env:
+        return vertex(env)
+    if all(k in env for k in ("MASTER_ADDR", "WORLD_SIZE", "RANK")):  # Vertex AI counts machines in these
+        port = number(env, "MASTER_PORT", DEFAULT_PORT)
+        return Cluster("Vertex AI", number(env, "WORLD_SIZE"), number(env, "RANK"), env["MASTER_ADDR"], port)
+    return None
+
+
+def vertex(env: dict[str, str]) -> Cluster:
+    """Vertex AI's CLUSTER_SPEC: {"cluster": {"workerpool0": ["host:port"], "workerpool1": [...], ...}, "task":
+    {"type": "workerpool1", "index": 0}}. The machines in pool order, workerpool0's first being the first node;
+    MASTER_ADDR and MASTER_PORT, where Vertex sets them, name it too."""
+    try:
+        spec = json.loads(env["CLUSTER_SPEC"])
+        pools = sorted((k for k in spec["cluster"] if k.startswith("workerpool")), key=lambda k: int(k[10:]))
+        hosts = [h for k in pools for h in spec["cluster"][k]]
+        task = spec["task"]
+        rank = sum(len(spec["cluster"][k]) for k in pools[: pools.index(task["type"])]) + int(task["index"])
+        first, _, port = hosts[0].rpartition(":")
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise ConfigError(f"CLUSTER_SPEC: not Vertex AI's cluster description ({type(e).__name__}: {e})") from None
+    addr = env.get("MASTER_ADDR") or first
+    return Cluster("Vertex AI", len(hosts), rank, addr, number(env, "MASTER_PORT", int(port) if port else None))
+
+
+def number(env: dict[str, str], name: str, default: int | None = None) -> int:
+    """A whole number >= 0 from the environment variable `name` (default when unset)."""
+    value = env.get(name, "").strip()
+    if not value and default is not None:
+        return default
+    if not value.isdigit():
+        raise ConfigError(f"{name}={env.get(name, '')!r}: expected a whole number")
+    return int(value)
+
+
+def processes(setting: str, device: str = "auto") -> int:
+    """--nproc-per-node: a number, or auto (the GPUs present, 1 without or with --device cpu)."""
+    if setting == "auto":
+        import torch
+
+        return 1 if device == "cpu" else max(1, torch.cuda.device_count())
+    try:
+        n = int(setting)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node: expected a positive number or auto, got {setting!r}")
+    return n
+
+
+def is_worker(env: dict[str, str] | None = None) -> bool:
+    """Whether this process is already a worker of a group (started by this job's launcher or by torchrun)."""
+    return (os.environ if env is None else env).get("LOCAL_RANK") is not None
+
+
+def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -> int:
+    """Run `python -m job train` with the options and --set overrides in plan.nproc_per_node processes on this node
+    until they end; returns the exit code the job ends with: 0, 75 when they stopped with a checkpoint, the first
+    worker's user-error code, 130 for a cancel, else 1 (a worker that crashed or died, named in one line)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=plan.nnodes,
+        max_nodes=plan.nnodes,
+        nproc_per_node=plan.nproc_per_node,
+        run_id=os.environ.get("JOB_RDZV_ID", "job") if plan.nnodes > 1 else uuid.uuid4().hex,
+        rdzv_backend="static" if plan.nnodes > 1 else "c10d",
+        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+        rdzv_configs={"rank": plan.node_rank} if plan.nnodes > 1 else {},
+        max_restarts=0,  # a failed worker ends the attempt; the same command continues from the checkpoint
+        monitor_interval=0.1,
+        signals_to_handle="",  # the job forwards signals itself (module docstring)
+        shutdown_timeout=SHUTDOWN_SECONDS,
+    )
+    if "OMP_NUM_THREADS" not in os.environ and plan.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node))
+    say(f"launching {plan.describe()}")
+    with quiet_agent(), forwarding_signals():
+        try:
+            elastic_launch(config, sys.executable)("-m", "job", "train", *worker_args(options, overrides))
+        except ChildFailedError as e:
+            return group_exit_code(e.failures)
+    return 0
+
+
+def worker_args(options: dict[str, str | bool], overrides: list[str]) -> list[str]:
+    """The command line of a worker: the options given (a flag when True, left out when empty or False)."""
+    args: list[str] = []
+    for name, value in options.items():
+        if value is True:
+            args.append(name)
+        elif value:
+            args += [name, str(value)]
+    return args + [a for item in overrides for a in ("--set", item)]
+
+
+def group_exit_code(failures: dict) -> int:
+    """The exit code of a group some of whose workers failed (rank -> ProcessFailure)."""
+    codes = {f.exitcode for f in failures.values()}
+    if codes == {75}:
+        return 75  # every worker stopped with the checkpoint committed
+    first = min(failures.values(), key=cause_first)
+    known = {cls.exit_code for cls in (JobError, *JobError.__subclasses__())} - {1}
+    if first.exitcode in known:
+        return first.exitcode  # the worker printed its one line
+    rank = next(r for r, f in failures.items() if f is first)
+    if first.exitcode < 0:
+        cause = f"was killed by {signal.Signals(-first.exitcode).name}"
+    else:
+        cause = f"failed with exit code {first.exitcode} (its output above says why)"
+    print(f"error: worker {rank} (pid {first.pid}) {cause}; the other workers were stopped", file=sys.stderr)
+    return 1
+
+
+def cause_first(failure) -> tuple:
+    """The order in which failures are taken as the group's cause: the earliest (the agent stamps them to the second
+    as it sees them), and within a second a death by a signal the agent did not send (it sends SIGTERM), then a user
+    error, then exit 1, which is also what a worker exits with when a peer vanished under a collective."""
+    code = failure.exitcode
+    kind = 3 if code == -signal.SIGTERM else 0 if code < 0 else 2 if code == 1 else 1
+    return failure.timestamp, kind, failure.local_rank
+
+
+@contextlib.contextmanager
+def forwarding_signals() -> Iterator[None]:
+    """SIGTERM and SIGINT to this process go on to every worker (this process's children)."""
+
+    def forward(signum, frame) -> None:
+        for pid in children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def children() -> list[int]:
+    """The pids of this process's children (Linux's /proc)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # the field after the state: the parent's pid
+            found.append(int(entry))
+    return found
+
+
+@contextlib.contextmanager
+def quiet_agent() -> Iterator[None]:
+    """The agent's log lines (its start, each worker's exit) kept off the console: the workers and the job say what
+    happened, in the job's words."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
