@@ -150,22 +150,14 @@ make_local_base() {
     rm -rf "$rootfs"
     echo "made $LOCAL_BASE"
 }
-CPU_BASE_PUBLIC=$(dockerfile_default CPU_BASE)
-CUDA_BASE_PUBLIC=$(dockerfile_default CUDA_BASE)
-if have_image "$CPU_BASE_PUBLIC"; then
-    export CPU_BASE=$CPU_BASE_PUBLIC
+BASE_PUBLIC=$(dockerfile_default BASE)
+if have_image "$BASE_PUBLIC"; then
+    export BASE=$BASE_PUBLIC
 else
     make_local_base
-    export CPU_BASE=$LOCAL_BASE
+    export BASE=$LOCAL_BASE
 fi
-if have_image "$CUDA_BASE_PUBLIC"; then
-    export CUDA_BASE=$CUDA_BASE_PUBLIC
-else
-    make_local_base
-    export CUDA_BASE=$LOCAL_BASE
-fi
-echo "CPU target on $CPU_BASE (public default $CPU_BASE_PUBLIC)"
-echo "CUDA target on $CUDA_BASE (public default $CUDA_BASE_PUBLIC)"
+echo "both targets on $BASE (public default $BASE_PUBLIC)"
 
 # ---------------------------------------------------------------------------------------------------------------
 log "package sources"
@@ -220,7 +212,7 @@ if ! build_image train-cpu cpu "$WORK/build-cpu.log"; then
 fi
 grep -E '^(Step [0-9]+/|#[0-9]+ \[)' "$WORK/build-cpu.log" | cut -c1-116 | sed 's/^/  /' | head -30
 IMAGE_CPU=$JOB_IMAGE:cpu
-pass "built $IMAGE_CPU on $CPU_BASE ($(docker image inspect -f '{{.Size}}' "$IMAGE_CPU" | awk '{printf "%.1f GB", $1 / 1e9}'))"
+pass "built $IMAGE_CPU on $BASE ($(docker image inspect -f '{{.Size}}' "$IMAGE_CPU" | awk '{printf "%.1f GB", $1 / 1e9}'))"
 
 if python3 - "$IMAGE_CPU" <<'PYEOF'
 import json, subprocess, sys
@@ -346,7 +338,7 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------------------------
-log "torchrun across two CPU containers on one network (tests/container/compose-ddp.yml)"
+log "two CPU containers on one network, --nproc-per-node 1 --nnodes 2 (tests/container/compose-ddp.yml)"
 DDP=("${COMPOSE[@]}" -p "$PROJECT-ddp" -f tests/container/compose-ddp.yml)
 export JOB_DDP_IMAGE=$IMAGE_CPU
 timeout 600 "${DDP[@]}" up --no-build --pull never >"$WORK/ddp.log" 2>&1
@@ -358,10 +350,10 @@ done
 EVENTS=$(find "$RUNS/ddp/tensorboard" -name 'events.out.tfevents.*' 2>/dev/null | wc -l)
 if [ "$CODES" = "node0:0 node1:0 " ] && [ -f "$RUNS/ddp/model.pt" ] && [ "$EVENTS" = 1 ] &&
     grep -q "node0.*done: 300 epochs" "$WORK/ddp.log" && ! grep -q "node1.*done:" "$WORK/ddp.log"; then
-    pass "two containers, one torchrun node each: both exit 0, 300 epochs trained together, rank 0 alone wrote the run (one event file, model.pt)"
+    pass "two containers, 'train --nproc-per-node 1 --nnodes 2' in each: both exit 0, 300 epochs trained together, rank 0 alone wrote the run (one event file, model.pt)"
 else
     sed 's/^/  | /' "$WORK/ddp.log" | tail -12
-    fail "torchrun across two containers: exit codes $CODES, $EVENTS event files, model.pt $([ -f "$RUNS/ddp/model.pt" ] && echo present || echo missing)"
+    fail "--nnodes 2 across two containers: exit codes $CODES, $EVENTS event files, model.pt $([ -f "$RUNS/ddp/model.pt" ] && echo present || echo missing)"
 fi
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -370,16 +362,30 @@ if [ "${JOB_CHECK_CUDA_BUILD:-1}" = 0 ]; then
     skip "CUDA target not built (JOB_CHECK_CUDA_BUILD=0); its compose wiring was checked statically"
 elif ! build_image train-gpu gpu "$WORK/build-cuda.log"; then
     tail -20 "$WORK/build-cuda.log"
-    fail "docker compose build train-gpu failed (CUDA target on $CUDA_BASE)"
+    fail "docker compose build train-gpu failed (CUDA target on $BASE)"
 else
     docker run --rm "$JOB_IMAGE:cuda" info --json >"$WORK/cuda-info.json" 2>"$WORK/cuda-info.err"
     TORCH_CUDA=$(python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["cuda_version"] or "")' "$WORK/cuda-info.json" 2>/dev/null)
-    if [ "$CUDA_BASE" = "$CUDA_BASE_PUBLIC" ]; then where="on $CUDA_BASE"; else
-        where="on the substitute base $CUDA_BASE ($CUDA_BASE_PUBLIC cannot be pulled here: its apt and pip steps ran, NVIDIA's base itself was not tested)"; fi
+    if [ "$BASE" = "$BASE_PUBLIC" ]; then where="on $BASE"; else
+        where="on the substitute base $BASE ($BASE_PUBLIC cannot be pulled here: its apt and pip steps ran)"; fi
     if [ -n "$TORCH_CUDA" ]; then
         pass "built $JOB_IMAGE:cuda $where; 'info' in it: torch built for CUDA $TORCH_CUDA"
     else
         fail "$JOB_IMAGE:cuda built $where, but 'info' shows no CUDA build of torch: $(head -c 300 "$WORK/cuda-info.json" "$WORK/cuda-info.err")"
+    fi
+    # The goal of docs/containers.md: the CUDA image weighs at most torch as pip installs it (torch, its nvidia-*
+    # CUDA libraries, triton) plus 1 GB.
+    SITE=$(docker run --rm --entrypoint python "$JOB_IMAGE:cuda" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    TORCH_BYTES=$(docker run --rm --entrypoint sh "$JOB_IMAGE:cuda" -c "du -sbc $SITE/torch $SITE/nvidia $SITE/triton 2>/dev/null | tail -1 | cut -f1")
+    for image in "$JOB_IMAGE:cpu" "$JOB_IMAGE:cuda" "$BASE"; do
+        printf '  %-40s %6.2f GB\n' "$image" "$(docker image inspect -f '{{.Size}}' "$image" | awk '{print $1 / 1e9}')"
+    done
+    CUDA_BYTES=$(docker image inspect -f '{{.Size}}' "$JOB_IMAGE:cuda")
+    SIZES=$(awk -v i="$CUDA_BYTES" -v t="${TORCH_BYTES:-0}" 'BEGIN { printf "%.2f GB, torch with its CUDA libraries %.2f GB, the rest %.2f GB", i / 1e9, t / 1e9, (i - t) / 1e9 }')
+    if [ -n "$TORCH_BYTES" ] && [ "$((CUDA_BYTES - TORCH_BYTES))" -le 1000000000 ]; then
+        pass "$JOB_IMAGE:cuda is $SIZES (at most 1 GB above torch)"
+    else
+        fail "$JOB_IMAGE:cuda is $SIZES: more than 1 GB above torch"
     fi
 fi
 
