@@ -3,6 +3,8 @@ tests a saved checkpoint with the data and model its config names."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 
@@ -62,4 +64,22 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
         "test_accuracy": correct / r.test.n,
         "samples": r.test.n,
         "device": str(device),
-    }
+    } | run_record(url)
+
+
+def run_record(url: str) -> dict:
+    """The run.json of the run a checkpoint belongs to (the folder given, or the one holding the file or its
+    checkpoints/ folder): its URL and how many attempts it lists; None for both where there is none."""
+    folder = url.rstrip("/")
+    for _ in range(3):
+        fs, path = filesystem(f"{folder}/run.json")
+        try:
+            attempts = json.loads(fs.cat_file(path))["attempts"]
+        except Exception:  # no record here (or not a readable one): the stores' clients raise many types
+            attempts = None
+        if isinstance(attempts, list):
+            return {"run_json": f"{folder}/run.json", "attempts": len(attempts)}
+        if "/" not in folder:
+            break
+        folder = folder.rsplit("/", 1)[0]
+    return {"run_json": None, "attempts": None}

@@ -176,12 +176,14 @@ def test_evaluate_a_saved_run(tmp_path):
         assert got["test_accuracy"] == pytest.approx(last["test_accuracy"])
         assert got["test_loss"] == pytest.approx(last["test_loss"], rel=1e-5)
         assert got["epoch"] == 1000
+        assert got["run_json"] == str(run_dir / "run.json") and got["attempts"] == 1  # the run's record, found
     # model.pt, the documented final weights: evaluated with the run's config beside it, or the one given
     for extra in ([], ["--config", str(run_dir / "config.yaml")]):
         result = run_job("evaluate", "--checkpoint", str(run_dir / "model.pt"), *extra, "--json", "--device", "cpu")
         assert result.returncode == 0, result.stderr[-2000:]
         got = json.loads(result.stdout)
         assert got["test_accuracy"] == pytest.approx(last["test_accuracy"]) and got["epoch"] is None
+        assert got["run_json"] == str(run_dir / "run.json")
     (tmp_path / "weights").mkdir()
     (tmp_path / "weights/model.pt").write_bytes((run_dir / "model.pt").read_bytes())
     alone = run_job("evaluate", "--checkpoint", str(tmp_path / "weights/model.pt"), "--device", "cpu")
