@@ -242,6 +242,9 @@ def main() -> None:
     if os.environ.get("LOCAL_RANK") is not None:  # a worker of a group, its files written and its group left
         # Past this point only the interpreter's teardown remains, where the group's transport threads can abort a
         # process that has finished ("terminate called without an active exception": exit -6 in place of 75).
+        # What that teardown would also have done: stop the decoding processes, which hold this one's stderr.
+        if stream := sys.modules.get("job.data.stream"):
+            stream.close_pools()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code or 0)

@@ -229,7 +229,9 @@ def test_torchrun_processes_see_disjoint_samples_covering_the_epoch(tmp_path, re
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "job", "train"]
     args = [*RECORDED, *sets(f"data.path={tmp_path / 'sh'}", "train.epochs=1", "data.batch_size=8")]
     env = {**job_env(recorder["PYTHONPATH"]), "RECORD": str(record)}
-    done = subprocess.run([*cmd, *args, "--output", str(tmp_path / "run")], capture_output=True, text=True, env=env)
+    # A timeout: decoding processes left behind by the workers would hold stderr open, and the run would never end.
+    run = [*cmd, *args, "--output", str(tmp_path / "run")]
+    done = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = [Path(f"{record}.{r}").read_text().split() for r in range(2)]
     assert len(seen[0]) == len(seen[1]) == 30  # 3 shards of 10 each, 4 a step: 8 steps, no padding

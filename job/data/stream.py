@@ -249,6 +249,12 @@ def shared_pool(workers: int) -> ProcessPoolExecutor:
     return pool
 
 
+def close_pools() -> None:
+    """Stop the decoding processes now, for a process that ends without the interpreter's own exit (which would)."""
+    while POOLS:
+        POOLS.popitem()[1].shutdown(wait=True, cancel_futures=True)
+
+
 def decoded(future: Future, names: tuple[str, str]) -> np.ndarray:
     """A batch's images; a decoder process that died on it (a native decoder's abort on a corrupt image) is named."""
     try:
