@@ -83,10 +83,10 @@ def train(
     """Train a model as the config says; continue the run when the output folder holds one."""
     from job.stop import StopRequest
 
-    limit = [f"train.time_limit={seconds(time_limit)}"] if time_limit else []
     with user_errors():
         from job.launch import launch_plan
 
+        limit = [f"train.time_limit={seconds(time_limit)}"] if time_limit else []
         group = launch_plan(nproc_per_node, nnodes, node_rank, master_addr, master_port, device)
     if group:  # this process starts the workers and waits for them (under torchrun it is a worker, and trains)
         with user_errors():
