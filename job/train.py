@@ -259,10 +259,10 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
             if accumulator is not None:
                 accumulator.plan(loader, state.epoch_step)
             loop.step(x, y, loader.loss_weight(state.epoch_step))
+            state.samples_since_eval += loader.samples(state.epoch_step)  # the global batch's: every process's
             state.step += 1
             state.epoch_step += 1
             state.steps_since_eval += 1
-            state.samples_since_eval += y.shape[0]
             if state.step % every == 0:
                 log.close_window(state.step, loop.r.optimizer.param_groups[0]["lr"])
                 for window in log.ready():

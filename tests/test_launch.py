@@ -224,3 +224,14 @@ def test_unreadable_platform_variables_are_one_line(env, needle):
         plan_of(env)
     done = run_job("train", "--device", "cpu", env=env)
     assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr
+
+
+def test_throughput_counts_every_process_samples(tmp_path):
+    # samples/s is samples_since_eval over the window: a checkpoint between evaluations holds the count so far, which
+    # must be the global batch's (120 Iris rows an epoch), not one process's slice of it.
+    out = tmp_path / "run"
+    epochs = sets("train.epochs=2", "train.eval_every_epochs=2", "train.checkpoint_every_epochs=1")
+    done = run_job(*TWO, *epochs, "--output", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    progress = [torch.load(p, weights_only=True)["progress"] for p in (out / "checkpoints").glob("*.pt")]
+    assert {p["epoch"]: p["samples_since_eval"] for p in progress}[1] == 120
