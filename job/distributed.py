@@ -72,18 +72,18 @@ def start(device_name: str, stop: StopRequest) -> None:
         return
     local_rank = int(os.environ["LOCAL_RANK"])
     if device_name not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device {device_name}: under torchrun each process takes cuda:LOCAL_RANK; use cuda or cpu")
+        raise ConfigError(f"--device {device_name}: in a group each process takes cuda:LOCAL_RANK; use cuda or cpu")
     if device_name != "cpu" and torch.cuda.is_available():
         count = torch.cuda.device_count()
         if local_rank >= count:
             raise ConfigError(
-                f"torchrun started more processes on this machine than it has GPUs ({count}): "
-                f"use --nproc_per_node {count}, or --device cpu"
+                f"more processes on this machine than it has GPUs ({count}): use --nproc-per-node {count} (or auto), "
+                "or --device cpu"
             )
         torch.cuda.set_device(local_rank)  # pick_device then gives cuda:LOCAL_RANK
     device = pick_device(device_name)
     if device.type == "mps":
-        raise ConfigError("--device mps: torchrun needs cuda or cpu (no collective backend for MPS)")
+        raise ConfigError("--device mps: a group of processes needs cuda or cpu (no collective backend for MPS)")
     try:
         if device.type == "cuda":
             dist.init_process_group("nccl", timeout=TIMEOUT, device_id=device)
@@ -91,7 +91,7 @@ def start(device_name: str, stop: StopRequest) -> None:
         else:
             dist.init_process_group("gloo", timeout=TIMEOUT)
     except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"torchrun: cannot join the process group: {one_line(e)}") from None
+        raise ConfigError(f"cannot join the process group: {one_line(e)}") from None
     stop.share(combined_signal)
 
 

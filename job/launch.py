@@ -24,7 +24,6 @@ from job.errors import ConfigError, JobError
 from job.report import say
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
-SHUTDOWN_SECONDS = 60  # what the agent gives the other workers after one failed, before SIGKILL
 
 
 DEFAULT_PORT = 29500  # torchrun's, for platforms that name the first node but no port
@@ -80,14 +79,14 @@ def launch_plan(
     found = cluster(env)
     if not nproc_per_node and not (nnodes or 0) > 1 and not (found and found.nnodes > 1):
         return None
-    if found and nnodes is None:
+    if found and found.nnodes > 1 and nnodes is None:  # one machine meets on itself, whatever the platform calls it
         nnodes, node_rank = found.nnodes, found.node_rank if node_rank is None else node_rank
         master_addr, master_port = master_addr or found.master_addr, master_port or found.master_port
     nnodes, node_rank = nnodes or 1, node_rank or 0
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} for {nnodes} machines (--nnodes)")
     setting = nproc_per_node or (str(found.nproc_per_node) if found and found.nproc_per_node else "auto")
-    source = found.source if found and found.nnodes == nnodes else ""
+    source = found.source if found and found.nnodes == nnodes > 1 else ""
     port = master_port or (DEFAULT_PORT if nnodes > 1 else 0)
     return Launch(processes(setting, device), nnodes, node_rank, master_addr or "127.0.0.1", port, source)
 
@@ -183,7 +182,6 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
         max_restarts=0,  # a failed worker ends the attempt; the same command continues from the checkpoint
         monitor_interval=0.1,
         signals_to_handle="",  # the job forwards signals itself (module docstring)
-        shutdown_timeout=SHUTDOWN_SECONDS,
     )
     if "OMP_NUM_THREADS" not in os.environ and plan.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node))

@@ -235,3 +235,11 @@ def test_throughput_counts_every_process_samples(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     progress = [torch.load(p, weights_only=True)["progress"] for p in (out / "checkpoints").glob("*.pt")]
     assert {p["epoch"]: p["samples_since_eval"] for p in progress}[1] == 120
+
+
+def test_one_machine_on_a_platform_meets_on_this_machine():
+    # A single Vertex AI replica names itself by a host name that may not resolve here: one machine never meets there.
+    spec = {"cluster": {"workerpool0": ["workerpool0-0:2222"]}, "task": {"type": "workerpool0", "index": 0}}
+    assert plan_of({"CLUSTER_SPEC": json.dumps(spec)}, nproc_per_node="2") == Launch(2)
+    sky = {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "10.0.0.5", "SKYPILOT_NUM_NODES": "1"}
+    assert plan_of(sky | {"SKYPILOT_NUM_GPUS_PER_NODE": "4"}, nproc_per_node="auto") == Launch(1)  # --device cpu
