@@ -9,7 +9,7 @@
 # image with `docker compose build` and runs it as a user would: `docker compose up` interrupted by `docker
 # compose stop` (exit 75, a committed checkpoint), then `docker compose run` continuing to the end; it reads the
 # run back from the host, checks the image (user, entrypoint, no credentials), lints the Dockerfile, validates the
-# compose file, trains with torchrun across two containers on one network (compose-ddp.yml), builds the CUDA target (on the substitute base where NVIDIA's cannot be pulled) and trains on a
+# compose file, trains with --nproc-per-node 1 --nnodes 2 across two containers on one network (compose-ddp.yml), builds the CUDA target (on the substitute base where NVIDIA's cannot be pulled) and trains on a
 # GPU only where one is: otherwise that line says SKIPPED, never passed. Exit status 0 only if nothing failed;
 # tooling that cannot be installed or started is a failure.
 #
