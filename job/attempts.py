@@ -84,11 +84,16 @@ class Attempt:
 def read_attempts(run_dir: RunDir) -> list[dict[str, Any]]:
     """The attempts run.json holds; none when it is missing or unreadable (a run from before it existed)."""
     data = run_dir.read(RUN_JSON)
+    return (attempts_in(data) or []) if data else []
+
+
+def attempts_in(data: bytes) -> list[dict[str, Any]] | None:
+    """The attempts list of run.json's bytes; None when they are not such a file."""
     try:
-        attempts = json.loads(data)["attempts"] if data else []
+        attempts = json.loads(data)["attempts"]
     except (ValueError, KeyError, TypeError):
-        return []
-    return attempts if isinstance(attempts, list) else []
+        return None
+    return attempts if isinstance(attempts, list) else None
 
 
 def versions() -> dict[str, str | None]:

@@ -239,7 +239,9 @@ def main() -> None:
         if e.format_message():  # empty after the help that a bare `python -m job` prints
             print(f"error: {e.format_message()} (see python -m job --help)", file=sys.stderr)
         code = e.exit_code
-    if os.environ.get("LOCAL_RANK") is not None:  # a worker of a group, its files written and its group left
+    from job.launch import is_worker
+
+    if is_worker():  # a worker of a group, its files written and its group left
         # Past this point only the interpreter's teardown remains, where the group's transport threads can abort a
         # process that has finished ("terminate called without an active exception": exit -6 in place of 75).
         # What that teardown would also have done: stop the decoding processes, which hold this one's stderr.

@@ -3,12 +3,11 @@ tests a saved checkpoint with the data and model its config names."""
 
 from __future__ import annotations
 
-import json
-
 import torch
 import torch.nn.functional as F
 
 from job import checkpoint, recipe
+from job.attempts import RUN_JSON, attempts_in
 from job.cloud import filesystem
 from job.config import apply_override, load_config, validate
 from job.data.loader import BatchLoader
@@ -72,13 +71,13 @@ def run_record(url: str) -> dict:
     checkpoints/ folder): its URL and how many attempts it lists; None for both where there is none."""
     folder = url.rstrip("/")
     for _ in range(3):
-        fs, path = filesystem(f"{folder}/run.json")
+        fs, path = filesystem(f"{folder}/{RUN_JSON}")
         try:
-            attempts = json.loads(fs.cat_file(path))["attempts"]
-        except Exception:  # no record here (or not a readable one): the stores' clients raise many types
+            attempts = attempts_in(fs.cat_file(path))
+        except Exception:  # no record here: the stores' clients raise many types
             attempts = None
-        if isinstance(attempts, list):
-            return {"run_json": f"{folder}/run.json", "attempts": len(attempts)}
+        if attempts is not None:
+            return {"run_json": f"{folder}/{RUN_JSON}", "attempts": len(attempts)}
         if "/" not in folder:
             break
         folder = folder.rsplit("/", 1)[0]

@@ -14,6 +14,16 @@ import torch
 from job import distributed
 
 
+def mark(cuda: bool):
+    """A point in time without waiting for the device: on a GPU a CUDA event recorded in the stream (read once the
+    device has passed it), else the host's clock."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
 class TrainClock:
     """Seconds spent in training epochs, excluding evaluations and checkpoints, without waiting for the device:
     on a GPU, CUDA events mark each stretch of epochs and are read only after the device has caught up."""
@@ -23,21 +33,14 @@ class TrainClock:
         self.marks: list = []
         self.open = False
 
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def start(self) -> None:
         if not self.open:
-            self.marks.append(self.mark())
+            self.marks.append(mark(self.cuda))
             self.open = True
 
     def stop(self) -> None:
         if self.open:
-            self.marks.append(self.mark())
+            self.marks.append(mark(self.cuda))
             self.open = False
 
     def seconds(self) -> float:
@@ -71,7 +74,7 @@ class LossLog:
         host = torch.empty(1, pin_memory=self.device.type == "cuda")
         distributed.mean_(self.sums[:1])  # under torchrun: the group's window (nccl: queued, no host sync)
         host.copy_(self.sums[:1], non_blocking=True)
-        end = self.system.mark()  # on a GPU, an event after the window's work: the copy has landed once it has
+        end = mark(self.system.cuda)  # on a GPU, an event after the window's work: the copy has landed once it has
         self.sums[:1].zero_()  # in place: assigning a Python number would copy from the host and sync
         self.pending.append((step, lr, host, end, self.system.close(step, end)))
 
@@ -102,17 +105,10 @@ class SystemMeter:
         self.begin, self.first, self.waited, self.paused = None, 0, 0.0, True
         self.utilization = self.cuda
 
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def resume(self, step: int) -> None:
         """Training goes on at `step`: after a pause (or at the start) the window starts again from here."""
         if self.paused:
-            self.begin, self.first, self.waited, self.paused = self.mark(), step, 0.0, False
+            self.begin, self.first, self.waited, self.paused = mark(self.cuda), step, 0.0, False
 
     def pause(self) -> None:
         """An evaluation or a checkpoint: its time stays out of the window."""
