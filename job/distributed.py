@@ -170,11 +170,18 @@ def totals(sums: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
     return both
 
 
-def combined_signal(received: int) -> int:
-    """The highest signal number any process was sent (0: none). A gloo reduction of one integer on the host."""
+def combined_signal(received: int) -> Callable[[], int]:
+    """Start finding the highest signal number any process was sent (0: none), a gloo reduction of one integer on
+    the host; returns what waits for it. Every process starts these in the same order, so they pair up."""
     flag = torch.tensor([received], dtype=torch.int64)
-    peer_call(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=_control)
-    return int(flag.item())
+    work: list[Any] = []
+    peer_call(lambda: work.append(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_control, async_op=True)))
+
+    def result() -> int:
+        peer_call(work[0].wait)
+        return int(flag[0])
+
+    return result
 
 
 def on_writer(work: Callable[[], T], share: Callable[[T], tuple[dict, bytes]] | None = None) -> T | None:

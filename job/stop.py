@@ -33,7 +33,9 @@ class StopRequest:
         self.exits_after = exits_after  # the command line: the process ends when the block does
         self.signal: int | None = None  # the reason the loop acts on: a signal number, or TIME_LIMIT
         self.received: int | None = None  # the reason this process has: a signal it was sent, or its time limit
-        self.combine: Callable[[int], int] | None = None  # in a process group: every process's reason, combined
+        # In a process group: starts the reduction of every process's reason, returning what waits for its result.
+        self.combine: Callable[[int], Callable[[], int]] | None = None
+        self._pending: Callable[[], int] | None = None  # the reduction started after the previous step
         self.time_limit: float | None = None  # seconds, counted from when this request was made
         self.started = time.monotonic()
         self._signalled = False
@@ -93,21 +95,41 @@ class StopRequest:
             return f"the time limit ({format_duration(self.time_limit or 0)})"
         return signal.Signals(reason).name if reason else "nothing"
 
-    def share(self, combine: Callable[[int], int]) -> None:
-        """Join a group of processes (torchrun): from now on the loop acts on a signal at sync() only, where every
-        process learns whether any of them was sent one, so all stop at the same step."""
+    def share(self, combine: Callable[[int], Callable[[], int]]) -> None:
+        """Join a group of processes (torchrun): from now on the loop acts on a signal only once every process has
+        learnt whether any of them was sent one (sync, or step), so all stop at the same step."""
         with self._lock:
             self.combine = combine
             self.signal = None
 
     def sync(self) -> None:
-        """At a point every process of the group reaches together (alone: nothing to do, signals act at once)."""
+        """At a point every process of the group reaches together, wait for the group's answer (alone: nothing to do,
+        signals act at once)."""
+        self.settle()
         if self.combine is not None and self.signal is None:
-            sig = self.combine(self.received or 0)
-            if sig:
-                with self._lock:
-                    self.signal = sig
-                    self._start_grace()
+            self._agree(self.combine(self.received or 0)())
+
+    def step(self) -> None:
+        """After each training step of a group: read the reduction started after the previous step (done by now, as
+        a step outlasts a reduction of one integer) and start the next, so a stop is acted on one step after it came
+        and no step waits for the others any longer than it does already."""
+        if self.combine is None or self.signal is not None:
+            return
+        self.settle()
+        if self.signal is None:
+            self._pending = self.combine(self.received or 0)
+
+    def settle(self) -> None:
+        """Wait for the reduction under way, if one is (at an epoch's end: no reduction outlives the loop)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._agree(pending())
+
+    def _agree(self, sig: int) -> None:
+        if sig:
+            with self._lock:
+                self.signal = sig
+                self._start_grace()
 
     def _handle(self, sig: int, frame) -> None:
         if self._signalled and sig == signal.SIGINT:

@@ -268,9 +268,10 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
                 for window in log.ready():
                     report.loss(*window)
                 report.advance(every)
-                stop.sync()  # under torchrun the processes agree here whether to stop, every `every` steps
+            stop.step()  # in a group: whether any process was sent a signal, learnt one step later by all
             if stop.signal is not None:
                 break
+        stop.settle()
     if loop.step.description != described:  # a fallback found on the first batch: say so once
         say(f"step: {loop.step.description}")
     finished = state.epoch_step == len(loader)

@@ -264,3 +264,22 @@ def test_nccl_on_one_gpu_equals_a_plain_run(tmp_path):
     assert "cuda:0" in ddp.stderr
     assert_close_runs(tmp_path / "one", tmp_path / "ddp")
     assert_written_once(tmp_path / "ddp", checkpoints=1)
+
+
+def test_a_sigterm_is_acted_on_at_the_next_steps_not_the_next_log_window(tmp_path):
+    """Under a group the processes agree on a stop at every step (a reduction started after one step and read after
+    the next), so a SIGTERM commits within a step or two even when the log window is longer than the grace period
+    lasts: here no log window ever closes, and the grace period is 20 s."""
+    out = tmp_path / "run"
+    window = sets("train.log_every_steps=100000000", "train.grace_seconds=20")
+    proc = start_torchrun("train", *RESUMABLE, *FOREVER, *window, "--output", str(out))
+    first = wait_for_commit(out, proc)
+    ranks = workers(proc.pid)
+    os.kill(ranks[1], signal.SIGTERM)
+    sent = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - sent < 15, err[-3000:]
+    assert "grace period ran out" not in err, err[-3000:]
+    assert err.count("exitcode  : 75") == 2, err[-3000:]
+    assert "stopped by SIGTERM" in err, err[-3000:]
+    assert committed(out)["step"] > first["step"]

@@ -6,6 +6,7 @@ finished run, and says so. Also the time limit (train.time_limit, --time-limit),
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -274,3 +275,29 @@ def test_a_signal_while_setting_up_exits_with_the_code_that_matches(tmp_path, mo
     last = stopped.stderr.strip().splitlines()[-1]
     assert f"stopped by {sig} before training began" in last and says in last and "Traceback" not in stopped.stderr
     assert not out.exists()  # nothing written, no folder left
+
+
+def test_in_a_group_a_signal_is_acted_on_one_step_later_by_every_process():
+    """Each step reads the reduction started after the step before it and starts the next: a signal that came
+    during a step stops the loop after the following one, whatever the log window. A group of one here (its
+    reduction is its own reason); tests/test_distributed.py runs two real processes."""
+    started = []
+
+    def combine(received: int):
+        started.append(received)
+        return lambda: received
+
+    with StopRequest(grace_seconds=30) as stop:
+        stop.share(combine)
+        stop.step()
+        stop.step()
+        os.kill(os.getpid(), signal.SIGTERM)  # during the third step
+        assert stop.received == signal.SIGTERM and stop.signal is None
+        stop.step()  # the reduction started before the signal: nothing yet
+        assert stop.signal is None
+        stop.step()
+        assert stop.signal == signal.SIGTERM
+        stop.step()  # once agreed, nothing more is started
+        stop.settle()
+        stop.cancel()
+    assert started == [0, 0, signal.SIGTERM]
