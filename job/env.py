@@ -63,6 +63,12 @@ def describe_device(device: torch.device) -> str:
     return str(device)
 
 
+def process_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of process `rank`'s own random stream in a group (dropout masks differ from process to process),
+    from `step` on: independent of the run's seed's own stream and of the data order's."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1, np.uint64)[0]) % 2**63
+
+
 def seed_everything(seed: int, deterministic: bool) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

@@ -18,7 +18,7 @@ import torch
 from job import checkpoint, distributed, recipe
 from job.attempts import Attempt
 from job.config import Config, flat_items, to_yaml
-from job.env import describe_device, pick_device, seed_everything
+from job.env import describe_device, pick_device, process_seed, seed_everything
 from job.errors import Cancelled, CheckpointError, ConfigError, Interrupted, StorageError, exit_code
 from job.evaluate import test_sums
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
@@ -127,6 +127,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
     data = recipe.read_data(cfg)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
+    if distributed.rank():  # the model is built alike everywhere; from here each process draws its own randomness
+        seed_everything(process_seed(cfg.seed, distributed.rank()), cfg.train.deterministic)
     found = distributed.share_checkpoint(lambda: open_run(run_dir, req, cfg))
     if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs and has_results(run_dir):
         return complete(cfg, run_dir, found)
@@ -136,7 +138,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
-        state = restore(found, r, log, state.run_id)
+        state = restore(found, r, log, state.run_id, cfg.seed)
         replanned = replan_schedule(cfg, r, state)
         source = (found[1] or {}).get("file") or req.resume  # a bare .pt given by URL has no manifest
         into = f" ({state.epoch_step} steps into epoch {state.epoch + 1})" if state.epoch_step else ""
@@ -198,10 +200,15 @@ def set_cpu_threads(cfg: Config, r: Recipe, input_shape: tuple[int, ...]) -> flo
     return flops
 
 
-def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str) -> Progress:
-    """The recipe's state and the loop's position from a checkpoint."""
+def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed: int) -> Progress:
+    """The recipe's state and the loop's position from a checkpoint; each process's own random stream."""
     payload, _ = found
     checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler)
+    rank, own = distributed.rank(), payload.get("rng_ranks")
+    if own is not None and len(own) == distributed.world():
+        checkpoint.set_rng_state(own[rank])
+    elif rank:  # saved by a group of another size: a stream of its own, not one that process 0 drew from already
+        seed_everything(process_seed(seed, rank, payload["progress"]["step"]), deterministic=False)
     recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
     saved = dict(payload["progress"])
     log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
@@ -317,7 +324,8 @@ def save(loop: Loop) -> None:
     sums = distributed.gather(loop.log.sums).tolist()  # one row per process
     streamed = getattr(loop.r.train, "position", None)  # a stream's place in the epoch, one per process
     places = distributed.gather_objects(streamed()) if streamed and loop.state.epoch_step else None
-    distributed.on_writer(lambda: commit(loop, sums, places))
+    rngs = distributed.gather_objects(checkpoint.rng_state()) if distributed.world() > 1 else None
+    distributed.on_writer(lambda: commit(loop, sums, places, rngs))
 
 
 def accumulated(loop: Loop) -> dict:
@@ -329,7 +337,7 @@ def accumulated(loop: Loop) -> dict:
     return {"accumulated": [t.detach().cpu() for t in acc.sums]}
 
 
-def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None) -> None:
+def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None, rngs: list | None = None) -> None:
     cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
     for window in loop.log.ready(wait=True):
         report.loss(*window)
@@ -337,6 +345,8 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None)
     progress = {**asdict(state), "loss_sums": loss_sums, **({"stream": places} if places else {}), **accumulated(loop)}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump())
+    if rngs is not None:
+        payload["rng_ranks"] = rngs  # each process's own random stream, by rank
     t = cfg.train
     checkpoint.commit(
         loop.run_dir,

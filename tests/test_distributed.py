@@ -20,10 +20,13 @@ def torchrun_args(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "job"]
 
 
-def torchrun(*args: str, nproc: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node N -m job ARGS`, as a user runs it (a free port per run)."""
+def torchrun(*args: str, nproc: int = 2, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node N -m job ARGS`, as a user runs it (a free port per run); `env`: more
+    variables (PYTHONPATH is added to the checkout's)."""
+    extra = dict(env or {})
+    full_env = {**job_env(extra.pop("PYTHONPATH", "")), **extra}
     return subprocess.run(
-        [*torchrun_args(nproc=nproc), *args], capture_output=True, text=True, timeout=timeout, env=job_env()
+        [*torchrun_args(nproc=nproc), *args], capture_output=True, text=True, timeout=timeout, env=full_env
     )
 
 
@@ -283,3 +286,53 @@ def test_a_sigterm_is_acted_on_at_the_next_steps_not_the_next_log_window(tmp_pat
     assert err.count("exitcode  : 75") == 2, err[-3000:]
     assert "stopped by SIGTERM" in err, err[-3000:]
     assert committed(out)["step"] > first["step"]
+
+
+DROPPING = """
+import os, signal
+from torch import nn
+
+class Net(nn.Module):
+    '''An Iris MLP with dropout, which sends its own process SIGTERM in training step $STOP_AT_STEP of rank 1.'''
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, num_classes))
+        self.steps, self.at = 0, int(os.environ.get("STOP_AT_STEP", "0")) if os.environ["RANK"] == "1" else 0
+
+    def forward(self, x):
+        if self.training and self.at:
+            self.steps += 1
+            if self.steps == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return self.net(x)
+"""
+
+
+def test_each_process_draws_its_own_randomness_and_resumes_it_exactly(tmp_path):
+    """Dropout masks are drawn from a stream of each process's own, seeded from (seed, rank): a checkpoint holds
+    every process's RNG state, they differ, and a group stopped mid-epoch resumes each process's own stream, ending
+    bit for bit as a group that never stopped."""
+    (tmp_path / "dropping.py").write_text(DROPPING)
+    env = {"PYTHONPATH": str(tmp_path)}
+    args = [
+        *IRIS,
+        *sets("model.name=dropping:Net", "train.step_capture=off", "data.batch_size=25", "train.epochs=8"),
+        *sets("train.eval_every_epochs=2", "train.checkpoint_every_epochs=2"),
+    ]
+    reference = torchrun("train", *args, "--output", str(tmp_path / "reference"), env=env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    payload = torch.load(tmp_path / "reference" / "checkpoints" / committed(tmp_path / "reference")["file"])
+    own = payload["rng_ranks"]
+    assert len(own) == 2 and not torch.equal(own[0]["torch"], own[1]["torch"])
+    assert torch.equal(own[0]["torch"], payload["rng"]["torch"])
+
+    out = tmp_path / "stopped"
+    stopped = torchrun("train", *args, "--output", str(out), env={**env, "STOP_AT_STEP": "17"})
+    assert stopped.returncode == 1 and stopped.stderr.count("exitcode  : 75") == 2, stopped.stderr[-3000:]
+    assert committed(out)["step"] in (17, 18)  # acted on one step after the signal, in epoch 4 of 5 steps each
+    again = torchrun("train", *args, "--output", str(out), env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    wa, wb = weights(tmp_path / "reference"), weights(out)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert metrics(tmp_path / "reference") == metrics(out)
