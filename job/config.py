@@ -319,8 +319,9 @@ class OutputConfig(Section):
     upload_timeout_seconds: float = Field(
         120.0,
         gt=0,
-        description="Remote runs: give up when the store has taken no upload for this long; the run then exits 4 "
-        "with its checkpoints kept locally, and the same command continues it and sends them.",
+        description="Remote runs: give up when a file has not reached the store this long after its first try (plus "
+        "a second per MiB of it), retries included; the run then exits 4 with its checkpoints kept locally, and the "
+        "same command continues it and sends them.",
     )
 
 

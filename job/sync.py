@@ -3,14 +3,19 @@ in the order the run asked, so the loop never waits on the network.
 
 Order is the commit protocol: a checkpoint's payload, then its manifest, then the pointer, each sent only after
 the one before it arrived, so a half-uploaded checkpoint is never visible as committed. A failed upload is
-retried with backoff; when the store has not accepted it for `timeout_s` seconds the uploader stops, keeps
-everything not yet sent in order, and says so (`error`): the run then ends with exit 4, its files kept locally.
+retried with backoff; when the store has not accepted it within `timeout_s` seconds of its first try (plus a second
+per MiB), the uploader stops, keeps everything not yet sent in order, and says so (`error`): the run then ends with
+exit 4, its files kept locally. The bound is real: each request to an asynchronous store (gcsfs) runs on fsspec's
+event loop with what is left of it, the client's own retries included, and is cancelled when it runs out or when
+the uploader is stopped.
 TensorBoard's event files grow by appends; each sync sends only the new bytes and joins them to the object in
 the store by a server-side compose where the store has one (gcsfs `merge`), else the whole file.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import hashlib
 import os
@@ -23,12 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
+from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from job.errors import one_line
 
 SNAPSHOT_BYTES = 1 << 20
 MAX_COMPOSES = 1000  # GCS allows 1,024 components per object; past this the file is sent whole once more
+SLOWEST_BYTES_PER_S = 1 << 20  # a file gets the upload timeout plus a second per MiB: slower counts as stopped
 
 
 def _file_mode() -> int:
@@ -105,6 +112,8 @@ class Uploader:
         self._deleting: set[str] = set()  # files queued for deletion, whose local copies wait for their turn
         self._stop = threading.Event()
         self._busy = False
+        self._request: concurrent.futures.Future | None = None  # a request under way to an asynchronous store
+        self._deadline = 0.0  # when the op under way must have reached the store
         self._thread = threading.Thread(target=self._work, name="job-uploader", daemon=True)
         self._thread.start()
 
@@ -154,10 +163,15 @@ class Uploader:
             return self.error is None
 
     def stop(self) -> None:
-        self._stop.set()
+        """End the thread: a request under way to an asynchronous store is cancelled, so this returns at once. A
+        local write (a Drive mount) cannot be cancelled; this waits up to a minute for it, and a thread that outlives
+        that changes nothing more (every change it makes is checked against the stop first)."""
         with self.cond:
+            self._stop.set()
+            if self._request is not None:
+                self._request.cancel()
             self.cond.notify_all()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=60)
 
     def _work(self) -> None:
         while not self._stop.is_set():
@@ -172,40 +186,79 @@ class Uploader:
             done = self._attempt(op)
             with self.cond:
                 self._busy = False
-                if done:
+                if done and not self._stop.is_set():
                     self.queue.popleft()
                 self.cond.notify_all()
             if not done:
                 return  # gave up: the rest stays queued, in order, for the caller to report
 
     def _attempt(self, op: Op) -> bool:
-        first_failure, delay = None, 0.5
+        size = len(op.data) if op.data is not None else self._size(op)
+        self._deadline, delay = time.monotonic() + self.timeout_s + size / SLOWEST_BYTES_PER_S, 0.5
         while not self._stop.is_set():
             try:
                 self._do(op)
                 return True
             except Exception as e:  # the stores' clients raise many types (HTTP, connection, timeout)
-                now = time.monotonic()
-                first_failure = first_failure or now
-                if now - first_failure >= self.timeout_s:
+                if self._stop.is_set():
+                    return False
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    why = "no answer" if isinstance(e, (TimeoutError, asyncio.TimeoutError)) else one_line(e)
                     with self.cond:
-                        self.error = f"{op.kind} {op.rel}: {one_line(e)}"
+                        self.error = f"{op.kind} {op.rel}: {why}"
                         self.cond.notify_all()
                     return False
-                self._stop.wait(min(delay, self.timeout_s))
+                self._stop.wait(min(delay, left))
                 delay = min(delay * 2, 8.0)
         return False
+
+    def _size(self, op: Op) -> int:
+        """The bytes an op sends, as far as the folder tells now."""
+        path = self.local / op.rel
+        with contextlib.suppress(OSError):
+            if op.kind == "put":
+                return path.stat().st_size
+            if op.kind == "tree" and path.is_dir():
+                return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        return 0
+
+    def _call(self, fs: fsspec.AbstractFileSystem, method: str, *args):
+        """fs.method(*args), bounded by the op's deadline and by stop(): an asynchronous store's coroutine runs on
+        its event loop with the time left and is cancelled by stop(); any other store's call runs as it is."""
+        if not isinstance(fs, AsyncFileSystem):
+            return getattr(fs, method)(*args)
+        left = max(self._deadline - time.monotonic(), 0.001)
+        coro = asyncio.wait_for(getattr(fs, f"_{method}")(*args), timeout=left)
+        with self.cond:
+            if self._stop.is_set():
+                coro.close()
+                raise concurrent.futures.CancelledError
+            self._request = request = asyncio.run_coroutine_threadsafe(coro, fs.loop)
+        try:
+            return request.result()
+        finally:
+            with self.cond:
+                self._request = None
+
+    def _send(self, fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+        if isinstance(fs, LocalFileSystem):
+            write_atomic(Path(path), data)
+        else:
+            self._call(fs, "pipe_file", path, data)
 
     def _do(self, op: Op) -> None:
         if op.kind == "delete":  # the local copy goes after the store's, so puts queued before never miss it
             fs, remote = self.place(op.rel)
             with contextlib.suppress(FileNotFoundError):
-                fs.rm_file(remote)
-            (self.local / op.rel).unlink(missing_ok=True)
+                self._call(fs, "rm_file", remote)
             with self.cond:
+                if self._stop.is_set():
+                    return
+                (self.local / op.rel).unlink(missing_ok=True)
                 self._deleting.discard(op.rel)
         elif op.kind == "put":
-            send(*self.place(op.rel), op.data if op.data is not None else (self.local / op.rel).read_bytes())
+            self._send(*self.place(op.rel), op.data if op.data is not None else (self.local / op.rel).read_bytes())
         else:
             base = self.local / op.rel
             for path in sorted(base.rglob("*")) if base.is_dir() else []:
@@ -224,7 +277,7 @@ class Uploader:
         local = isinstance(fs, LocalFileSystem)
         can_add = local or hasattr(fs, "merge")  # append to a local file, or compose in GCS
         if sent < 0 or sent > size or composes >= MAX_COMPOSES or not can_add:
-            send(fs, remote, data)  # the first time, or a store that can neither append nor compose: whole
+            self._send(fs, remote, data)  # the first time, or a store that can neither append nor compose: whole
             self.sent[rel] = (size, 0)
             return
         delta = data[sent:]
@@ -235,13 +288,13 @@ class Uploader:
             return
         # The part sits beside its object (compose needs one bucket), named so TensorBoard never reads it.
         part = f"{remote.rsplit('/', 1)[0]}/.job-part-{hashlib.sha256(rel.encode()).hexdigest()[:12]}"
-        fs.pipe_file(part, delta)
+        self._call(fs, "pipe_file", part, delta)
         try:
-            fs.merge(remote, [remote, part])
-            stored = fs.info(remote)["size"]
+            self._call(fs, "merge", remote, [remote, part])
+            stored = self._call(fs, "info", remote)["size"]
         finally:
             with contextlib.suppress(Exception):  # a part left behind is harmless; the next sync overwrites it
-                fs.rm_file(part)
+                self._call(fs, "rm_file", part)
         if stored != size:  # a retried compose can apply twice: send the file whole next time
             self.sent.pop(rel, None)
             raise OSError(f"{rel}: {stored} bytes in the store after a compose, {size} expected")

@@ -132,3 +132,49 @@ def test_an_atomic_write_makes_the_file_and_its_folder_entry_durable(tmp_path, m
     sync.write_atomic(tmp_path / "ck" / "latest.json", b"{}")
     assert (tmp_path / "ck/latest.json").read_bytes() == b"{}"
     assert synced[-1] == str(tmp_path / "ck") and len(synced) == 2  # the temporary file's data, then the folder
+
+
+def stalled_store(gcs_server, delay_s: float):
+    """A gcsfs client of the emulator behind a proxy that holds every request for `delay_s` before passing it on:
+    a store that has stopped answering, without failing."""
+    import gcsfs
+    from faultproxy import FaultProxy
+
+    proxy = FaultProxy(gcs_server, fail_rate=1.0, kinds=("delay",), delay_s=delay_s).start()
+    fs = gcsfs.GCSFileSystem(endpoint_url=proxy.url, token="anon", skip_instance_cache=True, use_listings_cache=False)
+    return proxy, fs
+
+
+def test_the_upload_timeout_bounds_a_store_that_stops_answering(bucket, gcs_server, tmp_path):
+    """output.upload_timeout_seconds is a bound on the whole wait, the store client's own retries and a request that
+    never returns included: a file gets the timeout (plus a second per MiB) from its first try, then the uploader
+    gives up with the queue kept."""
+    proxy, fs = stalled_store(gcs_server, delay_s=60)
+    try:
+        up = uploader(tmp_path, fs, f"{bucket.name}/run", timeout_s=2.0)
+        write(tmp_path, "ck/latest.json", b"{}")
+        up.put("ck/latest.json")
+        t0 = time.monotonic()
+        assert not up.wait(40)
+        assert time.monotonic() - t0 < 8
+        assert up.error.startswith("put ck/latest.json: ") and [op.rel for op in up.pending()] == ["ck/latest.json"]
+        up.stop()
+    finally:
+        proxy.stop()
+
+
+def test_stop_ends_the_upload_under_way_and_the_thread_with_it(bucket, gcs_server, tmp_path):
+    """stop() (a failed run abandoning its uploads) cancels the request in flight and returns once the uploader's
+    thread has ended: nothing it does can land after a next attempt's uploader has started."""
+    proxy, fs = stalled_store(gcs_server, delay_s=60)
+    try:
+        up = uploader(tmp_path, fs, f"{bucket.name}/run", timeout_s=120.0)
+        write(tmp_path, "ck/latest.json", b"{}")
+        up.put("ck/latest.json")
+        time.sleep(1.0)  # the request is under way, held by the store
+        t0 = time.monotonic()
+        up.stop()
+        assert time.monotonic() - t0 < 3 and not up._thread.is_alive()
+        assert [op.rel for op in up.pending()] == ["ck/latest.json"]  # still to send, by the next attempt
+    finally:
+        proxy.stop()
