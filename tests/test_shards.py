@@ -30,7 +30,7 @@ from conftest import (
 from faultproxy import FaultProxy
 
 from job.data.shards import open_shards
-from job.data.stream import Decoder, SampleStream, StreamLoader, deal
+from job.data.stream import Decoder, SampleStream, StreamLoader, deal, saved
 from job.memory import peak_tree_rss
 
 STREAM = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=shards", "data.placement=stream")]
@@ -134,7 +134,7 @@ def test_a_stream_resumed_from_any_position_goes_on_exactly(packed):
         stream = SampleStream(urls, 16, (7, 0))
         it = iter(stream)
         head = [next(it).key for _ in range(cut)]
-        place = json.loads(json.dumps(stream.position()))  # as a checkpoint keeps it
+        place = json.loads(json.dumps(saved(stream.position())))  # as a checkpoint keeps it
         rest = [s.key for s in SampleStream(urls, 16, (7, 0), place)]
         assert head + rest == [k for k, _ in whole], cut
 

@@ -63,23 +63,40 @@ class Sample:
 
 
 class ShardFile:
-    """Sequential reads of one shard from an offset; a read that fails (a dropped connection, a store's error) is
+    """Sequential reads of one shard from an offset, served from chunks of `block_size` bytes (a tar is read in
+    small pieces: a header, a member, its padding); a read that fails (a dropped connection, a store's error) is
     retried from where it stopped, READ_RETRIES times, before the store's error is raised."""
 
     def __init__(self, url: str, offset: int = 0, block_size: int = 8 << 20) -> None:
         self.url, self.pos, self.block_size = url, offset, block_size
         self.fs, self.path = filesystem(url)
         self.f = None
+        self.chunk, self.used = b"", 0  # bytes read ahead of pos, and how many of them were handed out
 
     def read(self, n: int) -> bytes:
+        if n < 0:
+            raise ValueError("ShardFile.read needs a size")
+        if self.used == len(self.chunk) and n >= self.block_size:  # a large read: no copy through the chunk
+            data = self._read_raw(n)
+            self.pos += len(data)
+            return data
+        if self.used + n > len(self.chunk):
+            rest = self.chunk[self.used :]
+            self.chunk, self.used = rest + self._read_raw(max(n - len(rest), self.block_size)), 0
+        data = self.chunk[self.used : self.used + n]
+        self.used += len(data)
+        self.pos += len(data)
+        return data
+
+    def _read_raw(self, n: int) -> bytes:
+        """n bytes (fewer at the end) from where the chunk ends."""
+        at = self.pos + len(self.chunk) - self.used
         for attempt in range(READ_RETRIES + 1):
             try:
                 if self.f is None:
                     self.f = self.fs.open(self.path, "rb", block_size=self.block_size)
-                    self.f.seek(self.pos)
-                data = self.f.read(n)
-                self.pos += len(data)
-                return data
+                    self.f.seek(at)
+                return self.f.read(n)
             except (FileNotFoundError, PermissionError):
                 raise
             except Exception as e:  # the stores' clients raise many types
@@ -122,7 +139,7 @@ def members(f: ShardFile, url: str) -> Iterator[tuple[int, str, bytes]]:
         header = f.read(BLOCK)
         if len(header) < BLOCK or header == bytes(BLOCK):
             return
-        if sum(header[:148]) + 256 + sum(header[156:]) != octal(header[148:156]):
+        if sum(header) - sum(header[148:156]) + 256 != octal(header[148:156]):
             raise DataError(f"{url}: not a readable tar shard (a bad header at byte {at}: truncated or corrupt?)")
         size, kind = octal(header[124:136]), header[156:157]
         data = f.read(size)

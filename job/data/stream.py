@@ -90,13 +90,10 @@ class SampleStream:
             self.shard, self.offset, self.draws = at["shard"], at["offset"], at["draws"]
             self.buffer = refill(urls, at["buffer"])
 
-    def position(self) -> dict:
-        return {
-            "shard": self.shard,
-            "offset": self.offset,
-            "draws": self.draws,
-            "buffer": [[s.shard, s.start, s.end] for s in self.buffer],
-        }
+    def position(self) -> tuple:
+        """Where the stream stands, cheaply (taken after every batch): the buffer's samples as they are now.
+        `saved()` turns it into what a checkpoint keeps."""
+        return self.shard, self.offset, self.draws, tuple(self.buffer)
 
     def draw(self, n: int) -> int:
         self.draws += 1
@@ -137,6 +134,12 @@ class SampleStream:
         finally:
             if fetch:
                 fetch.close()
+
+
+def saved(position: tuple) -> dict:
+    """A stream position as a checkpoint holds it: the buffer as references to its samples' bytes."""
+    shard, offset, draws, buffer = position
+    return {"shard": shard, "offset": offset, "draws": draws, "buffer": [[s.shard, s.start, s.end] for s in buffer]}
 
 
 class ShardPrefetch:
@@ -331,7 +334,7 @@ class StreamLoader:
         self.mean = mean.to(device).view(1, -1, 1, 1) if mean is not None else None
         self.std = std.to(device).view(1, -1, 1, 1) if std is not None else None
         self.ahead = max(ahead, 2 * decoder.workers + 1)
-        self.last_position: dict | None = None
+        self.last_position: tuple | None = None
         self.saved: tuple[int, int, dict] | None = None
 
     def __len__(self) -> int:
@@ -360,7 +363,7 @@ class StreamLoader:
         self.saved = (epoch, step, position) if position is not None else None
 
     def position(self) -> dict | None:
-        return self.last_position
+        return saved(self.last_position) if self.last_position is not None else None
 
     def urls(self, epoch: int) -> list[str]:
         hand = self.hands[self.rank]
