@@ -42,7 +42,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
         loader = step = None
         try:
             loader = r.feed.train(batch)
-            step = build_step(r, sums, capture)  # no schedule: built without loaders
+            step = build_step(r, sums, capture, own_model=":" in cfg.model.name)  # no schedule: built without loaders
             count = 2 + (step.warmup if isinstance(step, CudaGraphStep) else 0)
             for _ in range(count):
                 x, y = next(loader.batches())

@@ -407,10 +407,13 @@ def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> float:
         model.train(was_training)
 
 
-def build_step(r: Recipe, sums: torch.Tensor, capture: str, step_flops: float = float("inf"), model=None) -> EagerStep:
+def build_step(
+    r: Recipe, sums: torch.Tensor, capture: str, step_flops: float = float("inf"), model=None, own_model: bool = False
+) -> EagerStep:
     """The recipe's step for its device, adding each step's loss to `sums`: captured when `capture` is auto and it can
     be, else eager (its description says). `model`: what the step calls, when not the recipe's own model (a
-    DistributedDataParallel or compiled wrapper of it); `step_flops`: a forward pass's cost (CPU: trace if small)."""
+    DistributedDataParallel or compiled wrapper of it); `step_flops`: a forward pass's cost (CPU: trace if small).
+    `own_model`: the user's own class, captured only when `capture` is on (auto leaves it eager, and says why)."""
     device, scaler = r.device, r.scaler
     args = (model if model is not None else r.model, r.optimizer, r.scheduler, scaler, r.amp, sums)
     how = {"accumulate": r.accumulate}
@@ -418,12 +421,18 @@ def build_step(r: Recipe, sums: torch.Tensor, capture: str, step_flops: float = 
         step = EagerStep(*args, **how)
         step.description = "eager (train.step_capture off)"
         return step
-    if device.type == "cuda":
-        return CudaGraphStep(*args, **how)
-    if device.type == "cpu" and step_flops < SMALL_STEP_FLOPS and r.precision == "fp32":
-        return CpuTracedStep(*args, **how)
+    traced = device.type == "cpu" and step_flops < SMALL_STEP_FLOPS and r.precision == "fp32"
     step = EagerStep(*args, **how)
-    if device.type == "cpu" and scaler.is_enabled():
+    if (device.type == "cuda" or traced) and own_model and capture == "auto":
+        step.description = (
+            "eager (a model of your own: a captured step replays what its forward did in Python when captured, a "
+            "random.random() draw or a counter, frozen; train.step_capture=on captures it when it does neither)"
+        )
+    elif device.type == "cuda":
+        return CudaGraphStep(*args, **how)
+    elif traced:
+        return CpuTracedStep(*args, **how)
+    elif device.type == "cpu" and scaler.is_enabled():
         step.description = "eager (fp16's loss scaler on a CPU)"
     elif device.type == "cpu" and step_flops < SMALL_STEP_FLOPS:  # the check against the eager step would refuse it
         step.description = f"eager ({r.precision} on a CPU: a traced step would round differently from the eager one)"

@@ -242,7 +242,8 @@ def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerS
     model = distributed.wrap(r.model, r.device)
     model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
     capture = "off" if t.compile or model is not r.model else t.step_capture
-    step = build_step(r, log.sums, capture, step_flops, model=model)
+    own = ":" in cfg.model.name  # a user's package.module:Class (registered and torchvision models are known safe)
+    step = build_step(r, log.sums, capture, step_flops, model=model, own_model=own)
     if t.compile:
         step.description = "the compiled model in eager steps (step capture is off with torch.compile)"
     elif model is not r.model:

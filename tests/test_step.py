@@ -52,8 +52,24 @@ def test_traced_cpu_step_trains_exactly_as_the_eager_step(tmp_path, capsys, over
 
 
 MODELS = '''
+import random
+
 import torch
 from torch import nn
+
+
+class Skippy(nn.Module):
+    """Stochastic depth drawn in Python: each training step takes its second layer with probability 1/2."""
+
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 16), nn.Linear(16, 16), nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.training and random.random() < 0.5:
+            h = h + torch.relu(self.b(h))
+        return self.c(h)
 
 
 class Branchy(nn.Module):
@@ -94,7 +110,7 @@ def user_models(tmp_path, monkeypatch):
 
 def test_a_model_that_reads_its_data_on_the_host_runs_eagerly_and_says_why(tmp_path, capsys, user_models):
     _, w_eager, _ = train(tmp_path, "eager", ["model.name=stepmodels:Branchy", "train.step_capture=off"], capsys)
-    _, w_auto, said = train(tmp_path, "auto", ["model.name=stepmodels:Branchy"], capsys)
+    _, w_auto, said = train(tmp_path, "auto", ["model.name=stepmodels:Branchy", "train.step_capture=on"], capsys)
     assert "step: eager (the step could not be traced:" in said
     assert "the model reads its data's values on the host" in said
     for k in w_eager:
@@ -104,11 +120,23 @@ def test_a_model_that_reads_its_data_on_the_host_runs_eagerly_and_says_why(tmp_p
 def test_batch_norm_and_dropout_train_the_same_captured_or_not(tmp_path, capsys, user_models):
     overrides = ["model.name=stepmodels:Noisy", "data.batch_size=40"]
     _, w_eager, _ = train(tmp_path, "eager", [*overrides, "train.step_capture=off"], capsys)
-    _, w_auto, said = train(tmp_path, "auto", overrides, capsys)
-    assert "step: fp32; " in said
+    _, w_auto, said = train(tmp_path, "auto", [*overrides, "train.step_capture=on"], capsys)
+    assert "step: fp32; traced on the CPU" in said
     assert "running_mean" in " ".join(w_auto)  # the buffers are saved, and moved as in eager training
     for k in w_eager:
         assert torch.equal(w_eager[k], w_auto[k]), k
+
+
+def test_a_model_of_your_own_is_captured_only_when_asked(tmp_path, capsys, user_models):
+    """A forward that draws in Python (stochastic depth by random.random()) would replay one frozen draw as a traced
+    or captured step: a user's model runs eagerly under auto, trains exactly as with capture off, and says why."""
+    _, w_eager, _ = train(tmp_path, "eager", ["model.name=stepmodels:Skippy", "train.step_capture=off"], capsys)
+    _, w_auto, said = train(tmp_path, "auto", ["model.name=stepmodels:Skippy"], capsys)
+    assert "step: fp32; eager (a model of your own:" in said and "train.step_capture=on captures it" in said
+    for k in w_eager:
+        assert torch.equal(w_eager[k], w_auto[k]), k
+    _, _, said = train(tmp_path, "on", ["model.name=stepmodels:Noisy", "train.step_capture=on"], capsys)
+    assert "step: fp32; traced on the CPU" in said
 
 
 def test_cpu_threads_one_for_a_small_model_else_as_set(tmp_path, capsys):
