@@ -29,6 +29,7 @@ IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 INDEX = "index.json"
 CLASSES = "classes.txt"
 BLOCK = 512
+ZERO_BLOCK = bytes(BLOCK)
 READ_RETRIES = 5  # a read that fails mid-shard is retried from where it stopped this many times
 
 
@@ -88,6 +89,18 @@ class ShardFile:
         self.pos += len(data)
         return data
 
+    def ahead(self, n: int) -> tuple[bytes, int]:
+        """The chunk and where in it pos stands, holding n bytes from pos on (fewer only at the end of the shard):
+        a parser reads them in place and then skip()s past them."""
+        if self.used + n > len(self.chunk):
+            rest = self.chunk[self.used :]
+            self.chunk, self.used = rest + self._read_raw(max(n - len(rest), self.block_size)), 0
+        return self.chunk, self.used
+
+    def skip(self, n: int) -> None:
+        self.used += n
+        self.pos += n
+
     def _read_raw(self, n: int) -> bytes:
         """n bytes (fewer at the end) from where the chunk ends."""
         at = self.pos + len(self.chunk) - self.used
@@ -132,20 +145,24 @@ def pax_path(data: bytes) -> str | None:
 
 
 def members(f: ShardFile, url: str) -> Iterator[tuple[int, str, bytes]]:
-    """(header offset, name, contents) of each regular file of a tar read from f's position, until its end."""
+    """(header offset, name, contents) of each regular file of a tar read from f's position, until its end. Parsed
+    in place in f's chunk (a member costs a few microseconds of the process that reads the stream)."""
     long_name = None
     while True:
         at = f.pos
-        header = f.read(BLOCK)
-        if len(header) < BLOCK or header == bytes(BLOCK):
+        buf, i = f.ahead(BLOCK)
+        header = buf[i : i + BLOCK]
+        if len(header) < BLOCK or header == ZERO_BLOCK:
             return
         if sum(header) - sum(header[148:156]) + 256 != octal(header[148:156]):
             raise DataError(f"{url}: not a readable tar shard (a bad header at byte {at}: truncated or corrupt?)")
         size, kind = octal(header[124:136]), header[156:157]
-        data = f.read(size)
+        whole = BLOCK + size + (-size % BLOCK)
+        buf, i = f.ahead(whole)
+        data = buf[i + BLOCK : i + BLOCK + size]
         if len(data) < size:
             raise DataError(f"{url}: truncated (a member ends past the end of the file at byte {at})")
-        f.read(-size % BLOCK)
+        f.skip(min(whole, len(buf) - i))
         if kind in (b"x", b"L"):  # a pax or GNU header naming the next member
             long_name = pax_path(data) if kind == b"x" else data.rstrip(b"\0").decode("utf-8", "surrogateescape")
             continue
@@ -205,16 +222,14 @@ class InMemory(ShardFile):
     """Bytes of a shard from `base` on (a download, or one sample's range), read like the file."""
 
     def __init__(self, data: bytes, base: int) -> None:
-        self.data, self.base, self.pos = data, base, base
+        self.url, self.pos, self.block_size, self.f = "", base, len(data) + 1, None
+        self.chunk, self.used = data, 0
 
-    def read(self, n: int) -> bytes:
-        lo = self.pos - self.base
-        out = self.data[lo : lo + n]
-        self.pos += len(out)
-        return out
+    def _read_raw(self, n: int) -> bytes:
+        return b""  # all there is is in the chunk
 
     def close(self) -> None:
-        self.data = b""
+        self.chunk, self.used = b"", 0
 
 
 @dataclass
