@@ -127,7 +127,7 @@ class DataConfig(Section):
     workers: int | Literal["auto"] = Field(
         "auto",
         description="shards, streamed: image-decoding processes (0: decode in the training process); "
-        "auto: one per CPU core but one, at most 8.",
+        "auto: one per CPU core but one, at most 8; 0 when training on a CPU of two cores or fewer.",
     )
 
     @field_validator("batch_size", mode="before")

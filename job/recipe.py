@@ -21,6 +21,7 @@ from job.data.loader import BatchLoader, View, channel_stats, choose_placement
 from job.data.stream import StreamData, StreamLoader, first_images, held_decoder
 from job.env import resolve_precision
 from job.errors import ConfigError
+from job.memory import available_host_memory
 from job.models import build_model
 from job.report import say
 from job.storage import cache_dir
@@ -108,7 +109,7 @@ class Feed:
         self.stream = data if isinstance(data, StreamData) else None
         if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
             self.held_on = None
-            self.decoder = held_decoder(d)
+            self.decoder = held_decoder(d, device.type)
             self.mean, self.std = normalization(cfg, data, self.decoder)
             n = data.shards.samples("train")
             self.batch_size = n if d.batch_size == "full" else d.batch_size
@@ -190,7 +191,10 @@ class Feed:
     def test(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader | StreamLoader:
         """Test batches of data.eval_batch_size, else of the training batch size."""
         if self.stream is not None:
-            return self.streamed("test", self.cfg.data.eval_batch_size or batch, rank, world)
+            # Read the same way at every evaluation: kept decoded after its first pass if it takes a small share of
+            # the host's memory (a sixteenth of what is available), so evaluations decode nothing again.
+            keep = int(available_host_memory() / 16)
+            return self.streamed("test", self.cfg.data.eval_batch_size or batch, rank, world, keep_bytes=keep)
         return BatchLoader(
             self.test_split,
             self.cfg.data.eval_batch_size or batch,

@@ -30,7 +30,7 @@ from conftest import (
 from faultproxy import FaultProxy
 
 from job.data.shards import open_shards
-from job.data.stream import Decoder, SampleStream, StreamLoader, deal, saved
+from job.data.stream import Decoder, SampleStream, StreamLoader, auto_workers, deal, saved
 from job.memory import peak_tree_rss
 
 STREAM = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=shards", "data.placement=stream")]
@@ -407,3 +407,46 @@ def test_tensorboard_shows_when_the_input_is_the_bottleneck(tmp_path):
     assert list(wait) == list(step_time) == list(range(5, 41, 5))  # 80 samples: 20 steps an epoch
     assert all(0 < wait[s] <= step_time[s] for s in wait)
     assert all(wait[s] > 0.6 * step_time[s] for s in wait if s > 5), (wait, step_time)  # the first: warm-up
+
+
+def test_decoding_processes_follow_the_cores_and_what_trains_on_them():
+    """auto: a process per core but one (at most 8); none when a CPU of two cores trains, where a decoding process
+    only adds copies and contention to the same cores' work (bench/stream.py measured it)."""
+    assert auto_workers("auto", "cpu", cores=2) == 0
+    assert auto_workers("auto", "cpu", cores=1) == 0
+    assert auto_workers("auto", "cuda", cores=2) == 1  # a GPU trains: the host's cores are free to decode
+    assert auto_workers("auto", "cpu", cores=4) == 3
+    assert auto_workers("auto", "cuda", cores=64) == 8
+    assert auto_workers("auto", None, cores=2) == 1  # decoding a data set into memory before training
+    assert auto_workers(3, "cpu", cores=2) == 3
+
+
+def test_the_test_split_is_kept_decoded_after_its_first_pass_when_small(packed, tmp_path):
+    """A split read the same way at every pass (the test split) is replayed from memory once it has been read
+    whole, when it fits the bytes allowed; shards gone after the first pass show it reads nothing again. Processes
+    whose shards run out feed their last batch again, kept as such."""
+    copy = tmp_path / "shards"
+    shutil.copytree(packed, copy)
+    shards = open_shards(str(copy), None, lambda line: None).splits["test"]  # 15 samples in 2 shards
+    decoder = Decoder(0, None)
+    for world in (1, 2):
+        loaders = [
+            StreamLoader(shards, 4, torch.device("cpu"), decoder, rank=r, world=world, keep_bytes=1 << 20)
+            for r in range(world)
+        ]
+        first = [[(x.clone(), y.clone()) for x, y in loader.batches()] for loader in loaders]
+        stored = {url: Path(url).read_bytes() for url in (s.url for s in shards)}
+        for url in stored:
+            Path(url).unlink()
+        again = [list(loader.batches(1)) for loader in loaders]
+        for a, b in zip(first, again):
+            assert len(a) == len(b) == len(loaders[0])
+            assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+        for url, data in stored.items():
+            Path(url).write_bytes(data)
+    small = StreamLoader(shards, 4, torch.device("cpu"), decoder, keep_bytes=100)  # a batch is 4x3x16x16 bytes
+    list(small.batches())
+    assert small.kept is None
+    shuffled = StreamLoader(shards, 4, torch.device("cpu"), decoder, shuffle=True, keep_bytes=1 << 20)
+    list(shuffled.batches())
+    assert shuffled.kept is None  # another order each epoch: read again

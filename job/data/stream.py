@@ -190,26 +190,28 @@ def decode(items: list[tuple[str, str, bytes]], size: int | None, fit: bool = Fa
     from torchvision.transforms.v2.functional import center_crop, resize
 
     out = None
-    for n, (name, _, data) in enumerate(items):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torchvision's notice that its decoders move to another package
-                img = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        except RuntimeError as e:
-            raise DataError(f"cannot decode image {name}: {one_line(e)}") from None
-        if size is not None and tuple(img.shape[1:]) != (size, size):
-            if fit:
-                img = center_crop(resize(img, size, antialias=True), [size, size])
-            else:
-                img = resize(img, [size, size], antialias=True)
-        if out is None:
-            out = np.empty((len(items), *img.shape), dtype=np.uint8)
-        elif img.shape != out.shape[1:]:
-            raise DataError(
-                f"images differ in size ({tuple(out.shape[2:])} and {tuple(img.shape[1:])}, e.g. {name}); "
-                "set data.image_size"
-            )
-        out[n] = img.numpy()
+    with warnings.catch_warnings():  # once a batch: entering it costs as much as a small image's decoding
+        # torchvision's notice that its decoders move to another package; and torch's, that a tensor over bytes is
+        # not writable (the decoder only reads it: no copy)
+        warnings.simplefilter("ignore")
+        for n, (name, _, data) in enumerate(items):
+            try:
+                img = decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
+            except RuntimeError as e:
+                raise DataError(f"cannot decode image {name}: {one_line(e)}") from None
+            if size is not None and tuple(img.shape[1:]) != (size, size):
+                if fit:
+                    img = center_crop(resize(img, size, antialias=True), [size, size])
+                else:
+                    img = resize(img, [size, size], antialias=True)
+            if out is None:
+                out = np.empty((len(items), *img.shape), dtype=np.uint8)
+            elif img.shape != out.shape[1:]:
+                raise DataError(
+                    f"images differ in size ({tuple(out.shape[2:])} and {tuple(img.shape[1:])}, e.g. {name}); "
+                    "set data.image_size"
+                )
+            out[n] = img.numpy()
     return out
 
 
@@ -268,10 +270,16 @@ def decoded(future: Future, names: tuple[str, str]) -> np.ndarray:
         ) from None
 
 
-def auto_workers(setting: int | str) -> int:
+def auto_workers(setting: int | str, device: str | None = None, cores: int | None = None) -> int:
+    """Decoding processes for data.workers: as set, or one per core but one (at most 8). Training on a CPU of two
+    cores or fewer decodes in the training process: the cores are all training's already, and a decoding process
+    adds its copies and its contention to the same work (measured: docs/benchmarks.md)."""
     if setting != "auto":
         return int(setting)
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
+    cores = cores or os.cpu_count() or 2
+    if device == "cpu" and cores <= 2:
+        return 0
+    return max(1, min(8, cores - 1))
 
 
 @dataclass
@@ -317,8 +325,13 @@ class StreamLoader:
         ahead: int = 4,
         view: View | None = None,
         resized_crops: bool = False,
+        keep_bytes: int = 0,
     ) -> None:
         self.shards, self.device, self.decoder = shards, device, decoder
+        # A split read the same way every pass (no shuffle, no augmentation: the test split) whose decoded images
+        # take at most keep_bytes is kept decoded after its first whole pass, and replayed from memory.
+        self.keep_bytes = keep_bytes if not (shuffle or crop_padding or hflip or resized_crops) else 0
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.view, self.resized_crops = view, resized_crops
         self.seed, self.shuffle, self.buffer, self.drop_last = seed, shuffle, buffer if shuffle else 0, drop_last
         self.crop_padding, self.hflip, self.rank, self.world = crop_padding, hflip, rank, world
@@ -379,6 +392,13 @@ class StreamLoader:
             if self.saved is None or self.saved[:2] != (epoch, start):
                 raise DataError(f"no saved stream position for step {start} of epoch {epoch + 1}")
             at = self.saved[2]
+        if self.kept is not None:
+            for x, y in self.kept[start:]:
+                x, y = self.place(x, y)
+                yield to_float(x, self.layout, self.mean, self.std, self.view, None), y
+            return
+        record: list | None = [] if self.keep_bytes and not start else None
+        record_bytes = 0
         key = (epoch_seed(self.seed, epoch), self.rank)
         urls = self.urls(epoch)
         stream = SampleStream(urls, self.buffer, key, at)
@@ -400,20 +420,29 @@ class StreamLoader:
                     group_names.append((items[0][0], items[-1][0]))
                 if pending:
                     future, labels, position = pending.popleft()
-                    x, y = self.place(torch.from_numpy(decoded(future, group_names.popleft())), labels)
+                    images = torch.from_numpy(decoded(future, group_names.popleft()))
+                    if record is not None:
+                        record.append((images, labels))
+                        record_bytes += images.nbytes
+                        record = record if record_bytes <= self.keep_bytes else None
+                    x, y = self.place(images, labels)
                     x, boxes = self.augment(x, epoch, i)
                     last = (to_float(x, self.layout, self.mean, self.std, self.view, boxes), y)
                     self.last_position = position
                 elif last is None:
                     return
+                elif record is not None:
+                    record.append(record[-1])  # replayed as it was fed: the last batch again
                 yield last  # a process whose shards ran out feeds its last batch again, at loss weight 0
                 i += 1
+            if record is not None:
+                self.kept = record
         finally:
             for future, _, _ in pending:
                 future.cancel()
 
     def place(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.pin:
+        if self.pin and not x.is_pinned():
             x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
@@ -460,9 +489,10 @@ def load_shards(cfg, cache, log) -> StreamData | Dataset:
     return Dataset(splits[0], splits[1], shards.classes, f"shards {cfg.path}")
 
 
-def held_decoder(cfg) -> Decoder:
-    """The decoder of data.workers processes that makes images the size they are held at (held_size)."""
-    return Decoder(auto_workers(cfg.workers), held_size(cfg), fit=cfg.resize_size is not None)
+def held_decoder(cfg, device: str | None = None) -> Decoder:
+    """The decoder of data.workers processes that makes images the size they are held at (held_size); `device`:
+    the training device's type, when it trains while decoding."""
+    return Decoder(auto_workers(cfg.workers, device), held_size(cfg), fit=cfg.resize_size is not None)
 
 
 def held_size(cfg) -> int | None:
