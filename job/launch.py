@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from job.errors import ConfigError, JobError
+from job.errors import ConfigError, JobError, one_line
 from job.report import say
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
@@ -168,7 +168,9 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
     """Run `python -m job train` with the options and --set overrides in plan.nproc_per_node processes on this node
     until they end; returns the exit code the job ends with: 0, 75 when they stopped with a checkpoint, the first
     worker's user-error code, 130 for a cancel, else 1 (a worker that crashed or died, named in one line)."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -178,7 +180,7 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
         run_id=os.environ.get("JOB_RDZV_ID", "job") if plan.nnodes > 1 else uuid.uuid4().hex,
         rdzv_backend="static" if plan.nnodes > 1 else "c10d",
         rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_configs={"rank": plan.node_rank} if plan.nnodes > 1 else {},
+        rdzv_configs={"rank": plan.node_rank, "timeout": meeting_timeout()} if plan.nnodes > 1 else {},
         max_restarts=0,  # a failed worker ends the attempt; the same command continues from the checkpoint
         monitor_interval=0.1,
         signals_to_handle="",  # the job forwards signals itself (module docstring)
@@ -191,7 +193,22 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
             elastic_launch(config, sys.executable)("-m", "job", "train", *worker_args(options, overrides))
         except ChildFailedError as e:
             return group_exit_code(e.failures)
+        except (DistError, RendezvousError) as e:  # only the meeting talks to other machines outside the workers
+            raise JobError(
+                f"the machines did not meet within {config.rdzv_configs.get('timeout', 900)} s at "
+                f"{plan.master_addr}:{plan.master_port} ({one_line(e)[:160]}): start all {plan.nnodes} with the same "
+                "--nnodes, --master-addr and --master-port and each its own --node-rank (JOB_RDZV_TIMEOUT sets the "
+                "wait); the run is as it was, so run the same command again once they can reach each other"
+            ) from None
     return 0
+
+
+def meeting_timeout() -> int:
+    """Seconds the machines of a group wait for each other at the meeting point: JOB_RDZV_TIMEOUT, else 900."""
+    seconds = number(dict(os.environ), "JOB_RDZV_TIMEOUT", 900)
+    if seconds <= 0:
+        raise ConfigError(f"JOB_RDZV_TIMEOUT={seconds}: expected a positive number of seconds")
+    return seconds
 
 
 def worker_args(options: dict[str, str | bool], overrides: list[str]) -> list[str]:

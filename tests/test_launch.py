@@ -243,3 +243,18 @@ def test_one_machine_on_a_platform_meets_on_this_machine():
     assert plan_of({"CLUSTER_SPEC": json.dumps(spec)}, nproc_per_node="2") == Launch(2)
     sky = {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "10.0.0.5", "SKYPILOT_NUM_NODES": "1"}
     assert plan_of(sky | {"SKYPILOT_NUM_GPUS_PER_NODE": "4"}, nproc_per_node="auto") == Launch(1)  # --device cpu
+
+
+@pytest.mark.parametrize("node_rank", ["0", "1"])
+def test_a_machine_that_never_comes_is_one_line_after_the_meeting_timeout(tmp_path, node_rank):
+    """One of two machines started alone: the first waits at the meeting point, the second for it, each for
+    JOB_RDZV_TIMEOUT seconds; then one line saying the group did not meet and how to fix it, exit 1, no trace."""
+    port = str(free_port())
+    alone = ["--nnodes", "2", "--node-rank", node_rank, "--master-addr", "127.0.0.1", "--master-port", port]
+    got = run_job(*TWO[:-1], "1", *alone, "--output", str(tmp_path / "run"), env={"JOB_RDZV_TIMEOUT": "3"}, timeout=60)
+    assert got.returncode == 1, got.stderr[-2000:]
+    assert "Traceback" not in got.stderr, got.stderr[-2000:]
+    last = got.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the machines did not meet within 3 s at 127.0.0.1:" + port), last
+    assert "--node-rank" in last and "JOB_RDZV_TIMEOUT" in last
+    assert not (tmp_path / "run").exists()
