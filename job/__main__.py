@@ -1,5 +1,28 @@
-"""`python -m job`: the command line."""
+"""`python -m job`: the command line, in a process of its own.
+
+Once the command is done the process ends at once: after `import torch`, the interpreter's own teardown spends about
+a second freeing objects (0.9 s of a 5 s Iris run measured on a 2-core CPU) that the operating system takes back at
+exit anyway. Everything the command writes is closed by then; the exit handlers run, the decoding processes are
+stopped and the streams flushed first. An error that escapes the command (a bug) ends the usual way, with its
+traceback.
+"""
+
+import atexit
+import os
+import sys
 
 from job.cli import main
 
-main()
+try:
+    main()
+    code = 0
+except SystemExit as e:
+    if e.code is not None and not isinstance(e.code, int):
+        raise
+    code = e.code or 0
+if stream := sys.modules.get("job.data.stream"):
+    stream.close_pools()
+atexit._run_exitfuncs()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)

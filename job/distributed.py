@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from job import checkpoint, errors
-from job.env import pick_device
+from job.env import pick_device, process_seed, seed_everything
 from job.errors import ConfigError, Interrupted, JobError, one_line
 from job.stop import StopRequest
 
@@ -108,6 +108,16 @@ def finish(together: bool = False) -> None:
                 dist.monitored_barrier(group=_control, timeout=timedelta(seconds=120))
         dist.destroy_process_group()
     _control = None
+
+
+def seed_own(seed: int, deterministic: bool, step: int = 0, saved: list | None = None) -> None:
+    """Each process's own random stream from here on (dropout masks differ from process to process): its state in
+    `saved` (a checkpoint's, by rank) when a group of this size saved it; else, for ranks but 0, a stream seeded from
+    (seed, rank, step), not one that process 0 draws from already. Rank 0, or a process alone, keeps its stream."""
+    if saved and len(saved) == world():
+        checkpoint.set_rng_state(saved[rank()])
+    elif rank():
+        seed_everything(process_seed(seed, rank(), step), deterministic)
 
 
 def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

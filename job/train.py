@@ -18,7 +18,7 @@ import torch
 from job import checkpoint, distributed, recipe
 from job.attempts import Attempt
 from job.config import Config, flat_items, to_yaml
-from job.env import describe_device, pick_device, process_seed, seed_everything
+from job.env import describe_device, pick_device, seed_everything
 from job.errors import Cancelled, CheckpointError, ConfigError, Interrupted, StorageError, exit_code
 from job.evaluate import test_sums
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
@@ -127,8 +127,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
     data = recipe.read_data(cfg)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
-    if distributed.rank():  # the model is built alike everywhere; from here each process draws its own randomness
-        seed_everything(process_seed(cfg.seed, distributed.rank()), cfg.train.deterministic)
+    distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
     found = distributed.share_checkpoint(lambda: open_run(run_dir, req, cfg))
     if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs and has_results(run_dir):
         return complete(cfg, run_dir, found)
@@ -204,11 +203,7 @@ def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed
     """The recipe's state and the loop's position from a checkpoint; each process's own random stream."""
     payload, _ = found
     checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler)
-    rank, own = distributed.rank(), payload.get("rng_ranks")
-    if own is not None and len(own) == distributed.world():
-        checkpoint.set_rng_state(own[rank])
-    elif rank:  # saved by a group of another size: a stream of its own, not one that process 0 drew from already
-        seed_everything(process_seed(seed, rank, payload["progress"]["step"]), deterministic=False)
+    distributed.seed_own(seed, False, payload["progress"]["step"], payload.get("rng_ranks"))
     recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
     saved = dict(payload["progress"])
     log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
@@ -325,7 +320,7 @@ def save(loop: Loop) -> None:
     sums = distributed.gather(loop.log.sums).tolist()  # one row per process
     streamed = getattr(loop.r.train, "position", None)  # a stream's place in the epoch, one per process
     places = distributed.gather_objects(streamed()) if streamed and loop.state.epoch_step else None
-    rngs = distributed.gather_objects(checkpoint.rng_state()) if distributed.world() > 1 else None
+    rngs = distributed.gather_objects(checkpoint.rng_state()) if distributed.world() > 1 else []
     distributed.on_writer(lambda: commit(loop, sums, places, rngs))
 
 
@@ -339,6 +334,7 @@ def accumulated(loop: Loop) -> dict:
 
 
 def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None, rngs: list | None = None) -> None:
+    """Rank 0 commits the checkpoint: `rngs`, every process's RNG state in a group (kept by rank)."""
     cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
     for window in loop.log.ready(wait=True):
         report.loss(*window)
@@ -346,8 +342,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     progress = {**asdict(state), "loss_sums": loss_sums, **({"stream": places} if places else {}), **accumulated(loop)}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump())
-    if rngs is not None:
-        payload["rng_ranks"] = rngs  # each process's own random stream, by rank
+    payload |= {"rng_ranks": rngs} if rngs else {}
     t = cfg.train
     checkpoint.commit(
         loop.run_dir,
