@@ -7,11 +7,7 @@ stopped and the streams flushed first. An error that escapes the command (a bug)
 traceback.
 """
 
-import atexit
-import os
-import sys
-
-from job.cli import main
+from job.cli import end_process, main
 
 try:
     main()
@@ -20,9 +16,4 @@ except SystemExit as e:
     if e.code is not None and not isinstance(e.code, int):
         raise
     code = e.code or 0
-if stream := sys.modules.get("job.data.stream"):
-    stream.close_pools()
-atexit._run_exitfuncs()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
+end_process(code)

@@ -24,6 +24,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     """The largest batch size that trains on the device; a dict with the search's trials."""
     from job import recipe
     from job.env import describe_device, pick_device, seed_everything
+    from job.models import own_class
     from job.report import say
     from job.step import CudaGraphStep, build_step
 
@@ -42,7 +43,8 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
         loader = step = None
         try:
             loader = r.feed.train(batch)
-            step = build_step(r, sums, capture, own_model=":" in cfg.model.name)  # no schedule: built without loaders
+            # no schedule: built without loaders
+            step = build_step(r, sums, capture, own_model=own_class(cfg.model.name))
             count = 2 + (step.warmup if isinstance(step, CudaGraphStep) else 0)
             for _ in range(count):
                 x, y = next(loader.batches())

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import typer
 
@@ -244,10 +245,19 @@ def main() -> None:
     if is_worker():  # a worker of a group, its files written and its group left
         # Past this point only the interpreter's teardown remains, where the group's transport threads can abort a
         # process that has finished ("terminate called without an active exception": exit -6 in place of 75).
-        # What that teardown would also have done: stop the decoding processes, which hold this one's stderr.
-        if stream := sys.modules.get("job.data.stream"):
-            stream.close_pools()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code or 0)
+        end_process(code or 0, exit_handlers=False)
     sys.exit(code or 0)
+
+
+def end_process(code: int, exit_handlers: bool = True) -> NoReturn:
+    """End this process now, without the interpreter's teardown, having done what of it matters: stop the decoding
+    processes (they hold this one's stderr), run the exit handlers (unless told not to), flush the streams."""
+    import atexit
+
+    if stream := sys.modules.get("job.data.stream"):
+        stream.close_pools()
+    if exit_handlers:
+        atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -184,11 +184,10 @@ def combined_signal(received: int) -> Callable[[], int]:
     """Start finding the highest signal number any process was sent (0: none), a gloo reduction of one integer on
     the host; returns what waits for it. Every process starts these in the same order, so they pair up."""
     flag = torch.tensor([received], dtype=torch.int64)
-    work: list[Any] = []
-    peer_call(lambda: work.append(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_control, async_op=True)))
+    work = peer_call(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=_control, async_op=True)
 
     def result() -> int:
-        peer_call(work[0].wait)
+        peer_call(work.wait)
         return int(flag[0])
 
     return result
@@ -262,11 +261,11 @@ def rebuild(header: dict) -> BaseException:
     )
 
 
-def peer_call(fn: Callable, *args, **kwargs) -> None:
+def peer_call(fn: Callable[..., T], *args, **kwargs) -> T:
     """A collective whose failure means another process is gone: one line and exit 75 here, no traceback (the
-    process that failed reports its own fault; torchrun names it)."""
+    process that failed reports its own fault; torchrun names it). Returns what `fn` does (an async op's work)."""
     try:
-        fn(*args, **kwargs)
+        return fn(*args, **kwargs)
     except RuntimeError as e:  # DistBackendError and gloo's connection errors are RuntimeErrors
         raise Interrupted(
             f"rank {rank()}: another process of the run is gone ({one_line(e)[:160]}); the last committed "

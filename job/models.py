@@ -78,9 +78,14 @@ def torchvision_models() -> tuple[str, ...]:
     return tuple(torchvision.models.list_models(module=torchvision.models))
 
 
+def own_class(name: str) -> bool:
+    """Whether model.name names the user's own class (package.module:ClassName)."""
+    return ":" in name
+
+
 def check_name(name: str) -> None:
     """ConfigError for a name that is none of the job's models, torchvision's, or package.module:ClassName."""
-    if name in MODELS or (":" in name and all(part.strip() for part in name.split(":", 1))):
+    if name in MODELS or (own_class(name) and all(part.strip() for part in name.split(":", 1))):
         return
     if name in torchvision_models():
         return
@@ -97,7 +102,7 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Modul
     """The model the config names, checked with one forward pass on a sample of the data's shape."""
     if cfg.name in MODELS:
         model = MODELS[cfg.name](cfg, input_shape, num_classes)
-    elif ":" in cfg.name:
+    elif own_class(cfg.name):
         model = user_model(cfg, num_classes)
     else:
         model = torchvision_model(cfg, num_classes)

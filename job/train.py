@@ -23,6 +23,7 @@ from job.errors import Cancelled, CheckpointError, ConfigError, Interrupted, Sto
 from job.evaluate import test_sums
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
+from job.models import own_class
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
 from job.resume import Request, complete, has_results, open_run, preflight
@@ -237,8 +238,7 @@ def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerS
     model = distributed.wrap(r.model, r.device)
     model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
     capture = "off" if t.compile or model is not r.model else t.step_capture
-    own = ":" in cfg.model.name  # a user's package.module:Class (registered and torchvision models are known safe)
-    step = build_step(r, log.sums, capture, step_flops, model=model, own_model=own)
+    step = build_step(r, log.sums, capture, step_flops, model=model, own_model=own_class(cfg.model.name))
     if t.compile:
         step.description = "the compiled model in eager steps (step capture is off with torch.compile)"
     elif model is not r.model:

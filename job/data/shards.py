@@ -81,12 +81,9 @@ class ShardFile:
             data = self._read_raw(n)
             self.pos += len(data)
             return data
-        if self.used + n > len(self.chunk):
-            rest = self.chunk[self.used :]
-            self.chunk, self.used = rest + self._read_raw(max(n - len(rest), self.block_size)), 0
-        data = self.chunk[self.used : self.used + n]
-        self.used += len(data)
-        self.pos += len(data)
+        chunk, at = self.ahead(n)
+        data = chunk[at : at + n]
+        self.skip(len(data))
         return data
 
     def ahead(self, n: int) -> tuple[bytes, int]:
