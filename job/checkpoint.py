@@ -44,14 +44,18 @@ def order(name: str) -> tuple[int, int]:
     return (int(found[1]), int(found[2])) if found else (-1, -1)
 
 
-def snapshot(model, optimizer, scheduler, scaler, progress: dict[str, Any], config: dict[str, Any]) -> dict:
-    """Everything needed to continue the run exactly: weights, optimizer, schedule, scaler, RNGs, position."""
+def snapshot(
+    model, optimizer, scheduler, scaler, progress: dict[str, Any], config: dict[str, Any], lookahead=None
+) -> dict:
+    """Everything needed to continue the run exactly: weights, optimizer, schedule, scaler, lookahead's slow weights,
+    RNGs, position."""
     return {
         "format": FORMAT,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        **({"lookahead": lookahead.state_dict()} if lookahead is not None else {}),
         "rng": rng_state(),
         "progress": progress,
         "config": config,
@@ -290,7 +294,7 @@ def load_url(url: str, weights: bool = False) -> tuple[dict, dict | None]:
 HOW_KEYS = ("fused", "foreach", "capturable")
 
 
-def restore(payload: dict, model, optimizer, scheduler, scaler) -> None:
+def restore(payload: dict, model, optimizer, scheduler, scaler, lookahead=None) -> None:
     """Put a checkpoint's state back into freshly built objects, RNGs included."""
     try:
         model.load_state_dict(payload["model"])
@@ -304,6 +308,8 @@ def restore(payload: dict, model, optimizer, scheduler, scaler) -> None:
             scheduler.load_state_dict(payload["scheduler"])
         if scaler.is_enabled() and payload.get("scaler") is not None:
             scaler.load_state_dict(payload["scaler"])
+        if lookahead is not None and payload.get("lookahead") is not None:
+            lookahead.load_state_dict(payload["lookahead"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint does not fit this model or optimizer: {one_line(e)}") from None
     set_rng_state(payload["rng"])

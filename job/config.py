@@ -17,7 +17,7 @@ from job.cloud import describe_storage_error, filesystem
 from job.duration import parse_duration
 from job.errors import ConfigError, StorageError
 
-PRESETS = ("iris", "cifar10", "finetune")
+PRESETS = ("iris", "cifar10", "cifar10-fast", "finetune")
 PRESET_LIST = ", ".join(PRESETS)
 USER_MODEL_HINT = "package.module:ClassName"
 
@@ -103,7 +103,15 @@ class DataConfig(Section):
     crop_ratio: tuple[float, float] = Field(
         (3 / 4, 4 / 3), description="random_resized_crop: the range of the crop's aspect ratio (width / height)."
     )
-    random_hflip: bool = Field(False, description="Images: flip horizontally with probability 0.5.")
+    random_crop_padding_mode: Literal["constant", "reflect"] = Field(
+        "constant",
+        description="random_crop_padding: pad with zeros (constant), or with the image mirrored at its edge (reflect).",
+    )
+    random_hflip: bool | Literal["alternate"] = Field(
+        False,
+        description="Images: flip horizontally with probability 0.5; alternate: flip each image at random in the first "
+        "epoch and the other way in each epoch after, so that every image is seen both ways every two epochs.",
+    )
     download: bool = Field(False, description="cifar10: download with torchvision when the local path is empty.")
     cache: bool = Field(
         True,
@@ -155,7 +163,7 @@ class DataConfig(Section):
 class ModelConfig(Section):
     name: str = Field(
         "mlp",
-        description="mlp, cifar_cnn, resnet18, any classification model torchvision has (resnet50, "
+        description="mlp, cifar_cnn, cifar_fast, resnet18, any classification model torchvision has (resnet50, "
         f"mobilenet_v3_small, efficientnet_b0, vit_b_16, ...), or {USER_MODEL_HINT} for your own nn.Module.",
     )
     weights: str = Field(
@@ -177,7 +185,7 @@ class ModelConfig(Section):
         "model.weights (pretrained weights have the 7x7 stem).",
     )
     kwargs: dict[str, Any] = Field(
-        {}, description=f"{USER_MODEL_HINT} and torchvision models: keyword arguments of the constructor."
+        {}, description=f"{USER_MODEL_HINT}, torchvision models and cifar_fast: keyword arguments of the constructor."
     )
 
     @field_validator("name")
@@ -221,8 +229,26 @@ class OptimConfig(Section):
     momentum: float = Field(0.0, ge=0, lt=1, description="sgd: momentum.")
     nesterov: bool = Field(False, description="sgd: Nesterov momentum.")
     weight_decay: float = Field(0.0, ge=0, description="Weight decay.")
-    schedule: Literal["none", "cosine", "onecycle"] = Field(
-        "none", description="Learning-rate schedule over all steps of the run."
+    schedule: Literal["none", "cosine", "onecycle", "triangle"] = Field(
+        "none",
+        description="Learning-rate schedule over all steps of the run; triangle: linear from start_factor x lr up to "
+        "lr at peak_at of the run, then linear down to end_factor x lr.",
+    )
+    start_factor: float = Field(0.2, ge=0, description="triangle: the rate at the first step, as a share of lr.")
+    peak_at: float = Field(0.23, gt=0, lt=1, description="triangle: where the rate peaks, as a share of the steps.")
+    end_factor: float = Field(0.07, ge=0, description="triangle: the rate at the last step, as a share of lr.")
+    norm_lr_scale: float = Field(
+        1.0,
+        gt=0,
+        description="The learning rate of normalisation layers' parameters (batch, layer, group norm) times this; "
+        "their weight decay per step stays that of the others.",
+    )
+    lookahead_every: int = Field(
+        0,
+        ge=0,
+        description="Lookahead (0: off): every this many optimizer steps the weights and batch-norm statistics move "
+        "toward a slow average of themselves and go on from it; the average keeps 0.95^k of itself at most, rising "
+        "with the cube of the run's progress (the speed-record recipe's), and the run ends on the average.",
     )
 
 
@@ -251,6 +277,14 @@ class TrainConfig(Section):
         description="Gradient accumulation: step the optimizer every this many batches, on their gradients summed "
         "with each batch weighted by its share of the samples (N batches of B train as one batch of N*B). The "
         "schedule counts optimizer steps; logs and checkpoint names count batches.",
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=1, description="Training loss: cross-entropy against targets smoothed by this share."
+    )
+    test_time_augmentation: Literal["none", "flip", "flip_shift"] = Field(
+        "none",
+        description="Images, at every evaluation: the mean logits of each test image and its mirror image (flip), "
+        "and also of the pair shifted one pixel up-left and one down-right (flip_shift: 6 passes).",
     )
     compile: bool = Field(False, description="Run the model through torch.compile (step capture is then off).")
     cpu_threads: int | Literal["auto"] = Field(

@@ -16,17 +16,33 @@ from job.errors import CheckpointError
 
 
 @torch.no_grad()
-def test_sums(model, loader: BatchLoader, amp) -> torch.Tensor:
-    """[summed loss, correct predictions] over the split, left on the device."""
+def test_sums(model, loader: BatchLoader, amp, augmentation: str = "none") -> torch.Tensor:
+    """[summed loss, correct predictions] over the split, left on the device; `augmentation`: train.test_time_
+    augmentation, the logits averaged over views of each image."""
     model.eval()
     sums = torch.zeros(2, device=loader.device)
     for x, y in loader.batches():
         with amp():
-            out = model(x)
+            out = logits(model, x, augmentation)
         sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
         sums[1] += (out.argmax(1) == y).sum()
     model.train()
     return sums
+
+
+def logits(model, x: torch.Tensor, augmentation: str = "none") -> torch.Tensor:
+    """The model's logits for images x; with flip, the mean over each image and its mirror image; with flip_shift,
+    half that and half the same mean for the image shifted a pixel up-left and a pixel down-right (its edges
+    mirrored in)."""
+    if augmentation == "none":
+        return model(x)
+    flipped = (model(x).float() + model(x.flip(-1)).float()) / 2
+    if augmentation == "flip":
+        return flipped
+    h, w = x.shape[-2:]
+    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    shifted = [logits(model, padded[..., :h, :w], "flip"), logits(model, padded[..., 2:, 2:], "flip")]
+    return (flipped + (shifted[0] + shifted[1]) / 2) / 2
 
 
 def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], device_name: str) -> dict:
@@ -53,7 +69,7 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
         r.model.load_state_dict(payload["model"])
     except RuntimeError as e:
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
-    loss_sum, correct = test_sums(r.model, r.test, r.amp).tolist()
+    loss_sum, correct = test_sums(r.model, r.test, r.amp, cfg.train.test_time_augmentation).tolist()
     progress = payload.get("progress", {})
     return {
         "checkpoint": url,

@@ -1,5 +1,12 @@
 """The models a config can name: the job's own registry, every classification model torchvision has, and a user's
-own nn.Module named as package.module:ClassName."""
+own nn.Module named as package.module:ClassName.
+
+Two optional hooks let a model say more than its layers, for its own and users' models alike:
+- `init_from_data(images)`: called once before a fresh run trains, with the first training images as the model will
+  see them (normalised, not augmented, on its device), for an initialisation that depends on the data.
+- `param_epochs`: {parameter name: epochs}; such a parameter trains for that many epochs and is then held as it is
+  (its learning rate goes to 0: weight decay and momentum stop moving it too).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from job.errors import ConfigError, one_line
@@ -31,6 +39,89 @@ class CifarCNN(nn.Sequential):
             nn.Linear(64 * 4 * 4, 64),
             nn.Linear(64, num_classes),
         )
+
+
+class CifarFast(nn.Module):
+    """A CIFAR-10 network of the speed-record kind (after the published airbench94 recipe): a 2x2 convolution
+    whitening the image's patches, fixed from the data's patch covariance (its bias trains for `whiten_bias_epochs`
+    epochs), three groups of conv-pool-norm-GELU-conv-norm-GELU, a max-pool and a linear layer scaled by `scale`.
+    Convolutions start as identities (Dirac) on the channels they keep; batch norms have no scale, only a bias."""
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 3,
+        widths: tuple[int, int, int] = (64, 256, 256),
+        norm_momentum: float = 0.4,
+        scale: float = 1 / 9,
+        whiten_bias_epochs: int = 3,
+    ) -> None:
+        super().__init__()
+        whiten_width = 2 * in_channels * 2 * 2  # each of the patch's directions, positive and negative
+        self.whiten = nn.Conv2d(in_channels, whiten_width, 2, padding=0, bias=True)
+        self.whiten.weight.requires_grad_(False)
+        nn.init.zeros_(self.whiten.bias)
+        groups, width = [], whiten_width
+        for out in widths:
+            groups.append(ConvGroup(width, out, norm_momentum))
+            width = out
+        self.groups = nn.Sequential(*groups)
+        self.head = nn.Linear(width, num_classes, bias=False)
+        self.scale = scale
+        self.param_epochs = {"whiten.bias": whiten_bias_epochs}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.groups(F.gelu(self.whiten(x)))
+        x = F.adaptive_max_pool2d(x, 1).flatten(1)
+        return self.head(x) * self.scale
+
+    @torch.no_grad()
+    def init_from_data(self, images: torch.Tensor, eps: float = 5e-4) -> None:
+        """The whitening filters: the eigenvectors of the 2x2 patches' covariance, each scaled by 1/sqrt(its
+        eigenvalue + eps), and their negatives, largest first."""
+        c, k = self.whiten.in_channels, self.whiten.kernel_size[0]
+        cov = torch.zeros(c * k * k, c * k * k, dtype=torch.float64, device=images.device)
+        count = 0
+        for chunk in images.split(500):
+            patches = chunk.float().unfold(2, k, 1).unfold(3, k, 1)  # N, C, H', W', k, k
+            flat = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * k * k).double()
+            cov += flat.T @ flat
+            count += flat.shape[0]
+        values, vectors = torch.linalg.eigh(cov / max(count, 1))
+        values, vectors = values.flip(0), vectors.T.flip(0)
+        filters = (vectors / (values.clamp_min(0) + eps).sqrt()[:, None]).reshape(-1, c, k, k)
+        self.whiten.weight.copy_(torch.cat([filters, -filters]).to(self.whiten.weight))
+
+
+class ConvGroup(nn.Sequential):
+    """conv, max-pool, batch norm, GELU, conv, batch norm, GELU: CifarFast's unit."""
+
+    def __init__(self, channels_in: int, channels_out: int, norm_momentum: float) -> None:
+        super().__init__(
+            dirac_conv(channels_in, channels_out),
+            nn.MaxPool2d(2),
+            bias_norm(channels_out, norm_momentum),
+            nn.GELU(),
+            dirac_conv(channels_out, channels_out),
+            bias_norm(channels_out, norm_momentum),
+            nn.GELU(),
+        )
+
+
+def dirac_conv(channels_in: int, channels_out: int) -> nn.Conv2d:
+    """A 3x3 'same' convolution without bias, initialised as torch does and then as the identity on its first
+    channels_in outputs."""
+    conv = nn.Conv2d(channels_in, channels_out, 3, padding="same", bias=False)
+    with torch.no_grad():
+        nn.init.dirac_(conv.weight[: min(channels_in, channels_out)])
+    return conv
+
+
+def bias_norm(channels: int, momentum: float) -> nn.BatchNorm2d:
+    """Batch norm with a trained bias and a scale held at 1."""
+    norm = nn.BatchNorm2d(channels, eps=1e-12, momentum=momentum)
+    norm.weight.requires_grad_(False)
+    return norm
 
 
 def mlp(input_shape: tuple[int, ...], hidden: list[int], num_classes: int) -> nn.Sequential:
@@ -64,6 +155,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": lambda cfg, shape, n: mlp(shape, cfg.hidden, n),
     "cifar_cnn": lambda cfg, shape, n: CifarCNN(n, shape[0]),
     "resnet18": lambda cfg, shape, n: resnet18(n, shape[0], small_stem(cfg)),
+    "cifar_fast": lambda cfg, shape, n: own_kwargs(CifarFast, cfg, num_classes=n, in_channels=shape[0]),
 }
 
 # Heads torchvision adds for auxiliary losses in training; the job trains on the main output alone.
@@ -108,6 +200,14 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Modul
         model = torchvision_model(cfg, num_classes)
     check_shapes(model, cfg.name, input_shape, num_classes)
     return model
+
+
+def own_kwargs(factory: Callable[..., nn.Module], cfg, **given) -> nn.Module:
+    """One of the job's models built with model.kwargs over what the data gives it."""
+    try:
+        return factory(**{**given, **cfg.kwargs})
+    except TypeError as e:
+        raise ConfigError(f"model.kwargs: {cfg.name} does not take {dict(cfg.kwargs)}: {one_line(e)}") from None
 
 
 def torchvision_model(cfg, num_classes: int) -> nn.Module:

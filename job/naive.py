@@ -24,7 +24,8 @@ from job.data.loader import channel_stats
 from job.env import resolve_precision, seed_everything
 from job.errors import ConfigError
 from job.models import build_model
-from job.recipe import make_optimizer, make_scheduler
+from job.recipe import make_optimizer
+from job.schedule import make_scheduler
 
 
 class ItemDataset(TorchDataset):

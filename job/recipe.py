@@ -5,26 +5,30 @@ Training, find-batch-size, evaluate, the benchmark and the naive loop all take t
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from job import weights
 from job.config import Config
 from job.data import Dataset, Split, load_data
-from job.data.loader import BatchLoader, View, channel_stats, choose_placement
+from job.data.loader import BatchLoader, View, channel_stats, choose_placement, to_float
 from job.data.stream import StreamData, StreamLoader, first_images, held_decoder
 from job.env import resolve_precision
 from job.errors import ConfigError
 from job.memory import available_host_memory
 from job.models import build_model
 from job.report import say
+from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
+
+DATA_INIT_IMAGES = 5000  # the training images a model's init_from_data sees
 
 
 def resolved(cfg: Config) -> Config:
@@ -122,6 +126,21 @@ class Feed:
         )
         self.batch_size = len(data.train) if d.batch_size == "full" else d.batch_size
 
+    def first_images(self, n: int) -> torch.Tensor:
+        """The training split's first n images (fewer if it holds fewer) as the model sees them before augmentation:
+        float, normalised, on the device."""
+        if self.stream is not None:
+            x = first_images(self.stream.shards.splits["train"], self.decoder, n)
+        else:
+            x = self.train_split.x[:n]
+        layout = torch.channels_last if self.channels_last else torch.contiguous_format
+        return to_float(x.to(self.device), layout, *self.stats(), self.view)
+
+    def stats(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.mean is None:
+            return None, None
+        return self.mean.to(self.device).view(1, -1, 1, 1), self.std.to(self.device).view(1, -1, 1, 1)
+
     @property
     def where(self) -> str:
         return "the device" if self.held_on.type == self.device.type != "cpu" else "the host"
@@ -153,7 +172,9 @@ class Feed:
     def train(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader | StreamLoader:
         """Training batches, this process's slice of each (rank of world)."""
         d = self.cfg.data
-        image_aug = {"crop_padding": d.random_crop_padding, "hflip": d.random_hflip} if self.is_image else {}
+        reflect = d.random_crop_padding_mode == "reflect"
+        image_aug = {"crop_padding": d.random_crop_padding, "reflect": reflect, "hflip": d.random_hflip}
+        image_aug = image_aug if self.is_image else {}
         if self.view is not None and d.random_resized_crop:
             image_aug["resized_crops"] = True
         if self.stream is not None:
@@ -223,6 +244,8 @@ class Recipe:
     test: BatchLoader | StreamLoader | None
     input_shape: tuple[int, ...]  # what the model takes: the data's, or its view's
     accumulate: int = 1  # batches per optimizer step
+    loss: Callable[..., torch.Tensor] = F.cross_entropy  # the training loss of (logits, labels)
+    lookahead: Lookahead | None = None  # stepped after each optimizer step, when optim.lookahead_every is set
 
 
 def build(
@@ -241,6 +264,7 @@ def build(
     `pretrained`: load model.weights (not when a checkpoint's weights replace them)."""
     cfg = resolved(cfg)
     input_shape, view = model_input(cfg, data.input_shape, data.is_image)
+    check_image_settings(cfg, input_shape, data.is_image)
     model = build_model(cfg.model, input_shape, len(data.classes))
     if pretrained:
         weights.load_pretrained(cfg.model, model, len(data.classes), cache_dir("weights"))
@@ -253,13 +277,19 @@ def build(
     optimizer = make_optimizer(cfg, model, fused=device.type == "cuda" and precision == "fp16")
     prime_momentum(optimizer)
     feed = Feed(cfg, data, device, channels_last, memory_limit, view)
-    train = test = scheduler = None
+    if pretrained and hasattr(model, "init_from_data"):  # a fresh model whose initialisation depends on the data
+        model.init_from_data(feed.first_images(DATA_INIT_IMAGES))
+    train = test = scheduler = lookahead = None
     accumulate = cfg.train.accumulate_steps
     if loaders:
         train, test = feed.train(feed.batch_size, rank, world), feed.test(feed.batch_size, rank, world)
-        scheduler = make_scheduler(cfg, optimizer, optimizer_steps(cfg, len(train)))
+        steps = optimizer_steps(cfg, len(train))
+        scheduler = make_scheduler(cfg, optimizer, steps)
+        lookahead = Lookahead(model, cfg.optim.lookahead_every, steps) if cfg.optim.lookahead_every else None
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     amp = autocast(precision, device)
+    smoothing = cfg.train.label_smoothing
+    loss = functools.partial(F.cross_entropy, label_smoothing=smoothing) if smoothing else F.cross_entropy
     return Recipe(
         model,
         device,
@@ -274,7 +304,21 @@ def build(
         test,
         input_shape,
         accumulate,
+        loss,
+        lookahead,
     )
+
+
+def check_image_settings(cfg: Config, input_shape: tuple[int, ...], is_image: bool) -> None:
+    """ConfigError for settings that need images the data does not have."""
+    d, t = cfg.data, cfg.train
+    if t.test_time_augmentation != "none" and not is_image:
+        raise ConfigError("train.test_time_augmentation: flips and shifts images; this data is a table")
+    if is_image and d.random_crop_padding_mode == "reflect" and d.random_crop_padding >= min(input_shape[1:]):
+        raise ConfigError(
+            f"data.random_crop_padding: reflect pads by less than the image's side ({min(input_shape[1:])}), got "
+            f"{d.random_crop_padding}"
+        )
 
 
 def optimizer_steps(cfg: Config, batches: int, epochs: int | None = None) -> int:
@@ -306,7 +350,7 @@ def make_optimizer(cfg: Config, model: nn.Module, fused: bool = False) -> torch.
     device, so GradScaler never waits for the GPU (with the other kernels it reads the flag on the host every step)."""
     o = cfg.optim
     how = {"fused": True} if fused else {}
-    params = [p for p in model.parameters() if p.requires_grad]  # a frozen backbone has no optimizer state
+    params = param_groups(cfg, model)
     if o.name == "adamw":
         return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, **how)
     if o.nesterov and o.momentum == 0:
@@ -314,6 +358,34 @@ def make_optimizer(cfg: Config, model: nn.Module, fused: bool = False) -> torch.
     return torch.optim.SGD(
         params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **how
     )
+
+
+NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+
+
+def param_groups(cfg: Config, model: nn.Module) -> list:
+    """The trainable parameters, in one group (a plain list) unless some train otherwise: normalisation layers' at
+    optim.norm_lr_scale times the rate (their weight decay divided by it, so that decay per step, rate times decay,
+    is the same), and those the model's `param_epochs` names, marked with their epochs. A frozen backbone's
+    parameters are left out (no optimizer state)."""
+    o = cfg.optim
+    limits = dict(getattr(model, "param_epochs", None) or {})
+    named = dict(model.named_parameters())
+    if unknown := sorted(set(limits) - set(named)):
+        raise ConfigError(f"model {cfg.model.name}: param_epochs names no parameter of it: {', '.join(unknown)}")
+    norms = {id(p) for m in model.modules() if isinstance(m, NORMS) for p in m.parameters(recurse=False)}
+    groups: dict[tuple, list] = {(False, None): []}  # the plain group first: its rate is the one logged
+    for name, p in named.items():
+        if p.requires_grad:
+            groups.setdefault((o.norm_lr_scale != 1 and id(p) in norms, limits.get(name)), []).append(p)
+    if len(groups) == 1:
+        return groups[(False, None)]
+    out = []
+    for (norm, epochs), params in groups.items():
+        scale = o.norm_lr_scale if norm else 1.0
+        group = {"params": params, "lr": o.lr * scale, "weight_decay": o.weight_decay / scale, "lr_scale": scale}
+        out.append(group | ({"train_epochs": epochs} if epochs is not None else {}))
+    return [g for g in out if g["params"]]
 
 
 def prime_momentum(optimizer: torch.optim.Optimizer) -> None:
@@ -326,42 +398,3 @@ def prime_momentum(optimizer: torch.optim.Optimizer) -> None:
                 optimizer.state[p].setdefault(
                     "momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format)
                 )
-
-
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
-    """A per-step schedule over the whole run, or None."""
-    o = cfg.optim
-    if o.schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    if o.schedule == "onecycle":
-        cycle_momentum = o.name == "adamw" or o.momentum > 0  # never add momentum a recipe did not ask for
-        return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=o.lr, total_steps=total_steps, cycle_momentum=cycle_momentum
-        )
-    return None
-
-
-def planned_steps(scheduler) -> int | None:
-    """The run length a schedule was planned over, in steps (None: no schedule)."""
-    if scheduler is None:
-        return None
-    cosine = isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR)
-    return scheduler.T_max if cosine else scheduler.total_steps
-
-
-def replan(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int, step: int):
-    """The schedule planned over a new run length, at `step`. A schedule is a function of the step and of the run's
-    length: a resumed run given more epochs goes on along the new curve and ends where the schedule ends (the old
-    plan would climb again after its end, or refuse to step past it). The learning rates (and OneCycle's momentum)
-    are set for `step` now."""
-    scheduler = make_scheduler(cfg, optimizer, total_steps)
-    scheduler.last_epoch = step
-    if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):  # its closed form, with eta_min 0
-        lrs = [base * (1 + math.cos(math.pi * step / total_steps)) / 2 for base in scheduler.base_lrs]
-    else:
-        with warnings.catch_warnings():  # OneCycleLR's get_lr is closed in the step; it asks to be called by step()
-            warnings.simplefilter("ignore")
-            lrs = scheduler.get_lr()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    return scheduler

@@ -79,13 +79,23 @@ class Accumulator:
 
 class EagerStep:
     """Forward, loss, backward and optimizer step as plain PyTorch calls; the loss is added to `sums` on the device.
-    `accumulate`: batches per optimizer step (an Accumulator sums their gradients)."""
+    `accumulate`: batches per optimizer step (an Accumulator sums their gradients); `loss`: of (logits, labels);
+    `lookahead`: stepped after each optimizer step."""
 
     def __init__(
-        self, model: nn.Module, optimizer, scheduler, scaler, amp: Callable, sums: torch.Tensor, accumulate: int = 1
+        self,
+        model: nn.Module,
+        optimizer,
+        scheduler,
+        scaler,
+        amp: Callable,
+        sums: torch.Tensor,
+        accumulate: int = 1,
+        loss: Callable[..., torch.Tensor] = F.cross_entropy,
+        lookahead=None,
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler, self.amp = model, optimizer, scheduler, scaler, amp
-        self.sums = sums
+        self.sums, self.loss, self.lookahead = sums, loss, lookahead
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulator = Accumulator(self.params, accumulate) if accumulate > 1 else None
         self.description = "eager"
@@ -107,7 +117,7 @@ class EagerStep:
     def backward(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         """Forward, loss and backward: fresh gradients in `.grad`, the loss added to the sums."""
         with self.amp():
-            loss = F.cross_entropy(self.model(x), y)
+            loss = self.loss(self.model(x), y)
             if weight != 1.0:
                 loss = loss * weight
         self.optimizer.zero_grad(set_to_none=True)
@@ -126,6 +136,8 @@ class EagerStep:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        if self.lookahead is not None:
+            self.lookahead.step()
 
     def set_grads(self, grads: list[torch.Tensor]) -> None:
         if self.params and self.params[0].grad is not grads[0]:
@@ -140,14 +152,15 @@ def shape_key(x: torch.Tensor, y: torch.Tensor) -> tuple:
 class CudaGraphStep(EagerStep):
     """The step replayed as a CUDA graph per batch shape, after `warmup` eager steps of that shape."""
 
-    def __init__(self, *args, accumulate: int = 1, warmup: int = 3) -> None:
-        super().__init__(*args, accumulate=accumulate)
+    def __init__(self, *args, warmup: int = 3, **how) -> None:
+        super().__init__(*args, **how)
         # The whole step fits in the graph when the optimizer's arithmetic does not change between steps on the
         # host's side: SGD with a constant rate, every batch. Otherwise the graph ends at the gradients.
         self.whole = (
             self.accumulator is None
             and isinstance(self.optimizer, torch.optim.SGD)
             and self.scheduler is None
+            and self.lookahead is None
             and not self.scaler.is_enabled()
             and not any(isinstance(g["lr"], torch.Tensor) for g in self.optimizer.param_groups)
         )
@@ -223,7 +236,7 @@ class CudaGraphStep(EagerStep):
             # thread_local: CUDA calls from other threads (uploads, a notebook kernel) do not spoil this capture.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 with self.amp():
-                    loss = F.cross_entropy(self.model(sx), sy)
+                    loss = self.loss(self.model(sx), sy)
                 (self.scaler.scale(loss) if self.scaler.is_enabled() else loss).backward()
                 if self.whole:
                     self.optimizer.step()
@@ -267,8 +280,8 @@ class CpuTracedStep(EagerStep):
     """Forward, loss and backward (and a plain SGD update) as one traced graph per batch shape, run by
     TorchScript's interpreter."""
 
-    def __init__(self, *args, accumulate: int = 1) -> None:
-        super().__init__(*args, accumulate=accumulate)
+    def __init__(self, *args, **how) -> None:
+        super().__init__(*args, **how)
         groups = self.optimizer.param_groups
         # Plain SGD (one group, no momentum, a constant rate) is two operations per tensor: traced with the rest,
         # and checked against torch.optim's own step on the first batch like everything else.
@@ -276,6 +289,7 @@ class CpuTracedStep(EagerStep):
             self.accumulator is None
             and isinstance(self.optimizer, torch.optim.SGD)
             and self.scheduler is None
+            and self.lookahead is None
             and not self.scaler.is_enabled()
             and len(groups) == 1
             and groups[0]["momentum"] == 0
@@ -317,7 +331,7 @@ class CpuTracedStep(EagerStep):
         state.update(zip([n for n, _ in self.buffers], tensors[k + f : -2]))
         x, y = tensors[-2:]
         with torch.enable_grad(), self.amp():
-            loss = F.cross_entropy(torch.func.functional_call(self.model, state, (x,)), y)
+            loss = self.loss(torch.func.functional_call(self.model, state, (x,)), y)
         grads = torch.autograd.grad(loss.float(), leaves)
         if not self.whole:
             return (loss.detach().float(), *grads)
@@ -363,7 +377,7 @@ class CpuTracedStep(EagerStep):
 
         self.optimizer.zero_grad(set_to_none=True)
         with self.amp():
-            loss = F.cross_entropy(self.model(x), y)
+            loss = self.loss(self.model(x), y)
         loss.backward()
         if self.whole:
             self.optimizer.step()
@@ -416,7 +430,7 @@ def build_step(
     `own_model`: the user's own class, captured only when `capture` is on (auto leaves it eager, and says why)."""
     device, scaler = r.device, r.scaler
     args = (model if model is not None else r.model, r.optimizer, r.scheduler, scaler, r.amp, sums)
-    how = {"accumulate": r.accumulate}
+    how = {"accumulate": r.accumulate, "loss": r.loss, "lookahead": r.lookahead}
     if capture == "off":
         step = EagerStep(*args, **how)
         step.description = "eager (train.step_capture off)"

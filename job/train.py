@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from job import checkpoint, distributed, recipe
+from job import checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
 from job.config import Config, flat_items, to_yaml
 from job.env import describe_device, pick_device, seed_everything
@@ -203,7 +203,7 @@ def set_cpu_threads(cfg: Config, r: Recipe, input_shape: tuple[int, ...]) -> flo
 def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed: int) -> Progress:
     """The recipe's state and the loop's position from a checkpoint; each process's own random stream."""
     payload, _ = found
-    checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler)
+    checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler, r.lookahead)
     distributed.seed_own(seed, False, payload["progress"]["step"], payload.get("rng_ranks"))
     recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
     saved = dict(payload["progress"])
@@ -225,10 +225,10 @@ def replan_schedule(cfg: Config, r: Recipe, state: Progress) -> str:
     """A resumed run of another length: its schedule re-planned over the new length, from where it stands; says
     so. Schedules count optimizer steps (batches / train.accumulate_steps)."""
     total = recipe.optimizer_steps(cfg, len(r.train))
-    if r.scheduler is None or recipe.planned_steps(r.scheduler) == total:
+    if r.scheduler is None or schedule.planned_steps(r.scheduler) == total:
         return ""
     done = recipe.optimizer_steps(cfg, len(r.train), state.epoch) + state.epoch_step // cfg.train.accumulate_steps
-    r.scheduler = recipe.replan(cfg, r.optimizer, total, done)
+    r.scheduler = schedule.replan(cfg, r.optimizer, total, done)
     return f"; the {cfg.optim.schedule} schedule re-planned over {cfg.train.epochs} epochs"
 
 
@@ -290,7 +290,7 @@ def test_and_report(loop: Loop) -> None:
     loop.log.system.pause()
     r, state, log, test = loop.r, loop.state, loop.log, loop.r.test
     with memory_guard(f"data.eval_batch_size={test.batch_size}", r.device):
-        sums = test_sums(r.model, test, r.amp)
+        sums = test_sums(r.model, test, r.amp, loop.cfg.train.test_time_augmentation)
     test_loss, correct, train_sum = distributed.totals(sums, log.sums[1:]).tolist()  # the evaluation's host sync
     now = time.perf_counter()
     for window in log.ready(wait=True):
@@ -341,7 +341,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     report.flush()
     progress = {**asdict(state), "loss_sums": loss_sums, **({"stream": places} if places else {}), **accumulated(loop)}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
-    payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump())
+    payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead)
     payload |= {"rng_ranks": rngs} if rngs else {}
     t = cfg.train
     checkpoint.commit(

@@ -32,7 +32,8 @@ class BatchLoader:
         shuffle: bool = False,
         drop_last: bool = False,
         crop_padding: int = 0,
-        hflip: bool = False,
+        reflect: bool = False,
+        hflip: bool | str = False,
         mean: torch.Tensor | None = None,
         std: torch.Tensor | None = None,
         shard: tuple[int, int] = (0, 1),
@@ -49,7 +50,7 @@ class BatchLoader:
         self.n = len(split)
         self.batch_size = min(batch_size, self.n)
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        self.crop_padding, self.hflip = crop_padding, hflip
+        self.crop_padding, self.reflect, self.hflip = crop_padding, reflect, hflip  # hflip: True, False or "alternate"
         self.is_image = self.x.dtype == torch.uint8
         self.layout = torch.channels_last if channels_last and self.is_image else torch.contiguous_format
         self.mean = mean.to(device).view(1, -1, 1, 1) if mean is not None else None
@@ -78,6 +79,7 @@ class BatchLoader:
                     self.crop_padding,
                     crops[lo:hi] if crops is not None else None,
                     flips[lo:hi] if flips is not None else None,
+                    self.reflect,
                 )
             yield self.scale(x, boxes[lo:hi] if boxes is not None else None), y
 
@@ -110,7 +112,7 @@ class BatchLoader:
         g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         order = torch.randperm(self.n, generator=g) if shuffle else None
         crops = torch.randint(0, 2 * self.crop_padding + 1, (self.n, 2), generator=g) if self.crop_padding else None
-        flips = torch.rand(self.n, generator=g) < 0.5 if self.hflip else None
+        flips = draw_flips(self.n, g, self.hflip, self.seed, epoch)
         boxes = self.view.draw(self.n, *self.x.shape[-2:], g) if self.resized_crops else None
         placed = self.place(crops, self.device), self.place(flips, self.device), self.place(boxes, self.device)
         return self.place(order, self.held_on), *placed
@@ -194,25 +196,49 @@ class View:
         return roi_align(x.contiguous(), rois, self.size, sampling_ratio=-1, aligned=True)
 
 
-def crop_flip(x: torch.Tensor, padding: int, crops: torch.Tensor | None, flips: torch.Tensor | None) -> torch.Tensor:
-    """Per-image random crop of a zero-padded batch and horizontal flip, as one gather.
+def draw_flips(n: int, g: torch.Generator, how: bool | str, seed: int, epoch: int) -> torch.Tensor | None:
+    """Which of n images are flipped in this epoch: drawn from g (True); alternate: a draw of the run's seed (the
+    same in every epoch), inverted in odd epochs; None when none are."""
+    if how == "alternate":
+        first = torch.rand(n, generator=torch.Generator().manual_seed(epoch_seed(seed, -1))) < 0.5
+        return first ^ bool(epoch % 2)
+    return torch.rand(n, generator=g) < 0.5 if how else None
 
-    The same as torchvision's RandomCrop(size, padding) and RandomHorizontalFlip(0.5) applied per image,
-    without a Python loop over images.
+
+def crop_flip(
+    x: torch.Tensor,
+    padding: int,
+    crops: torch.Tensor | None,
+    flips: torch.Tensor | None,
+    reflect: bool = False,
+) -> torch.Tensor:
+    """Per-image random crop of a padded batch (zeros, or the image mirrored at its edges with `reflect`) and
+    horizontal flip, as one gather.
+
+    The same as torchvision's RandomCrop(size, padding, padding_mode) and RandomHorizontalFlip(0.5) applied per
+    image, without a Python loop over images.
     """
     b, c, h, w = x.shape
-    if padding:
+    if padding and not reflect:
         x = F.pad(x, (padding, padding, padding, padding))
     rows = torch.arange(h, device=x.device).expand(b, h)
     cols = torch.arange(w, device=x.device).expand(b, w)
     if crops is not None:
         rows = rows + crops[:, :1]
         cols = cols + crops[:, 1:]
+        if reflect:  # an index past an edge reads the pixel as far inside it, the edge itself not repeated
+            rows, cols = mirror(rows - padding, h), mirror(cols - padding, w)
     if flips is not None:
         cols = torch.where(flips[:, None], cols.flip(1), cols)
     bi = torch.arange(b, device=x.device)[:, None, None, None]
     ci = torch.arange(c, device=x.device)[None, :, None, None]
     return x[bi, ci, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+def mirror(i: torch.Tensor, n: int) -> torch.Tensor:
+    """Indices in [-n + 1, 2n - 2] reflected into [0, n - 1] about the first and last."""
+    i = i.abs()
+    return torch.where(i > n - 1, 2 * (n - 1) - i, i)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

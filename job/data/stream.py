@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import signal
 import warnings
+import zlib
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -316,7 +317,8 @@ class StreamLoader:
         buffer: int = 0,
         drop_last: bool = False,
         crop_padding: int = 0,
-        hflip: bool = False,
+        reflect: bool = False,
+        hflip: bool | str = False,
         mean: torch.Tensor | None = None,
         std: torch.Tensor | None = None,
         rank: int = 0,
@@ -335,6 +337,7 @@ class StreamLoader:
         self.view, self.resized_crops = view, resized_crops
         self.seed, self.shuffle, self.buffer, self.drop_last = seed, shuffle, buffer if shuffle else 0, drop_last
         self.crop_padding, self.hflip, self.rank, self.world = crop_padding, hflip, rank, world
+        self.reflect = reflect
         self.hands = deal(shards, world)
         self.counts = [sum(shards[i].samples for i in hand) for hand in self.hands]
         self.n = sum(s.samples for s in shards)
@@ -416,17 +419,18 @@ class StreamLoader:
                         break
                     items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
                     labels = torch.tensor([s.label() for s in group])
-                    pending.append((self.decoder.submit(items), labels, stream.position()))
+                    firsts = self.first_flips(group)
+                    pending.append((self.decoder.submit(items), labels, stream.position(), firsts))
                     group_names.append((items[0][0], items[-1][0]))
                 if pending:
-                    future, labels, position = pending.popleft()
+                    future, labels, position, firsts = pending.popleft()
                     images = torch.from_numpy(decoded(future, group_names.popleft()))
                     if record is not None:
                         record.append((images, labels))
                         record_bytes += images.nbytes
                         record = record if record_bytes <= self.keep_bytes else None
                     x, y = self.place(images, labels)
-                    x, boxes = self.augment(x, epoch, i)
+                    x, boxes = self.augment(x, epoch, i, firsts)
                     last = (to_float(x, self.layout, self.mean, self.std, self.view, boxes), y)
                     self.last_position = position
                 elif last is None:
@@ -438,7 +442,7 @@ class StreamLoader:
             if record is not None:
                 self.kept = record
         finally:
-            for future, _, _ in pending:
+            for future, *_ in pending:
                 future.cancel()
 
     def place(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,14 +450,27 @@ class StreamLoader:
             x, y = x.pin_memory(), y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def augment(self, x: torch.Tensor, epoch: int, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Batch i's crops and flips done, and its resized-crop boxes drawn (the view applies them)."""
+    def first_flips(self, group: list[Sample]) -> torch.Tensor | None:
+        """random_hflip alternate: whether each sample is flipped in even epochs, a function of the seed and the
+        sample's key alone, so the same in every epoch however the stream is shuffled."""
+        if self.hflip != "alternate":
+            return None
+        return torch.tensor([zlib.crc32(f"{self.seed}:{s.key}".encode()) & 1 for s in group], dtype=torch.bool)
+
+    def augment(
+        self, x: torch.Tensor, epoch: int, i: int, firsts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Batch i's crops and flips done (`firsts`: alternate flips' even-epoch sides), and its resized-crop boxes
+        drawn (the view applies them)."""
         if not (self.crop_padding or self.hflip or self.resized_crops):
             return x, None
         g = torch.Generator().manual_seed(mix(epoch_seed(self.seed, epoch), self.rank, i) >> 1)
         n = x.shape[0]
         crops = torch.randint(0, 2 * self.crop_padding + 1, (n, 2), generator=g) if self.crop_padding else None
-        flips = torch.rand(n, generator=g) < 0.5 if self.hflip else None
+        if firsts is not None:
+            flips = firsts ^ bool(epoch % 2)
+        else:
+            flips = torch.rand(n, generator=g) < 0.5 if self.hflip else None
         boxes = self.view.draw(n, *x.shape[-2:], g).to(self.device) if self.resized_crops else None
         if crops is None and flips is None:
             return x, boxes
@@ -463,6 +480,7 @@ class StreamLoader:
             self.crop_padding,
             crops.to(to) if crops is not None else None,
             flips.to(to) if flips is not None else None,
+            self.reflect,
         )
         return x, boxes
 

@@ -1,0 +1,125 @@
+"""What changes over the steps of a run: the learning-rate schedule, parameters that train for the first epochs
+only, and lookahead's slow weights. All of them are functions of the optimizer step and of the run's length, so a
+resumed run given more epochs re-plans them and goes on along the new curve."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from job.config import Config
+from job.errors import ConfigError
+
+LOOKAHEAD_DECAY = 0.95  # per step: the slow average keeps LOOKAHEAD_DECAY ** every of itself at the run's end
+
+
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
+    """A per-step schedule over the whole run (`total_steps` optimizer steps), or None. Parameter groups with a
+    `train_epochs` limit get a rate of 0 after that many epochs."""
+    o = cfg.optim
+    limited = any("train_epochs" in g for g in optimizer.param_groups)
+    if o.schedule == "onecycle":
+        if limited:
+            raise ConfigError(
+                f"optim.schedule: onecycle cannot hold the parameters model {cfg.model.name} trains for its first "
+                "epochs only; use none, cosine or triangle"
+            )
+        cycle_momentum = o.name == "adamw" or o.momentum > 0  # never add momentum a recipe did not ask for
+        peaks = [o.lr * g.get("lr_scale", 1.0) for g in optimizer.param_groups]
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=peaks, total_steps=total_steps, cycle_momentum=cycle_momentum
+        )
+    if o.schedule == "cosine" and not limited:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    if o.schedule == "none" and not limited:
+        return None
+    shape = curve(cfg, total_steps)
+    per_epoch = total_steps // cfg.train.epochs
+    lambdas = [
+        until(shape, g["train_epochs"] * per_epoch) if "train_epochs" in g else shape for g in optimizer.param_groups
+    ]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    scheduler.total_steps = total_steps  # kept in its state: the length it was planned over
+    return scheduler
+
+
+def curve(cfg: Config, total: int) -> Callable[[int], float]:
+    """The schedule's factor of the peak rate at optimizer step t of `total`."""
+    o = cfg.optim
+    if o.schedule == "cosine":
+        return lambda t: (1 + math.cos(math.pi * min(t, total) / total)) / 2
+    if o.schedule == "triangle":
+        peak = max(1, int(o.peak_at * total))
+
+        def triangle(t: int) -> float:
+            if t < peak:
+                return o.start_factor + (1 - o.start_factor) * t / peak
+            return 1 + (o.end_factor - 1) * min(t - peak, total - peak) / max(total - peak, 1)
+
+        return triangle
+    return lambda t: 1.0
+
+
+def until(shape: Callable[[int], float], steps: int) -> Callable[[int], float]:
+    return lambda t: shape(t) if t < steps else 0.0
+
+
+def planned_steps(scheduler) -> int | None:
+    """The run length a schedule was planned over, in steps (None: no schedule)."""
+    if scheduler is None:
+        return None
+    cosine = isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR)
+    return scheduler.T_max if cosine else scheduler.total_steps
+
+
+def replan(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int, step: int):
+    """The schedule planned over a new run length, at `step`. A schedule is a function of the step and of the run's
+    length: a resumed run given more epochs goes on along the new curve and ends where the schedule ends (the old
+    plan would climb again after its end, or refuse to step past it). The learning rates (and OneCycle's momentum)
+    are set for `step` now."""
+    scheduler = make_scheduler(cfg, optimizer, total_steps)
+    scheduler.last_epoch = step
+    if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):  # its closed form, with eta_min 0
+        lrs = [base * (1 + math.cos(math.pi * step / total_steps)) / 2 for base in scheduler.base_lrs]
+    else:
+        with warnings.catch_warnings():  # OneCycleLR's get_lr is closed in the step; it asks to be called by step()
+            warnings.simplefilter("ignore")
+            lrs = scheduler.get_lr()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    return scheduler
+
+
+class Lookahead:
+    """Every `every` optimizer steps, each floating-point tensor of the model's state (weights and batch-norm
+    statistics) and its slow copy meet: the copy moves toward the tensor by 1 - decay, and the tensor takes the copy.
+    decay = LOOKAHEAD_DECAY**every * (step / total)**3, so the slow copy forgets fast at first and averages over more
+    steps as the run ends; after the last step the model is the slow copy."""
+
+    def __init__(self, model: nn.Module, every: int, total_steps: int) -> None:
+        self.tensors = [t for t in model.state_dict().values() if t.is_floating_point()]
+        self.slow = [t.detach().clone() for t in self.tensors]
+        self.every, self.total, self.steps = every, total_steps, 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps % self.every == 0:
+            decay = LOOKAHEAD_DECAY**self.every * (min(self.steps, self.total) / self.total) ** 3
+            torch._foreach_lerp_(self.slow, self.tensors, 1 - decay)
+            torch._foreach_copy_(self.tensors, self.slow)
+        if self.steps == self.total:
+            torch._foreach_copy_(self.tensors, self.slow)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "slow": self.slow}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["slow"]) != len(self.slow):
+            raise ValueError(f"lookahead holds {len(state['slow'])} tensors; this model has {len(self.slow)}")
+        self.steps = int(state["steps"])
+        torch._foreach_copy_(self.slow, [t.to(s.device) for s, t in zip(self.slow, state["slow"])])
