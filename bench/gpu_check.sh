@@ -9,6 +9,8 @@
 #   bash bench/gpu_check.sh bench              there: the job against seed_iris.py and seed_cifar.py on cuda, 10
 #                                              CIFAR-10 epochs with accuracy (vs_tutorials.log); `python -m job
 #                                              bench`, Iris on cpu and cuda, CIFAR-10 on cuda (bench.log)
+#   bash bench/gpu_check.sh fast               there: the cifar10-fast preset against airbench94, 3 runs each
+#                                              (vs_airbench.log)
 #
 # Results go to $OUT (or bench/out/gpu). Each part runs even when one before it failed; the exit code is the
 # first failure's.
@@ -43,6 +45,9 @@ prepare)
         "$G"/wheels/tensorboard_data_server-*.whl
     cp -r "$shared/baselines" "$shared/datasets" "$G/shared/"
     cp "$shared/acceptance/lib/cifar_fixture.py" "$G/"
+    # airbench94, the record the cifar10-fast preset is measured against: its source, read from its folder.
+    python3 -m pip download -q -d "$G/sdist" --no-deps --no-binary=:all: airbench==0.1.8
+    tar xzf "$G"/sdist/airbench-0.1.8.tar.gz -C "$G" && rm -rf "$G/sdist"
     du -sh "$G"
     ;;
 tests)
@@ -55,14 +60,21 @@ tests)
     tail -n 5 "$out/tests.log"
     exit "$rc"
     ;;
-bench)
+bench | fast)
     install
-    python3 "$G/shared/baselines/prep_cifar.py" "$G/shared/datasets/cifar10-jpeg.tar.gz" /tmp/gpu-cifar-pt \
-        >"$out/prep.log" 2>&1
+    [ -f /tmp/gpu-cifar-pt/test.pt ] || python3 "$G/shared/baselines/prep_cifar.py" \
+        "$G/shared/datasets/cifar10-jpeg.tar.gz" /tmp/gpu-cifar-pt >"$out/prep.log" 2>&1
     note $?
     root=$(python3 "$G/cifar_fixture.py" "$G/shared" 50000 2>>"$out/prep.log")
     note $?
     cifar="$root/python-50000/cifar-10-batches-py"
+    if [ "$1" = fast ]; then
+        timeout 500 python3 bench/vs_airbench.py --baselines "$G/shared/baselines" --airbench "$G/airbench-0.1.8" \
+            --cifar-python "$cifar" --cifar-pt /tmp/gpu-cifar-pt --runs 3 >"$out/vs_airbench.log" 2>&1
+        note $?
+        tail -n 12 "$out/vs_airbench.log"
+        exit "$rc"
+    fi
     timeout 300 python3 bench/vs_tutorials.py --device cuda --baselines "$G/shared/baselines" --repeats 2 \
         --cifar-epochs 10 --cifar-python "$cifar" --cifar-pt /tmp/gpu-cifar-pt >"$out/vs_tutorials.log" 2>&1
     note $?

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_job, write_image_folder
+from conftest import run_job, write_cifar_batches, write_image_folder
 
 from job import recipe
 from job.attempts import Attempt
@@ -157,3 +157,38 @@ def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_and_says_why(tmp_pat
     assert "could not be captured as a CUDA graph: the step waits for the GPU on the host" in r.stderr
     last = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[-1])
     assert last["test_accuracy"] >= 0.9
+
+
+def test_the_fast_preset_on_cuda_never_waits_in_an_epoch_and_captures_as_it_runs_eagerly(tmp_path):
+    """cifar10-fast's parts (the schedule with a parameter held after its epochs, lookahead, alternating flips,
+    reflected crops) add no host sync to an epoch, and the run captured as CUDA graphs ends where the eager one does."""
+    root = write_cifar_batches(tmp_path / "c10", n_train=400, n_test=100)
+    sets = [f"data.path={root}", "data.batch_size=50", "train.epochs=2", "train.log_every_steps=4"]
+    cfg = load_config("cifar10-fast", sets)
+    data = load_data(cfg.data, tmp_path / "cache", say)
+    r = recipe.build(cfg, CUDA, data)
+    state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
+    step = build_step(r, log.sums, "auto")
+    assert isinstance(step, CudaGraphStep) and r.lookahead is not None
+    run_dir = RunDir(str(tmp_path / "run"))
+    with StopRequest(20) as stop:
+        report = Report(run_dir, {}, 2, len(r.train), 0)
+        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, TrainClock(CUDA), 0.0, 0.0, Attempt(None))
+        train_epoch(loop, 0)  # warm-up and capture
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            train_epoch(loop, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not step.failed and len(step.graphs) == 1 and torch.isfinite(log.sums).all()
+    results = {}
+    for capture in ("auto", "off"):
+        out = tmp_path / capture
+        args = ["--device", "cuda", "--output", str(out), "--set", f"train.step_capture={capture}"]
+        done = run_job("train", "--config", "cifar10-fast", *args, *sum((["--set", s] for s in sets), []),
+                       "--set", "train.deterministic=true", "--set", "train.precision=fp32")  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[capture] = torch.load(out / "model.pt", weights_only=True)
+    for k, v in results["off"].items():
+        assert torch.allclose(v.float(), results["auto"][k].float(), rtol=1e-3, atol=1e-4), k

@@ -450,3 +450,26 @@ def test_the_test_split_is_kept_decoded_after_its_first_pass_when_small(packed, 
     shuffled = StreamLoader(shards, 4, torch.device("cpu"), decoder, shuffle=True, keep_bytes=1 << 20)
     list(shuffled.batches())
     assert shuffled.kept is None  # another order each epoch: read again
+
+
+def test_alternating_flips_in_a_stream_show_every_sample_both_ways_every_two_epochs(packed):
+    """random_hflip: alternate, streamed: a sample's side is a function of the seed and its key, so it alternates by
+    epoch whatever order the shuffle brings it in."""
+    shards = open_shards(str(packed), None, lambda line: None).splits["train"]
+    decoder = Decoder(0, None)
+    loader = StreamLoader(shards, 60, torch.device("cpu"), decoder, seed=3, shuffle=True, buffer=30, hflip="alternate")
+    plain = [img for x, _ in StreamLoader(shards, 60, torch.device("cpu"), decoder).batches() for img in x]
+    upright = {img.numpy().tobytes(): i for i, img in enumerate(plain)}
+    mirrored = {img.flip(-1).numpy().tobytes(): i for i, img in enumerate(plain)}
+
+    def sides(epoch: int) -> dict[int, bool]:
+        (x, _), = loader.batches(epoch)  # fmt: skip
+        found = {}
+        for img in x:
+            key = img.numpy().tobytes()
+            found[upright[key] if key in upright else mirrored[key]] = key in mirrored
+        return found
+
+    e0, e1, e2 = sides(0), sides(1), sides(2)
+    assert len(e0) == 60 and 0 < sum(e0.values()) < 60
+    assert all(e1[i] != e0[i] for i in e0) and e2 == e0
