@@ -254,8 +254,8 @@ def end_process(code: int, exit_handlers: bool = True) -> NoReturn:
     processes (they hold this one's stderr), run the exit handlers (unless told not to), flush the streams."""
     import atexit
 
-    if stream := sys.modules.get("job.data.stream"):
-        stream.close_pools()
+    if decoders := sys.modules.get("job.data.decode"):
+        decoders.close_pools()
     if exit_handlers:
         atexit._run_exitfuncs()
     sys.stdout.flush()

@@ -132,6 +132,12 @@ class DataConfig(Section):
     shuffle_buffer: int = Field(
         1000, ge=0, description="shards, streamed: samples held in the shuffle buffer (0: shard order only)."
     )
+    decode: Literal["auto", "host", "device"] = Field(
+        "auto",
+        description="shards, streamed: where images are decoded: host (data.workers processes), device (JPEG images "
+        "by the GPU's nvJPEG, batched, resized there too; a CUDA device only); auto: host, until device decoding is "
+        "measured faster (docs/benchmarks.md).",
+    )
     workers: int | Literal["auto"] = Field(
         "auto",
         description="shards, streamed: image-decoding processes (0: decode in the training process); "

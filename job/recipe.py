@@ -18,6 +18,7 @@ from torch import nn
 from job import weights
 from job.config import Config
 from job.data import Dataset, Split, load_data
+from job.data.decode import DeviceDecoder
 from job.data.loader import BatchLoader, View, channel_stats, choose_placement, to_float
 from job.data.stream import StreamData, StreamLoader, first_images, held_decoder
 from job.env import resolve_precision
@@ -86,7 +87,7 @@ def normalization(cfg: Config, data: Dataset | StreamData, decoder=None) -> tupl
         return None, None
     if d.normalize is True:
         if isinstance(data, StreamData):
-            return channel_stats(first_images(data.shards.splits["train"], decoder))
+            return channel_stats(first_images(data.shards.splits["train"], decoder).cpu())
         return channel_stats(data.train.x)
     w = weights.resolve(cfg.model.name, cfg.model.weights)
     if w is None or w.mean is None:
@@ -113,7 +114,7 @@ class Feed:
         self.stream = data if isinstance(data, StreamData) else None
         if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
             self.held_on = None
-            self.decoder = held_decoder(d, device.type)
+            self.decoder = held_decoder(d, device)
             self.mean, self.std = normalization(cfg, data, self.decoder)
             n = data.shards.samples("train")
             self.batch_size = n if d.batch_size == "full" else d.batch_size
@@ -147,6 +148,8 @@ class Feed:
 
     def streaming(self) -> str:
         n = self.decoder.workers
+        if isinstance(self.decoder, DeviceDecoder):
+            return f"streamed, JPEG images decoded on {self.device} (nvJPEG)"
         return (
             f"streamed, decoded in {n} worker process{'es' if n > 1 else ''}" if n else "streamed, decoded in-process"
         )

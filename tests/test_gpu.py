@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_job, write_cifar_batches, write_image_folder
+from conftest import encode, pattern_images, run_job, write_cifar_batches, write_image_folder
 
 from job import recipe
 from job.attempts import Attempt
@@ -192,3 +192,32 @@ def test_the_fast_preset_on_cuda_never_waits_in_an_epoch_and_captures_as_it_runs
         results[capture] = torch.load(out / "model.pt", weights_only=True)
     for k, v in results["off"].items():
         assert torch.allclose(v.float(), results["auto"][k].float(), rtol=1e-3, atol=1e-4), k
+
+
+def test_jpeg_batches_decoded_on_the_device_match_the_host_decoder(tmp_path):
+    """nvJPEG and libjpeg-turbo may round a little differently; the images, resized alike, must be the same."""
+    from job.data.decode import Decoder, DeviceDecoder, decoded
+
+    images, _ = pattern_images(3, 8, 64, 0)
+    items = [(f"img{i}", "jpg", encode(img, "jpg")) for i, img in enumerate(images)]
+    items.append(("odd.png", "png", encode(images[0], "png")))  # another format in the batch: decoded on the host
+    for size, fit in ((None, False), (48, False), (40, True)):
+        host = decoded(Decoder(0, size, fit).submit(items), ("a", "b"))
+        device = decoded(DeviceDecoder(CUDA, size, fit).submit(items), ("a", "b"))
+        assert device.is_cuda and device.shape == host.shape and device.dtype == torch.uint8
+        diff = (device.cpu().int() - host.int()).abs().float()
+        assert diff.mean() < 1.5 and diff.max() <= 48, (size, diff.mean(), diff.max())
+
+
+def test_a_stream_decoded_on_the_device_trains_end_to_end(tmp_path):
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=20, size=48, fmt="jpg")
+    code = run_job("shard", str(root), str(tmp_path / "shards"), "--samples-per-shard", "16")
+    assert code.returncode == 0, code.stderr[-2000:]
+    sets = ["data.kind=shards", "data.placement=stream", "data.decode=device", f"data.path={tmp_path / 'shards'}"]
+    sets += ["data.image_size=32", "data.batch_size=8", "train.epochs=2", "data.normalize=true"]
+    done = run_job("train", "--config", "cifar10", "--device", "cuda", "--output", str(tmp_path / "run"),
+                   *sum((["--set", s] for s in sets), []))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "JPEG images decoded on cuda:0 (nvJPEG)" in done.stderr
+    last = json.loads((tmp_path / "run/metrics.jsonl").read_text().splitlines()[-1])
+    assert last["epoch"] == 2 and last["test_accuracy"] >= 0

@@ -25,15 +25,10 @@ references to them.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import signal
-import warnings
 import zlib
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,9 +37,10 @@ from fsspec.implementations.local import LocalFileSystem
 
 from job.cloud import filesystem
 from job.data import Dataset, Split
+from job.data.decode import Decoder, DeviceDecoder, auto_workers, decode, decoded
 from job.data.loader import View, crop_flip, epoch_seed, to_float
 from job.data.shards import InMemory, Sample, Shard, ShardFile, ShardSet, open_shards, read_range, samples
-from job.errors import ConfigError, DataError, one_line
+from job.errors import ConfigError, DataError
 from job.memory import available_host_memory
 
 MASK = (1 << 64) - 1
@@ -181,106 +177,6 @@ def refill(urls: list[str], refs: list[list[int]]) -> list[Sample]:
     """A saved shuffle buffer read back: each sample by a range read of its shard, concurrently."""
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(lambda ref: read_range(urls[ref[0]], *ref), refs))
-
-
-def decode(items: list[tuple[str, str, bytes]], size: int | None, fit: bool = False) -> np.ndarray:
-    """Images (name, extension, bytes) decoded to one uint8 N x 3 x H x W array, each resized to size x size when
-    a size is given (`fit`: the short side resized to it and the centre kept, as photos are held). Runs in a
-    worker process."""
-    from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.v2.functional import center_crop, resize
-
-    out = None
-    with warnings.catch_warnings():  # once a batch: entering it costs as much as a small image's decoding
-        # torchvision's notice that its decoders move to another package; and torch's, that a tensor over bytes is
-        # not writable (the decoder only reads it: no copy)
-        warnings.simplefilter("ignore")
-        for n, (name, _, data) in enumerate(items):
-            try:
-                img = decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
-            except RuntimeError as e:
-                raise DataError(f"cannot decode image {name}: {one_line(e)}") from None
-            if size is not None and tuple(img.shape[1:]) != (size, size):
-                if fit:
-                    img = center_crop(resize(img, size, antialias=True), [size, size])
-                else:
-                    img = resize(img, [size, size], antialias=True)
-            if out is None:
-                out = np.empty((len(items), *img.shape), dtype=np.uint8)
-            elif img.shape != out.shape[1:]:
-                raise DataError(
-                    f"images differ in size ({tuple(out.shape[2:])} and {tuple(img.shape[1:])}, e.g. {name}); "
-                    "set data.image_size"
-                )
-            out[n] = img.numpy()
-    return out
-
-
-def start_worker() -> None:
-    torch.set_num_threads(1)
-    # The training process handles Ctrl-C and SIGTERM (it finishes the step and commits a checkpoint); a signal
-    # sent to the whole process group must not kill the decoders under it.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-class Decoder:
-    """Batches of images decoded in `workers` processes (0: in the calling thread), in submission order."""
-
-    def __init__(self, workers: int, size: int | None, fit: bool = False) -> None:
-        self.size, self.fit, self.workers = size, fit, workers
-        self.pool = shared_pool(workers) if workers else None
-
-    def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
-        if self.pool is None:
-            f: Future = Future()
-            try:
-                f.set_result(decode(items, self.size, self.fit))
-            except DataError as e:
-                f.set_exception(e)
-            return f
-        return self.pool.submit(decode, items, self.size, self.fit)
-
-
-POOLS: dict[int, ProcessPoolExecutor] = {}
-
-
-def shared_pool(workers: int) -> ProcessPoolExecutor:
-    """One pool of decoding processes per size, kept for the process's life: a run in a notebook, or the
-    evaluation after training, does not start them again (they start in about as long as `import torch`)."""
-    pool = POOLS.get(workers)
-    if pool is None or getattr(pool, "_broken", False):
-        ctx = multiprocessing.get_context("forkserver")
-        pool = POOLS[workers] = ProcessPoolExecutor(workers, mp_context=ctx, initializer=start_worker)
-    return pool
-
-
-def close_pools() -> None:
-    """Stop the decoding processes now, for a process that ends without the interpreter's own exit (which would)."""
-    while POOLS:
-        POOLS.popitem()[1].shutdown(wait=True, cancel_futures=True)
-
-
-def decoded(future: Future, names: tuple[str, str]) -> np.ndarray:
-    """A batch's images; a decoder process that died on it (a native decoder's abort on a corrupt image) is named."""
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        raise DataError(
-            f"a decoding process died on the batch of samples {names[0]} to {names[1]}: a corrupt image among them?"
-        ) from None
-
-
-def auto_workers(setting: int | str, device: str | None = None, cores: int | None = None) -> int:
-    """Decoding processes for data.workers: as set, or one per core but one (at most 8). Training on a CPU of two
-    cores or fewer decodes in the training process: the cores are all training's already, and a decoding process
-    adds its copies and its contention to the same work (measured: docs/benchmarks.md)."""
-    if setting != "auto":
-        return int(setting)
-    cores = cores or os.cpu_count() or 2
-    if device == "cpu" and cores <= 2:
-        return 0
-    return max(1, min(8, cores - 1))
 
 
 @dataclass
@@ -424,7 +320,7 @@ class StreamLoader:
                     group_names.append((items[0][0], items[-1][0]))
                 if pending:
                     future, labels, position, firsts = pending.popleft()
-                    images = torch.from_numpy(decoded(future, group_names.popleft()))
+                    images = decoded(future, group_names.popleft())
                     if record is not None:
                         record.append((images, labels))
                         record_bytes += images.nbytes
@@ -446,8 +342,12 @@ class StreamLoader:
                 future.cancel()
 
     def place(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.pin and not x.is_pinned():
-            x, y = x.pin_memory(), y.pin_memory()
+        if x.is_cuda:  # decoded on the device, on the decoder's stream: its memory is now in use on this one too
+            x.record_stream(torch.cuda.current_stream(x.device))
+        elif self.pin and not x.is_pinned():
+            x = x.pin_memory()
+        if self.pin and not y.is_pinned():
+            y = y.pin_memory()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def first_flips(self, group: list[Sample]) -> torch.Tensor | None:
@@ -507,10 +407,15 @@ def load_shards(cfg, cache, log) -> StreamData | Dataset:
     return Dataset(splits[0], splits[1], shards.classes, f"shards {cfg.path}")
 
 
-def held_decoder(cfg, device: str | None = None) -> Decoder:
-    """The decoder of data.workers processes that makes images the size they are held at (held_size); `device`:
-    the training device's type, when it trains while decoding."""
-    return Decoder(auto_workers(cfg.workers, device), held_size(cfg), fit=cfg.resize_size is not None)
+def held_decoder(cfg, device: torch.device | None = None) -> Decoder | DeviceDecoder:
+    """The decoder that makes images the size they are held at (held_size): data.workers processes, or with
+    data.decode device, the training device itself; `device`: the training device, when it trains while decoding."""
+    fit = cfg.resize_size is not None
+    if cfg.decode == "device" and device is not None:
+        if device.type != "cuda":
+            raise ConfigError(f"data.decode: device decodes on a CUDA device; this run trains on {device.type}")
+        return DeviceDecoder(device, held_size(cfg), fit)
+    return Decoder(auto_workers(cfg.workers, device.type if device is not None else None), held_size(cfg), fit)
 
 
 def held_size(cfg) -> int | None:
@@ -548,9 +453,10 @@ def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
     stream = iter(SampleStream([s.url for s in shards], 0, (0,)))
     futures, labels = [], []
     while group := [s for _, s in zip(range(batch), stream)]:
-        futures.append(decoder.submit([(f"{shards[s.shard].url}:{s.key}", *s.image()) for s in group]))
+        names = [f"{shards[s.shard].url}:{s.key}" for s in group]
+        futures.append((decoder.submit([(name, *s.image()) for name, s in zip(names, group)]), (names[0], names[-1])))
         labels.extend(s.label() for s in group)
-    x = torch.from_numpy(np.concatenate([f.result() for f in futures]))
+    x = torch.cat([decoded(f, names) for f, names in futures])
     return Split(x, torch.tensor(labels))
 
 
@@ -558,4 +464,4 @@ def first_images(shards: list[Shard], decoder: Decoder, n: int = 1000) -> torch.
     """The first n images of the shards in name order: what normalisation's channel statistics are taken from."""
     stream = iter(SampleStream([s.url for s in shards], 0, (0,)))
     group = [s for _, s in zip(range(n), stream)]
-    return torch.from_numpy(decoder.submit([(s.key, *s.image()) for s in group]).result())
+    return decoded(decoder.submit([(s.key, *s.image()) for s in group]), (group[0].key, group[-1].key))

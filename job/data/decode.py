@@ -1,0 +1,175 @@
+"""Decoding images for streamed shards: in worker processes on the host (torchvision's decoders, one thread each,
+off the training process and its GIL), or on a CUDA device (nvJPEG's batched decoder through torchvision), in
+batches submitted ahead of the step that needs them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import warnings
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+import numpy as np
+import torch
+
+from job.errors import DataError, one_line
+
+JPEG = ("jpg", "jpeg")
+
+
+def decode(items: list[tuple[str, str, bytes]], size: int | None, fit: bool = False) -> np.ndarray:
+    """Images (name, extension, bytes) decoded to one uint8 N x 3 x H x W array, each resized to size x size when
+    a size is given (`fit`: the short side resized to it and the centre kept, as photos are held). Runs in a
+    worker process."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    out = None
+    with warnings.catch_warnings():  # once a batch: entering it costs as much as a small image's decoding
+        # torchvision's notice that its decoders move to another package; and torch's, that a tensor over bytes is
+        # not writable (the decoder only reads it: no copy)
+        warnings.simplefilter("ignore")
+        for n, (name, _, data) in enumerate(items):
+            try:
+                img = decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
+            except RuntimeError as e:
+                raise DataError(f"cannot decode image {name}: {one_line(e)}") from None
+            img = sized(img, size, fit)
+            if out is None:
+                out = np.empty((len(items), *img.shape), dtype=np.uint8)
+            elif img.shape != out.shape[1:]:
+                raise different_sizes(out.shape[1:], img.shape, name)
+            out[n] = img.numpy()
+    return out
+
+
+def sized(img: torch.Tensor, size: int | None, fit: bool) -> torch.Tensor:
+    """An image resized to size x size (`fit`: the short side to size, the centre kept); as it is without a size."""
+    from torchvision.transforms.v2.functional import center_crop, resize
+
+    if size is None or tuple(img.shape[1:]) == (size, size):
+        return img
+    if fit:
+        return center_crop(resize(img, size, antialias=True), [size, size])
+    return resize(img, [size, size], antialias=True)
+
+
+def different_sizes(first: tuple, other: tuple, name: str) -> DataError:
+    return DataError(
+        f"images differ in size ({tuple(first[1:])} and {tuple(other[1:])}, e.g. {name}); set data.image_size"
+    )
+
+
+def start_worker() -> None:
+    torch.set_num_threads(1)
+    # The training process handles Ctrl-C and SIGTERM (it finishes the step and commits a checkpoint); a signal
+    # sent to the whole process group must not kill the decoders under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class Decoder:
+    """Batches of images decoded in `workers` processes (0: in the calling thread), in submission order."""
+
+    def __init__(self, workers: int, size: int | None, fit: bool = False) -> None:
+        self.size, self.fit, self.workers = size, fit, workers
+        self.pool = shared_pool(workers) if workers else None
+
+    def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
+        if self.pool is None:
+            f: Future = Future()
+            try:
+                f.set_result(decode(items, self.size, self.fit))
+            except DataError as e:
+                f.set_exception(e)
+            return f
+        return self.pool.submit(decode, items, self.size, self.fit)
+
+
+POOLS: dict[int, ProcessPoolExecutor] = {}
+
+
+def shared_pool(workers: int) -> ProcessPoolExecutor:
+    """One pool of decoding processes per size, kept for the process's life: a run in a notebook, or the
+    evaluation after training, does not start them again (they start in about as long as `import torch`)."""
+    pool = POOLS.get(workers)
+    if pool is None or getattr(pool, "_broken", False):
+        ctx = multiprocessing.get_context("forkserver")
+        pool = POOLS[workers] = ProcessPoolExecutor(workers, mp_context=ctx, initializer=start_worker)
+    return pool
+
+
+def close_pools() -> None:
+    """Stop the decoding processes now, for a process that ends without the interpreter's own exit (which would)."""
+    while POOLS:
+        POOLS.popitem()[1].shutdown(wait=True, cancel_futures=True)
+
+
+def decoded(future: Future, names: tuple[str, str]) -> torch.Tensor:
+    """A batch's images, on the host or on the decoding device; a decoder process that died on it (a native
+    decoder's abort on a corrupt image) is named."""
+    try:
+        images = future.result()
+        return torch.from_numpy(images) if isinstance(images, np.ndarray) else images
+    except BrokenProcessPool:
+        raise DataError(
+            f"a decoding process died on the batch of samples {names[0]} to {names[1]}: a corrupt image among them?"
+        ) from None
+
+
+def auto_workers(setting: int | str, device: str | None = None, cores: int | None = None) -> int:
+    """Decoding processes for data.workers: as set, or one per core but one (at most 8). Training on a CPU of two
+    cores or fewer decodes in the training process: the cores are all training's already, and a decoding process
+    adds its copies and its contention to the same work (measured: docs/benchmarks.md)."""
+    if setting != "auto":
+        return int(setting)
+    cores = cores or os.cpu_count() or 2
+    if device == "cpu" and cores <= 2:
+        return 0
+    return max(1, min(8, cores - 1))
+
+
+class DeviceDecoder:
+    """Batches decoded on a CUDA device: their JPEG images by nvJPEG's batched decoder (torchvision.io.decode_jpeg
+    with the device), resized there too, other formats on the host; in one thread of the training process, on a
+    stream of its own, so that the host's part of the decoding overlaps the training step (torchvision's operators
+    release the GIL). A future's images are a uint8 N x 3 x H x W tensor on the device, complete when it is done."""
+
+    workers = 0  # no decoding processes
+
+    def __init__(self, device: torch.device, size: int | None, fit: bool = False) -> None:
+        self.device, self.size, self.fit = device, size, fit
+        # The thread's current device is the run's (a new thread's is the first GPU's).
+        self.thread = ThreadPoolExecutor(1, "job-decode", initializer=torch.cuda.set_device, initargs=(device,))
+        self.stream = torch.cuda.Stream(device)
+
+    def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
+        return self.thread.submit(self.decode, items)
+
+    def decode(self, items: list[tuple[str, str, bytes]]) -> torch.Tensor:
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        jpeg = [i for i, (_, ext, _) in enumerate(items) if ext in JPEG]
+        images: list[torch.Tensor | None] = [None] * len(items)
+        with torch.cuda.stream(self.stream), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # as in decode()
+            if jpeg:
+                data = [torch.frombuffer(items[i][2], dtype=torch.uint8) for i in jpeg]
+                try:
+                    found = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+                except RuntimeError as e:
+                    names = f"{items[jpeg[0]][0]} to {items[jpeg[-1]][0]}"
+                    raise DataError(f"cannot decode the JPEG images {names} on {self.device}: {one_line(e)}") from None
+                for i, img in zip(jpeg, found):
+                    images[i] = img
+            for i, item in enumerate(items):
+                if images[i] is None:
+                    images[i] = torch.from_numpy(decode([item], None)[0]).to(self.device)
+            images = [sized(img, self.size, self.fit) for img in images]
+            for img, (name, _, _) in zip(images, items):
+                if img.shape != images[0].shape:
+                    raise different_sizes(images[0].shape, img.shape, name)
+            out = torch.stack(images)
+        self.stream.synchronize()  # this thread waits; the training thread never does
+        return out
