@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU claim of the project, checked on a GPU machine that cannot reach the network, in two calls of under
+# Every GPU claim of the project, checked on a GPU machine that cannot reach the network, in calls of under
 # 600 s each.
 #
 #   bash bench/gpu_check.sh prepare [SHARED]   here (with network): fill .gpu/ with what the GPU machine lacks,
@@ -11,6 +11,9 @@
 #                                              bench`, Iris on cpu and cuda, CIFAR-10 on cuda (bench.log)
 #   bash bench/gpu_check.sh fast               there: the cifar10-fast preset against airbench94, 3 runs each
 #                                              (vs_airbench.log)
+#   bash bench/gpu_check.sh stream             there: ResNet-50 on 20,000 photos streamed from JPEG shards
+#                                              (decoded on the host, and on the GPU) against pre-decoded on the
+#                                              GPU (stream_gpu.log)
 #
 # Results go to $OUT (or bench/out/gpu). Each part runs even when one before it failed; the exit code is the
 # first failure's.
@@ -86,8 +89,16 @@ bench | fast)
     tail -n 12 "$out/vs_tutorials.log" "$out/bench.log"
     exit "$rc"
     ;;
+stream)
+    install
+    timeout 560 python3 bench/stream_gpu.py "$G/shared/datasets/cifar10-jpeg.tar.gz" --images 20000 \
+        >"$out/stream_gpu.log" 2>&1
+    note $?
+    tail -n 8 "$out/stream_gpu.log"
+    exit "$rc"
+    ;;
 *)
-    sed -n '2,16p' "$0"
+    sed -n '2,19p' "$0"
     exit 2
     ;;
 esac
