@@ -280,7 +280,7 @@ def build(
     optimizer = make_optimizer(cfg, model, fused=device.type == "cuda" and precision == "fp16")
     prime_momentum(optimizer)
     feed = Feed(cfg, data, device, channels_last, memory_limit, view)
-    if pretrained and hasattr(model, "init_from_data"):  # a fresh model whose initialisation depends on the data
+    if pretrained and not cfg.model.weights and hasattr(model, "init_from_data"):  # a start that depends on the data
         model.init_from_data(feed.first_images(DATA_INIT_IMAGES))
     train = test = scheduler = lookahead = None
     accumulate = cfg.train.accumulate_steps
