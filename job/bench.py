@@ -15,7 +15,7 @@ import torch
 from job.config import Config
 from job.env import pick_device, resolve_precision
 from job.errors import ConfigError, Interrupted
-from job.naive import train_naive
+from job.naive import check_tutorial_recipe, train_naive
 from job.recipe import read_data
 from job.report import say
 
@@ -42,6 +42,7 @@ def bench(cfg: Config, devices: list[torch.device]) -> dict:
     """Train the recipe with the naive loop, then with the job, on each device in turn; returns the machine,
     the recipe and one row per (device, loop) with its timings, accuracy and speed-ups."""
     data = read_data(cfg)
+    check_tutorial_recipe(cfg, data)
     batch = len(data.train) if cfg.data.batch_size == "full" else min(cfg.data.batch_size, len(data.train))
     per_epoch = len(data.train) // batch * batch if cfg.data.drop_last else len(data.train)
     rows = []

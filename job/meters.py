@@ -4,6 +4,7 @@ the device and read back by copies that land while the next steps run, and what 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -25,13 +26,26 @@ def mark(cuda: bool):
 
 
 class TrainClock:
-    """Seconds spent in training epochs, excluding evaluations and checkpoints, without waiting for the device:
-    on a GPU, CUDA events mark each stretch of epochs and are read only after the device has caught up."""
+    """Seconds spent in training epochs, excluding evaluations and checkpoints, and in test passes, without waiting
+    for the device: on a GPU, CUDA events mark each stretch and are read only after the device has caught up."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.tests: list = []
         self.open = False
+
+    @contextlib.contextmanager
+    def testing(self) -> Iterator[None]:
+        """A test pass: training's stretch ends, the test's is timed."""
+        self.stop()
+        self.tests.append(mark(self.cuda))
+        yield
+        self.tests.append(mark(self.cuda))
+
+    def summary(self) -> dict[str, float]:
+        """train_seconds: in this process's training epochs; test_seconds: in its test passes."""
+        return {"train_seconds": round(self.seconds(), 4), "test_seconds": round(self.seconds(self.tests), 4)}
 
     def start(self) -> None:
         if not self.open:
@@ -43,9 +57,10 @@ class TrainClock:
             self.marks.append(mark(self.cuda))
             self.open = False
 
-    def seconds(self) -> float:
+    def seconds(self, marks: list | None = None) -> float:
         self.stop()
-        pairs = zip(self.marks[::2], self.marks[1::2])
+        marks = self.marks if marks is None else marks
+        pairs = zip(marks[::2], marks[1::2])
         if self.cuda:
             torch.cuda.synchronize()
             return sum(a.elapsed_time(b) for a, b in pairs) / 1000

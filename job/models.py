@@ -4,8 +4,8 @@ own nn.Module named as package.module:ClassName.
 Two optional hooks let a model say more than its layers, for its own and users' models alike:
 - `init_from_data(images)`: called once before a fresh run trains, with the first training images as the model will
   see them (normalised, not augmented, on its device), for an initialisation that depends on the data.
-- `param_epochs`: {parameter name: epochs}; such a parameter trains for that many epochs and is then held as it is
-  (its learning rate goes to 0: weight decay and momentum stop moving it too).
+- `param_epochs`: {parameter name: epochs}; such a parameter's learning rate goes to 0 after that many epochs, so
+  the optimizer (its gradient, weight decay and momentum) stops moving it (lookahead, when on, still averages it).
 """
 
 from __future__ import annotations

@@ -78,6 +78,31 @@ def make_data_loaders(cfg: Config, data: Dataset) -> tuple[DataLoader, DataLoade
     return train, test
 
 
+def check_tutorial_recipe(cfg: Config, data: Dataset) -> None:
+    """ConfigError for a recipe with settings the tutorials' loop has no counterpart for: compared with it, the job
+    would be timed against another recipe."""
+    model = build_model(cfg.model, data.input_shape, len(data.classes))
+    if beyond := beyond_the_tutorials(cfg, model):
+        raise ConfigError(
+            f"bench: the tutorials' loop it compares against has nothing for {', '.join(beyond)}; bench a recipe "
+            "without them, or time this one with `python -m job train` (summary: train_seconds)"
+        )
+
+
+def beyond_the_tutorials(cfg: Config, model: torch.nn.Module) -> list[str]:
+    """The settings of a recipe that the tutorials' loop has no counterpart for."""
+    d, o, t = cfg.data, cfg.optim, cfg.train
+    found = {
+        "data.random_hflip=alternate": d.random_hflip == "alternate",
+        "data.random_crop_padding_mode=reflect": d.random_crop_padding and d.random_crop_padding_mode == "reflect",
+        "optim.lookahead_every": o.lookahead_every > 0,
+        "train.label_smoothing": t.label_smoothing > 0,
+        "train.test_time_augmentation": t.test_time_augmentation != "none",
+        f"model {cfg.model.name}'s init_from_data": hasattr(model, "init_from_data"),
+    }
+    return [name for name, used in found.items() if used]
+
+
 def train_naive(cfg: Config, data: Dataset, device: torch.device) -> dict:
     """Train the recipe with the tutorials' loop on `device`; returns seconds spent in training epochs (the
     device waited for at each epoch's end; test passes excluded), the epochs and the final test accuracy."""

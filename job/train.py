@@ -289,7 +289,7 @@ def test_and_report(loop: Loop) -> None:
     loop.clock.stop()
     loop.log.system.pause()
     r, state, log, test = loop.r, loop.state, loop.log, loop.r.test
-    with memory_guard(f"data.eval_batch_size={test.batch_size}", r.device):
+    with memory_guard(f"data.eval_batch_size={test.batch_size}", r.device), loop.clock.testing():
         sums = test_sums(r.model, test, r.amp, loop.cfg.train.test_time_augmentation)
     test_loss, correct, train_sum = distributed.totals(sums, log.sums[1:]).tolist()  # the evaluation's host sync
     now = time.perf_counter()
@@ -383,7 +383,7 @@ def finish(loop: Loop, first_epoch: int) -> dict:
         "epochs": state.epoch,
         "steps": state.step,
         "seconds": round(time.perf_counter() - loop.t_start, 2),
-        "train_seconds": round(loop.clock.seconds(), 4),  # in this process's training epochs only
+        **loop.clock.summary(),  # in this process's training epochs, and its test passes
         "epochs_run": state.epoch - first_epoch,
         "output": run_dir.url,
         "attempt": loop.attempt.number,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_job, write_image_folder
+from conftest import run_job, write_cifar_batches, write_image_folder
 
 from job.bench import bench, format_table
 from job.config import load_config
@@ -152,3 +152,15 @@ def test_bench_on_cpu_and_cuda():
         rows["cpu", "naive"]["seconds_per_epoch"] / cuda_naive["seconds_per_epoch"]
     )
     assert abs(rows["cuda", "job"]["test_accuracy"] - rows["cpu", "job"]["test_accuracy"]) <= 2 / 30 + 1e-9
+
+
+def test_bench_refuses_a_recipe_the_tutorials_loop_cannot_run(tmp_path):
+    """cifar10-fast's parts have no counterpart in the tutorials' loop: comparing against it would time another
+    recipe. One line, exit 2, naming them."""
+    root = write_cifar_batches(tmp_path / "c10")
+    result = run_job("bench", "--config", "cifar10-fast", "--set", f"data.path={root}", "--epochs", "1", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith("error: bench: the tutorials' loop it compares against has nothing")
+    for name in ("alternate", "reflect", "lookahead_every", "label_smoothing", "test_time_augmentation", "init_from"):
+        assert name in line

@@ -60,7 +60,10 @@ def test_the_preset_builds_its_parts(tmp_path):
     )
     assert r.lookahead is not None and r.lookahead.total == 4 * len(r.train) == 4 * 5
     assert r.loss.keywords == {"label_smoothing": 0.2}
-    assert r.model.whiten.weight.abs().sum() > 0  # whitened from the data at build
+    fresh = CifarFast()
+    fresh.init_from_data(r.feed.first_images(5000))  # the first training images, as the model sees them
+    assert torch.allclose(r.model.whiten.weight, fresh.whiten.weight)  # whitened from the data at build
+    assert not torch.allclose(CifarFast().whiten.weight, fresh.whiten.weight)
 
 
 def test_triangle_schedule_and_parameters_held_after_their_epochs():
@@ -159,11 +162,15 @@ def test_alternating_flips_show_every_image_both_ways_every_two_epochs():
     n = 64
     x = torch.zeros(n, 3, 2, 2, dtype=torch.uint8)
     x[..., 0] = 7  # the flip is visible: the left column holds a value, the right column zeros
-    loader = BatchLoader(Split(x, torch.arange(n)), n, CPU, CPU, seed=3, shuffle=True, hflip="alternate")
+    loader = BatchLoader(Split(x, torch.arange(n)), n // 4, CPU, CPU, seed=3, shuffle=True, hflip="alternate")
 
-    def flipped(epoch: int) -> dict[int, bool]:
-        (images, labels), = loader.batches(epoch)  # fmt: skip
-        return {int(label): bool((img[..., 0] == 0).all()) for img, label in zip(images, labels)}
+    def flipped(epoch: int) -> dict[int, bool]:  # an image's side, whatever batch the shuffle puts it in
+        batches = list(loader.batches(epoch))
+        return {
+            int(label): bool((img[..., 0] == 0).all())
+            for images, labels in batches
+            for img, label in zip(images, labels)
+        }
 
     e0, e1, e2 = flipped(0), flipped(1), flipped(2)
     assert 0 < sum(e0.values()) < n  # at random in the first epoch
@@ -217,3 +224,17 @@ def test_the_preset_trains_on_a_cpu_and_resumes_bit_for_bit_after_sigterm(tmp_pa
     assert len(records) == 8 and records[-1]["test_accuracy"] > 0.3  # 10 classes of patterns: well above chance
     lrs = dict(scalars(str(tmp_path / "reference"), "train/lr"))
     assert max(lrs.values()) > lrs[min(lrs)] and lrs[max(lrs)] < max(lrs.values())  # up, then down
+
+
+def test_the_clock_times_training_and_test_passes_apart():
+    from job.meters import TrainClock
+
+    clock = TrainClock(CPU)
+    clock.start()
+    time.sleep(0.05)
+    with clock.testing():  # ends training's stretch
+        time.sleep(0.1)
+    clock.start()
+    time.sleep(0.05)
+    timed = clock.summary()
+    assert 0.09 < timed["train_seconds"] < 1.0 and 0.09 < timed["test_seconds"] < 1.0  # neither counts the other

@@ -130,46 +130,63 @@ def auto_workers(setting: int | str, device: str | None = None, cores: int | Non
     return max(1, min(8, cores - 1))
 
 
+DEVICE_GROUP = 32  # JPEG images nvJPEG decodes at once: full-size photos are held at full size until resized
+
+
 class DeviceDecoder:
     """Batches decoded on a CUDA device: their JPEG images by nvJPEG's batched decoder (torchvision.io.decode_jpeg
-    with the device), resized there too, other formats on the host; in one thread of the training process, on a
-    stream of its own, so that the host's part of the decoding overlaps the training step (torchvision's operators
-    release the GIL). A future's images are a uint8 N x 3 x H x W tensor on the device, complete when it is done."""
+    with the device), DEVICE_GROUP at a time, resized there too; other formats, and a group nvJPEG refuses (a CMYK
+    JPEG), on the host. In one thread of the training process per device, on a stream of its own, so that the
+    host's part of the decoding overlaps the training step (torchvision's operators release the GIL). A future's
+    images are a uint8 N x 3 x H x W tensor on the device, complete when it is done."""
 
     workers = 0  # no decoding processes
 
     def __init__(self, device: torch.device, size: int | None, fit: bool = False) -> None:
-        self.device, self.size, self.fit = device, size, fit
-        # The thread's current device is the run's (a new thread's is the first GPU's).
-        self.thread = ThreadPoolExecutor(1, "job-decode", initializer=torch.cuda.set_device, initargs=(device,))
-        self.stream = torch.cuda.Stream(device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device, self.size, self.fit = torch.device("cuda", index), size, fit
+        self.thread, self.stream = device_thread(self.device)
 
     def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
         return self.thread.submit(self.decode, items)
 
     def decode(self, items: list[tuple[str, str, bytes]]) -> torch.Tensor:
-        from torchvision.io import ImageReadMode, decode_jpeg
-
         jpeg = [i for i, (_, ext, _) in enumerate(items) if ext in JPEG]
         images: list[torch.Tensor | None] = [None] * len(items)
         with torch.cuda.stream(self.stream), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # as in decode()
-            if jpeg:
-                data = [torch.frombuffer(items[i][2], dtype=torch.uint8) for i in jpeg]
-                try:
-                    found = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-                except RuntimeError as e:
-                    names = f"{items[jpeg[0]][0]} to {items[jpeg[-1]][0]}"
-                    raise DataError(f"cannot decode the JPEG images {names} on {self.device}: {one_line(e)}") from None
-                for i, img in zip(jpeg, found):
-                    images[i] = img
+            for start in range(0, len(jpeg), DEVICE_GROUP):
+                group = jpeg[start : start + DEVICE_GROUP]
+                for i, img in zip(group, self.decode_jpegs([items[i][2] for i in group])):
+                    images[i] = sized(img, self.size, self.fit)
             for i, item in enumerate(items):
                 if images[i] is None:
-                    images[i] = torch.from_numpy(decode([item], None)[0]).to(self.device)
-            images = [sized(img, self.size, self.fit) for img in images]
+                    images[i] = torch.from_numpy(decode([item], self.size, self.fit)[0]).to(self.device)
             for img, (name, _, _) in zip(images, items):
                 if img.shape != images[0].shape:
                     raise different_sizes(images[0].shape, img.shape, name)
             out = torch.stack(images)
         self.stream.synchronize()  # this thread waits; the training thread never does
         return out
+
+    def decode_jpegs(self, data: list[bytes]) -> list[torch.Tensor | None]:
+        """The images on the device; None for each when nvJPEG refuses the group (the host decodes those)."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        try:
+            tensors = [torch.frombuffer(d, dtype=torch.uint8) for d in data]
+            return decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device)
+        except RuntimeError:
+            return [None] * len(data)
+
+
+THREADS: dict[int, tuple[ThreadPoolExecutor, torch.cuda.Stream]] = {}
+
+
+def device_thread(device: torch.device) -> tuple[ThreadPoolExecutor, torch.cuda.Stream]:
+    """The decoding thread and stream of a CUDA device, made once per process (find-batch-size builds its recipe
+    many times); the thread's current device is this one (a new thread's is the first GPU)."""
+    if device.index not in THREADS:
+        thread = ThreadPoolExecutor(1, f"job-decode-{device.index}", torch.cuda.set_device, (device,))
+        THREADS[device.index] = thread, torch.cuda.Stream(device)
+    return THREADS[device.index]

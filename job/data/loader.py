@@ -113,6 +113,8 @@ class BatchLoader:
         order = torch.randperm(self.n, generator=g) if shuffle else None
         crops = torch.randint(0, 2 * self.crop_padding + 1, (self.n, 2), generator=g) if self.crop_padding else None
         flips = draw_flips(self.n, g, self.hflip, self.seed, epoch)
+        if self.hflip == "alternate" and order is not None:  # drawn per image: taken in the epoch's order
+            flips = flips[order]
         boxes = self.view.draw(self.n, *self.x.shape[-2:], g) if self.resized_crops else None
         placed = self.place(crops, self.device), self.place(flips, self.device), self.place(boxes, self.device)
         return self.place(order, self.held_on), *placed

@@ -321,8 +321,8 @@ class StreamLoader:
                 if pending:
                     future, labels, position, firsts = pending.popleft()
                     images = decoded(future, group_names.popleft())
-                    if record is not None:
-                        record.append((images, labels))
+                    if record is not None:  # kept in host memory, whatever decoded it
+                        record.append((images.cpu(), labels))
                         record_bytes += images.nbytes
                         record = record if record_bytes <= self.keep_bytes else None
                     x, y = self.place(images, labels)
