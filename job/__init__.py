@@ -6,8 +6,10 @@ The way a run's data goes through the modules, top to bottom:
     storage     job/cloud.py         fsspec filesystems and credentials for every URL (local, gs://, a Drive mount)
     data        job/data/            the data set read through fsspec (cached locally) into tensors in memory,
                                      and the loaders that cut and augment batches on the device; or shards
-                                     streamed as the run trains (job/data/stream.py, packed by job/data/pack.py)
-    recipe      job/recipe.py        what the config means on a device: model, precision, optimizer, schedule, loaders
+                                     streamed as the run trains (job/data/stream.py, packed by job/data/pack.py,
+                                     decoded by job/data/decode.py on the host or the GPU)
+    recipe      job/recipe.py        what the config means on a device: model (job/models.py), precision, optimizer,
+                                     schedule and lookahead (job/schedule.py), loss, loaders
     loop        job/train.py         the run: epochs of steps (job/step.py), evaluations, stops (job/stop.py)
     checkpoint  job/checkpoint.py    snapshots committed to the run folder; job/resume.py opens the folder and
                                      picks the checkpoint to continue from
