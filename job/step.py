@@ -139,6 +139,18 @@ class EagerStep:
         if self.lookahead is not None:
             self.lookahead.step()
 
+    def plain_sgd(self) -> bool:
+        """Whether each optimizer step is SGD's same arithmetic on this batch's gradients alone, with nothing on the
+        host's side between steps (no accumulation, schedule, lookahead or loss scaler): what a captured step may
+        hold whole."""
+        return (
+            self.accumulator is None
+            and isinstance(self.optimizer, torch.optim.SGD)
+            and self.scheduler is None
+            and self.lookahead is None
+            and not self.scaler.is_enabled()
+        )
+
     def set_grads(self, grads: list[torch.Tensor]) -> None:
         if self.params and self.params[0].grad is not grads[0]:
             for p, g in zip(self.params, grads):
@@ -156,13 +168,8 @@ class CudaGraphStep(EagerStep):
         super().__init__(*args, **how)
         # The whole step fits in the graph when the optimizer's arithmetic does not change between steps on the
         # host's side: SGD with a constant rate, every batch. Otherwise the graph ends at the gradients.
-        self.whole = (
-            self.accumulator is None
-            and isinstance(self.optimizer, torch.optim.SGD)
-            and self.scheduler is None
-            and self.lookahead is None
-            and not self.scaler.is_enabled()
-            and not any(isinstance(g["lr"], torch.Tensor) for g in self.optimizer.param_groups)
+        self.whole = self.plain_sgd() and not any(
+            isinstance(g["lr"], torch.Tensor) for g in self.optimizer.param_groups
         )
         self.warmup = warmup
         self.failed = ""
@@ -286,11 +293,7 @@ class CpuTracedStep(EagerStep):
         # Plain SGD (one group, no momentum, a constant rate) is two operations per tensor: traced with the rest,
         # and checked against torch.optim's own step on the first batch like everything else.
         self.whole = (
-            self.accumulator is None
-            and isinstance(self.optimizer, torch.optim.SGD)
-            and self.scheduler is None
-            and self.lookahead is None
-            and not self.scaler.is_enabled()
+            self.plain_sgd()
             and len(groups) == 1
             and groups[0]["momentum"] == 0
             and not groups[0]["maximize"]
