@@ -203,11 +203,12 @@ def build_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Modul
 
 
 def own_kwargs(factory: Callable[..., nn.Module], cfg, **given) -> nn.Module:
-    """One of the job's models built with model.kwargs over what the data gives it."""
+    """A model built with model.kwargs over what the data gives it (`given`, which model.kwargs may override)."""
+    kwargs = {**given, **cfg.kwargs}
     try:
-        return factory(**{**given, **cfg.kwargs})
+        return factory(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"model.kwargs: {cfg.name} does not take {dict(cfg.kwargs)}: {one_line(e)}") from None
+        raise ConfigError(f"model.kwargs: {cfg.name} does not take {kwargs}: {one_line(e)}") from None
 
 
 def torchvision_model(cfg, num_classes: int) -> nn.Module:
@@ -234,17 +235,11 @@ def user_model(cfg, num_classes: int) -> nn.Module:
         raise ConfigError(f"model.name: cannot import {module_name}: {one_line(e)}") from None
     except AttributeError:
         raise ConfigError(f"model.name: {module_name} has no {attr}") from None
-    kwargs = dict(cfg.kwargs)
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    if "num_classes" in params and "num_classes" not in kwargs:
-        kwargs["num_classes"] = num_classes
-    try:
-        model = factory(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"model.kwargs: {cfg.name} does not take {kwargs}: {one_line(e)}") from None
+    model = own_kwargs(factory, cfg, **({"num_classes": num_classes} if "num_classes" in params else {}))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.name: {cfg.name} built a {type(model).__name__}, not a torch.nn.Module")
     return model

@@ -84,7 +84,7 @@ def replan(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int, step
     scheduler = make_scheduler(cfg, optimizer, total_steps)
     scheduler.last_epoch = step
     if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):  # its closed form, with eta_min 0
-        lrs = [base * (1 + math.cos(math.pi * step / total_steps)) / 2 for base in scheduler.base_lrs]
+        lrs = [base * curve(cfg, total_steps)(step) for base in scheduler.base_lrs]
     else:
         with warnings.catch_warnings():  # OneCycleLR's get_lr is closed in the step; it asks to be called by step()
             warnings.simplefilter("ignore")
