@@ -31,7 +31,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)
     data = recipe.read_data(cfg)
-    n = len(data.train)
+    n = data.samples("train")
     # On a GPU the run's own step: a CUDA graph holds its own memory besides the eager steps before it.
     capture = cfg.train.step_capture if device.type == "cuda" and not cfg.train.compile else "off"
     trials: list[dict] = []
@@ -47,11 +47,11 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
             step = build_step(r, sums, capture, own_model=own_class(cfg.model.name))
             count = 2 + (step.warmup if isinstance(step, CudaGraphStep) else 0)
             for _ in range(count):
-                x, y = next(loader.batches())
-                step(x, y)
+                first = next(loader.batches())
+                step(first.x, first.y)
             r.model.eval()
             with torch.no_grad(), r.amp():
-                r.model(next(r.feed.test(batch).batches())[0])
+                r.model(next(r.feed.test(batch).batches()).x)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             ok = True

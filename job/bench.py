@@ -43,8 +43,9 @@ def bench(cfg: Config, devices: list[torch.device]) -> dict:
     the recipe and one row per (device, loop) with its timings, accuracy and speed-ups."""
     data = read_data(cfg)
     check_tutorial_recipe(cfg, data)
-    batch = len(data.train) if cfg.data.batch_size == "full" else min(cfg.data.batch_size, len(data.train))
-    per_epoch = len(data.train) // batch * batch if cfg.data.drop_last else len(data.train)
+    n = data.samples("train")
+    batch = n if cfg.data.batch_size == "full" else min(cfg.data.batch_size, n)
+    per_epoch = n // batch * batch if cfg.data.drop_last else n
     rows = []
     for device in devices:
         say(f"bench: the naive loop on {device}, {cfg.train.epochs} epochs")

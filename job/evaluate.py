@@ -10,22 +10,25 @@ from job import checkpoint, recipe
 from job.attempts import RUN_JSON, attempts_in
 from job.cloud import filesystem
 from job.config import apply_override, load_config, validate
-from job.data.loader import BatchLoader
+from job.data.batches import Loader
 from job.env import pick_device
 from job.errors import CheckpointError
 
 
 @torch.no_grad()
-def test_sums(model, loader: BatchLoader, amp, augmentation: str = "none") -> torch.Tensor:
-    """[summed loss, correct predictions] over the split, left on the device; `augmentation`: train.test_time_
-    augmentation, the logits averaged over views of each image."""
+def test_sums(model, loader: Loader, amp, augmentation: str = "none") -> torch.Tensor:
+    """[summed loss, correct predictions] over this process's samples of the split, left on the device; padding
+    (a batch with no samples of this process's own) is never counted. `augmentation`: train.test_time_augmentation,
+    the logits averaged over views of each image."""
     model.eval()
     sums = torch.zeros(2, device=loader.device)
-    for x, y in loader.batches():
+    for batch in loader.batches():
+        if not batch.own:
+            continue
         with amp():
-            out = logits(model, x, augmentation)
-        sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
-        sums[1] += (out.argmax(1) == y).sum()
+            out = logits(model, batch.x, augmentation)
+        sums[0] += F.cross_entropy(out.float(), batch.y, reduction="sum")
+        sums[1] += (out.argmax(1) == batch.y).sum()
     model.train()
     return sums
 

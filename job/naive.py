@@ -20,7 +20,7 @@ from torchvision.transforms import v2
 
 from job.config import Config
 from job.data import Dataset, Split
-from job.data.loader import channel_stats
+from job.data.augment import channel_stats
 from job.env import resolve_precision, seed_everything
 from job.errors import ConfigError
 from job.models import build_model
@@ -78,9 +78,14 @@ def make_data_loaders(cfg: Config, data: Dataset) -> tuple[DataLoader, DataLoade
     return train, test
 
 
-def check_tutorial_recipe(cfg: Config, data: Dataset) -> None:
+def check_tutorial_recipe(cfg: Config, data) -> None:
     """ConfigError for a recipe with settings the tutorials' loop has no counterpart for: compared with it, the job
     would be timed against another recipe."""
+    if data.streamed:
+        raise ConfigError(
+            f"bench: the tutorials' loop holds its data in memory, and {cfg.data.path} is streamed from shards; bench "
+            "with data.placement=host, or time this run with `python -m job train` (summary: train_seconds)"
+        )
     model = build_model(cfg.model, data.input_shape, len(data.classes))
     if beyond := beyond_the_tutorials(cfg, model):
         raise ConfigError(

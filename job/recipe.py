@@ -18,9 +18,12 @@ from torch import nn
 from job import weights
 from job.config import Config
 from job.data import Dataset, Split, load_data
+from job.data.augment import View, channel_stats, to_float
+from job.data.batches import Loader
 from job.data.decode import DeviceDecoder
-from job.data.loader import BatchLoader, View, channel_stats, choose_placement, to_float
-from job.data.stream import StreamData, StreamLoader, first_images, held_decoder
+from job.data.loader import BatchLoader
+from job.data.placement import hold_on
+from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
 from job.env import resolve_precision
 from job.errors import ConfigError
 from job.memory import available_host_memory
@@ -30,6 +33,7 @@ from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
 
 DATA_INIT_IMAGES = 5000  # the training images a model's init_from_data sees
+STATS_IMAGES = 1000  # the training images streamed data's normalisation statistics are taken from
 
 
 def resolved(cfg: Config) -> Config:
@@ -85,9 +89,9 @@ def normalization(cfg: Config, data: Dataset | StreamData, decoder=None) -> tupl
     d = cfg.data
     if not data.is_image or d.normalize is False:
         return None, None
-    if d.normalize is True:
+    if d.normalize is True:  # from a seeded random sample of the training set, never the first in storage order
         if isinstance(data, StreamData):
-            return channel_stats(first_images(data.shards.splits["train"], decoder).cpu())
+            return channel_stats(sample_images(data.shards.splits["train"], decoder, STATS_IMAGES, cfg.seed).cpu())
         return channel_stats(data.train.x)
     w = weights.resolve(cfg.model.name, cfg.model.weights)
     if w is None or w.mean is None:
@@ -120,20 +124,23 @@ class Feed:
             self.batch_size = n if d.batch_size == "full" else d.batch_size
             return
         nbytes = data.train.x.nbytes + data.test.x.nbytes
-        self.held_on = choose_placement(nbytes, device, d.placement, d.device_share, limit)
+        self.held_on = hold_on(nbytes, device, d.placement, d.device_share, limit)
         self.mean, self.std = normalization(cfg, data)
         self.train_split, self.test_split = (
             Split(s.x.to(self.held_on), s.y.to(self.held_on)) for s in (data.train, data.test)
         )
         self.batch_size = len(data.train) if d.batch_size == "full" else d.batch_size
 
-    def first_images(self, n: int) -> torch.Tensor:
-        """The training split's first n images (fewer if it holds fewer) as the model sees them before augmentation:
-        float, normalised, on the device."""
+    def sample_images(self, n: int) -> torch.Tensor:
+        """A seeded random sample of n of the training split's images (all when it holds fewer) as the model sees
+        them before augmentation: float, normalised, on the device. Never the first in storage order: an image
+        folder is sorted by class."""
         if self.stream is not None:
-            x = first_images(self.stream.shards.splits["train"], self.decoder, n)
+            x = sample_images(self.stream.shards.splits["train"], self.decoder, n, self.cfg.seed)
         else:
-            x = self.train_split.x[:n]
+            g = torch.Generator().manual_seed(self.cfg.seed)
+            pick = torch.randperm(len(self.train_split), generator=g)[:n].sort().values
+            x = self.train_split.x[pick.to(self.train_split.x.device)]
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
         return to_float(x.to(self.device), layout, *self.stats(), self.view)
 
@@ -172,7 +179,7 @@ class Feed:
             **how,
         )
 
-    def train(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader | StreamLoader:
+    def train(self, batch: int, rank: int = 0, world: int = 1) -> Loader:
         """Training batches, this process's slice of each (rank of world)."""
         d = self.cfg.data
         reflect = d.random_crop_padding_mode == "reflect"
@@ -212,7 +219,7 @@ class Feed:
             raise ConfigError(f"data.drop_last: the training split ({n}) is smaller than one batch")
         return loader
 
-    def test(self, batch: int, rank: int = 0, world: int = 1) -> BatchLoader | StreamLoader:
+    def test(self, batch: int, rank: int = 0, world: int = 1) -> Loader:
         """Test batches of data.eval_batch_size, else of the training batch size."""
         if self.stream is not None:
             # Read the same way at every evaluation: kept decoded after its first pass if it takes a small share of
@@ -243,8 +250,8 @@ class Recipe:
     scheduler: Any  # per step over the whole run, or None
     scaler: torch.amp.GradScaler  # enabled for fp16 only
     feed: Feed
-    train: BatchLoader | StreamLoader | None  # at the config's batch size (None when built without loaders)
-    test: BatchLoader | StreamLoader | None
+    train: Loader | None  # at the config's batch size (None when built without loaders)
+    test: Loader | None
     input_shape: tuple[int, ...]  # what the model takes: the data's, or its view's
     accumulate: int = 1  # batches per optimizer step
     loss: Callable[..., torch.Tensor] = F.cross_entropy  # the training loss of (logits, labels)
@@ -281,7 +288,7 @@ def build(
     prime_momentum(optimizer)
     feed = Feed(cfg, data, device, channels_last, memory_limit, view)
     if pretrained and not cfg.model.weights and hasattr(model, "init_from_data"):  # a start that depends on the data
-        model.init_from_data(feed.first_images(DATA_INIT_IMAGES))
+        model.init_from_data(feed.sample_images(DATA_INIT_IMAGES))
     train = test = scheduler = lookahead = None
     accumulate = cfg.train.accumulate_steps
     if loaders:

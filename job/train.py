@@ -19,7 +19,7 @@ from job import checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
 from job.config import Config, flat_items, to_yaml
 from job.env import describe_device, pick_device, seed_everything
-from job.errors import Cancelled, CheckpointError, ConfigError, Interrupted, StorageError, exit_code
+from job.errors import Cancelled, ConfigError, Interrupted, StorageError, exit_code
 from job.evaluate import test_sums
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
@@ -208,16 +208,12 @@ def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed
     recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
     saved = dict(payload["progress"])
     log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
-    places = saved.pop("stream", None)
+    places = saved.pop("places", None) or []  # each process's place in the epoch, by rank
+    saved.pop("stream", None)  # the places as checkpoints of earlier versions held them: not resumable mid-epoch
     saved.pop("accumulated", None)  # the step takes them when it is made
     state = Progress(**{"run_id": run_id, **saved})
-    if hasattr(r.train, "resume_at") and state.epoch_step:
-        if not places or len(places) != distributed.world():
-            raise CheckpointError(
-                f"the checkpoint was taken in epoch {state.epoch + 1} by {len(places or [])} process(es) of a stream "
-                f"and holds no place for {distributed.world()}: resume with as many, or from an epoch's end"
-            )
-        r.train.resume_at(state.epoch, state.epoch_step, places[distributed.rank()])
+    if state.epoch_step:
+        r.train.resume_at(state.epoch, state.epoch_step, places)
     return state
 
 
@@ -258,11 +254,11 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
     loop.clock.start()
     log.system.resume(state.step)
     with memory_guard(f"data.batch_size={loop.cfg.data.batch_size}", loop.r.device):
-        for x, y in log.system.timed(loader.batches(epoch, state.epoch_step)):
+        for batch in log.system.timed(loader.batches(epoch, state.epoch_step)):
             if accumulator is not None:
                 accumulator.plan(loader, state.epoch_step)
-            loop.step(x, y, loader.loss_weight(state.epoch_step))
-            state.samples_since_eval += loader.samples(state.epoch_step)  # the global batch's: every process's
+            loop.step(batch.x, batch.y, batch.weight)
+            state.samples_since_eval += batch.samples  # the global batch's: every process's
             state.step += 1
             state.epoch_step += 1
             state.steps_since_eval += 1
@@ -318,8 +314,7 @@ def save(loop: Loop) -> None:
     loop.clock.stop()
     loop.log.system.pause()
     sums = distributed.gather(loop.log.sums).tolist()  # one row per process
-    streamed = getattr(loop.r.train, "position", None)  # a stream's place in the epoch, one per process
-    places = distributed.gather_objects(streamed()) if streamed and loop.state.epoch_step else None
+    places = distributed.gather_objects(loop.r.train.position()) if loop.state.epoch_step else None
     rngs = distributed.gather_objects(checkpoint.rng_state()) if distributed.world() > 1 else []
     distributed.on_writer(lambda: commit(loop, sums, places, rngs))
 
@@ -339,7 +334,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     for window in loop.log.ready(wait=True):
         report.loss(*window)
     report.flush()
-    progress = {**asdict(state), "loss_sums": loss_sums, **({"stream": places} if places else {}), **accumulated(loop)}
+    progress = {**asdict(state), "loss_sums": loss_sums, **({"places": places} if places else {}), **accumulated(loop)}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead)
     payload |= {"rng_ranks": rngs} if rngs else {}

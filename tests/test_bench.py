@@ -11,7 +11,8 @@ from conftest import run_job, write_cifar_batches, write_image_folder
 from job.bench import bench, format_table
 from job.config import load_config
 from job.data import load_data
-from job.data.loader import BatchLoader, channel_stats, crop_flip
+from job.data.augment import channel_stats, crop_flip
+from job.data.loader import BatchLoader
 from job.naive import make_data_loaders
 from job.report import say
 
@@ -86,7 +87,7 @@ def test_naive_items_are_what_the_job_batches_hold(tmp_path):
     data = load_data(cfg.data, tmp_path / "cache", say)
     train, test = make_data_loaders(cfg, data)
     mean, std = channel_stats(data.train.x)
-    job_test = next(BatchLoader(data.test, len(data.test), CPU, CPU, mean=mean, std=std).batches())[0]
+    job_test = next(BatchLoader(data.test, len(data.test), CPU, CPU, mean=mean, std=std).batches()).x
     naive_test = torch.stack([test.dataset[i][0] for i in range(len(data.test))])
     assert torch.allclose(naive_test, job_test, atol=1e-5)
 

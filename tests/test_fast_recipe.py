@@ -18,7 +18,8 @@ from conftest import assert_same_run, invoke, metrics, pointer, run_job, scalars
 from job import recipe, schedule
 from job.config import load_config
 from job.data import Split
-from job.data.loader import BatchLoader, crop_flip
+from job.data.augment import crop_flip
+from job.data.loader import BatchLoader
 from job.errors import ConfigError
 from job.evaluate import logits
 from job.models import CifarFast
@@ -61,7 +62,7 @@ def test_the_preset_builds_its_parts(tmp_path):
     assert r.lookahead is not None and r.lookahead.total == 4 * len(r.train) == 4 * 5
     assert r.loss.keywords == {"label_smoothing": 0.2}
     fresh = CifarFast()
-    fresh.init_from_data(r.feed.first_images(5000))  # the first training images, as the model sees them
+    fresh.init_from_data(r.feed.sample_images(5000))  # a seeded sample of the training images, as seen
     assert torch.allclose(r.model.whiten.weight, fresh.whiten.weight)  # whitened from the data at build
     assert not torch.allclose(CifarFast().whiten.weight, fresh.whiten.weight)
 
@@ -102,9 +103,9 @@ def test_a_held_parameter_does_not_move_under_momentum_and_weight_decay(tmp_path
     bias = r.model.whiten.bias
     seen = []
     for epoch in range(2):
-        for x, y in r.train.batches(epoch):
+        for b in r.train.batches(epoch):
             seen.append(bias.detach().clone())
-            step(x, y)
+            step(b.x, b.y)
     assert not torch.equal(seen[0], seen[5])  # it trained in the first epoch (5 steps)
     assert all(torch.equal(seen[5], b) for b in seen[5:]) and torch.equal(seen[5], bias.detach())
 
@@ -166,11 +167,7 @@ def test_alternating_flips_show_every_image_both_ways_every_two_epochs():
 
     def flipped(epoch: int) -> dict[int, bool]:  # an image's side, whatever batch the shuffle puts it in
         batches = list(loader.batches(epoch))
-        return {
-            int(label): bool((img[..., 0] == 0).all())
-            for images, labels in batches
-            for img, label in zip(images, labels)
-        }
+        return {int(label): bool((img[..., 0] == 0).all()) for b in batches for img, label in zip(b.x, b.y)}
 
     e0, e1, e2 = flipped(0), flipped(1), flipped(2)
     assert 0 < sum(e0.values()) < n  # at random in the first epoch

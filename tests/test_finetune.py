@@ -27,7 +27,8 @@ from conftest import (
 from job import recipe
 from job.config import load_config
 from job.data import Split
-from job.data.loader import BatchLoader, View
+from job.data.augment import View
+from job.data.loader import BatchLoader
 from job.errors import StorageError
 from job.weights import Weights, cache_path, download, resolve
 
@@ -249,7 +250,7 @@ def test_photo_views_shapes_ranges_and_centre_crop():
     split = Split(x, torch.arange(64) % 2)
     view = View(32, centre=32 / 40, scale=(0.25, 1.0))
     train = BatchLoader(split, 16, torch.device("cpu"), torch.device("cpu"), view=view, resized_crops=True, hflip=True)
-    batches = list(train.batches(0))
+    batches = [(b.x, b.y) for b in train.batches(0)]
     assert [tuple(b.shape) for b, _ in batches] == [(16, 3, 32, 32)] * 4
     assert all(b.dtype == torch.float32 and b.min() >= 0 and b.max() <= 1 for b, _ in batches)
     _, _, _, boxes = train.draws(0)
@@ -257,10 +258,10 @@ def test_photo_views_shapes_ranges_and_centre_crop():
     assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= 40).all() and (boxes[:, 3] <= 40).all()
     assert ((w * h / 1600) >= 0.24).all() and ((w * h / 1600) <= 1.0).all() and ((w / h - 1).abs() < 0.5).all()
     assert len({tuple(b.tolist()) for b in boxes}) > 60  # a crop of its own for (nearly) every image
-    assert not torch.equal(batches[0][0], next(iter(train.batches(1)))[0])  # another epoch, other crops
+    assert not torch.equal(batches[0][0], next(iter(train.batches(1))).x)  # another epoch, other crops
     # Evaluation: the centre 32 x 32 of each 40 x 40 image, exactly.
     test = BatchLoader(split, 16, torch.device("cpu"), torch.device("cpu"), view=view)
-    first, _ = next(iter(test.batches()))
+    first = next(iter(test.batches())).x
     assert torch.allclose(first, x[:16, :, 4:36, 4:36].float() / 255, atol=1e-6)
 
 

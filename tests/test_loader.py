@@ -1,7 +1,8 @@
 import torch
 
 from job.data import Split
-from job.data.loader import BatchLoader, channel_stats, crop_flip
+from job.data.augment import channel_stats, crop_flip
+from job.data.loader import BatchLoader
 
 CPU = torch.device("cpu")
 
@@ -31,10 +32,10 @@ def test_batches_cover_the_split_once_and_are_seeded():
     split = images(10)
     loader = BatchLoader(split, 4, CPU, CPU, seed=3, shuffle=True)
     assert len(loader) == 3
-    labels = torch.cat([y for _, y in loader.batches(epoch=0)])
+    labels = torch.cat([b.y for b in loader.batches(epoch=0)])
     assert sorted(labels.tolist()) == list(range(10))
-    again = torch.cat([y for _, y in loader.batches(epoch=0)])
-    other_epoch = torch.cat([y for _, y in loader.batches(epoch=1)])
+    again = torch.cat([b.y for b in loader.batches(epoch=0)])
+    other_epoch = torch.cat([b.y for b in loader.batches(epoch=1)])
     assert torch.equal(labels, again) and not torch.equal(labels, other_epoch)
     dropped = BatchLoader(split, 4, CPU, CPU, drop_last=True)
     assert len(dropped) == 2
@@ -45,15 +46,16 @@ def test_resuming_mid_epoch_gives_the_same_remaining_batches():
     full = list(loader.batches(epoch=2))
     rest = list(loader.batches(epoch=2, start=1))
     assert len(rest) == 2
-    for (x1, y1), (x2, y2) in zip(full[1:], rest):
-        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    for a, b in zip(full[1:], rest):
+        assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
 
 
 def test_images_are_scaled_and_normalised():
     split = images(6)
     mean, std = channel_stats(split.x)
     loader = BatchLoader(split, 6, CPU, CPU, mean=mean, std=std)
-    ((x, _),) = list(loader.batches())
+    (batch,) = list(loader.batches())
+    x = batch.x
     assert x.dtype == torch.float32
     assert torch.allclose(x.mean((0, 2, 3)), torch.zeros(3), atol=1e-5)
     assert torch.allclose(x.std((0, 2, 3), unbiased=False), torch.ones(3), atol=1e-4)

@@ -30,9 +30,9 @@ def test_images_on_a_cpu_go_channels_last_normalised_with_test_batches_of_their_
     data = recipe.read_data(cfg)
     r = recipe.build(cfg, CPU, data)
     assert r.channels_last and r.model[0].weight.is_contiguous(memory_format=torch.channels_last)
-    x, y = next(r.train.batches())
+    x = next(r.train.batches()).x
     assert x.is_contiguous(memory_format=torch.channels_last) and x.dtype == torch.float32
-    whole, _ = next(r.feed.train(len(data.train)).batches())
+    whole = next(r.feed.train(len(data.train)).batches()).x
     assert abs(float(whole.mean())) < 0.1 and abs(float(whole.std()) - 1) < 0.1  # by the split's own statistics
     assert r.test.batch_size == 5 and r.scheduler is None
     off = recipe.build(load_config("cifar10", [*sets, "train.channels_last=off"]), CPU, data)

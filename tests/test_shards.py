@@ -29,8 +29,9 @@ from conftest import (
 )
 from faultproxy import FaultProxy
 
+from job.data.sample_stream import Part, SampleStream, saved
 from job.data.shards import open_shards
-from job.data.stream import Decoder, SampleStream, StreamLoader, auto_workers, deal, saved
+from job.data.stream import Decoder, StreamLoader, auto_workers, deal
 from job.memory import peak_tree_rss
 
 STREAM = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=shards", "data.placement=stream")]
@@ -126,7 +127,7 @@ def test_shards_written_by_tarfile_load_and_train(tmp_path):
 
 
 def test_a_stream_resumed_from_any_position_goes_on_exactly(packed):
-    urls = [str(p) for p in shard_names(packed, "train")]
+    urls = [Part(s.url, s.samples) for s in open_shards(str(packed), None, lambda line: None).splits["train"]]
     whole = [(s.key, s.shard) for s in SampleStream(urls, 16, (7, 0))]
     assert sorted(k for k, _ in whole) == sorted({k for k, _ in whole}) and len(whole) == 60
     assert [k for k, _ in whole] != [s.key for s in SampleStream(urls, 0, (7, 0))]  # the buffer shuffles
@@ -142,7 +143,7 @@ def test_a_stream_resumed_from_any_position_goes_on_exactly(packed):
 def test_shards_dealt_over_processes_cover_the_epoch_once_with_zero_weight_padding(packed):
     shards = open_shards(str(packed), None, lambda line: None).splits["train"]  # 8 shards: 7 of 8, one of 4
     hands = deal(shards, 3)
-    assert sorted(i for h in hands for i in h) == list(range(len(shards)))
+    assert sorted(p.url for h in hands for p in h) == [s.url for s in shards]
     decoder = Decoder(0, None)
     loaders = [StreamLoader(shards, 6, torch.device("cpu"), decoder, rank=r, world=3) for r in range(3)]
     assert len({len(x) for x in loaders}) == 1
@@ -151,9 +152,10 @@ def test_shards_dealt_over_processes_cover_the_epoch_once_with_zero_weight_paddi
     for loader in loaders:
         batches = list(loader.batches())
         assert len(batches) == steps
-        for i, (x, _) in enumerate(batches):
-            if loader.loss_weight(i) > 0:
-                seen += [bytes(img.numpy().tobytes()) for img in (x * 255).round().to(torch.uint8)]
+        for b in batches:
+            assert (b.weight > 0) == (b.own > 0)
+            if b.own:
+                seen += [bytes(img.numpy().tobytes()) for img in (b.x * 255).round().to(torch.uint8)]
     assert len(seen) == 60 and len(set(seen)) == 60
     for i in range(steps):  # the processes' weights average to one over each step (DDP divides by 3)
         assert sum(x.loss_weight(i) for x in loaders) == pytest.approx(3.0)
@@ -252,7 +254,7 @@ def test_streaming_from_gcs_through_a_store_failing_mid_shard(tmp_path, bucket, 
         *STREAM,
         *sets("data.batch_size=8", "model.name=mlp", "train.epochs=2", "data.cache=false", "train.log_every_steps=4"),
     ]
-    small_reads = "import sys, job.data.stream as s; s.CHUNK = 4096; from job.cli import main; main()"
+    small_reads = "import sys, job.data.sample_stream as s; s.CHUNK = 4096; from job.cli import main; main()"
     with FaultProxy(gcs_server, fail_rate=0.15, seed=3, kinds=("reset", "503")) as proxy:
         remote = subprocess.run(
             [
@@ -434,14 +436,16 @@ def test_the_test_split_is_kept_decoded_after_its_first_pass_when_small(packed, 
             StreamLoader(shards, 4, torch.device("cpu"), decoder, rank=r, world=world, keep_bytes=1 << 20)
             for r in range(world)
         ]
-        first = [[(x.clone(), y.clone()) for x, y in loader.batches()] for loader in loaders]
+        first = [[(b.x.clone(), b.y.clone(), b.own) for b in loader.batches()] for loader in loaders]
         stored = {url: Path(url).read_bytes() for url in (s.url for s in shards)}
         for url in stored:
             Path(url).unlink()
-        again = [list(loader.batches(1)) for loader in loaders]
+        again = [[(b.x, b.y, b.own) for b in loader.batches(1)] for loader in loaders]
         for a, b in zip(first, again):
             assert len(a) == len(b) == len(loaders[0])
-            assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+            assert all(
+                torch.equal(xa, xb) and torch.equal(ya, yb) and oa == ob for (xa, ya, oa), (xb, yb, ob) in zip(a, b)
+            )
         for url, data in stored.items():
             Path(url).write_bytes(data)
     small = StreamLoader(shards, 4, torch.device("cpu"), decoder, keep_bytes=100)  # a batch is 4x3x16x16 bytes
@@ -458,12 +462,13 @@ def test_alternating_flips_in_a_stream_show_every_sample_both_ways_every_two_epo
     shards = open_shards(str(packed), None, lambda line: None).splits["train"]
     decoder = Decoder(0, None)
     loader = StreamLoader(shards, 60, torch.device("cpu"), decoder, seed=3, shuffle=True, buffer=30, hflip="alternate")
-    plain = [img for x, _ in StreamLoader(shards, 60, torch.device("cpu"), decoder).batches() for img in x]
+    plain = [img for b in StreamLoader(shards, 60, torch.device("cpu"), decoder).batches() for img in b.x]
     upright = {img.numpy().tobytes(): i for i, img in enumerate(plain)}
     mirrored = {img.flip(-1).numpy().tobytes(): i for i, img in enumerate(plain)}
 
     def sides(epoch: int) -> dict[int, bool]:
-        (x, _), = loader.batches(epoch)  # fmt: skip
+        (batch,) = loader.batches(epoch)
+        x = batch.x
         found = {}
         for img in x:
             key = img.numpy().tobytes()

@@ -1,4 +1,5 @@
-"""Data sets held in memory as tensors: readers for CSV tables, CIFAR-10 and image folders, all through fsspec."""
+"""Data sets: readers for CSV tables, CIFAR-10, image folders and shards, all through fsspec; held in memory as
+tensors (Dataset) or, larger than memory, streamed from shards (job/data/stream.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ class Dataset:
     test: Split
     classes: list[str]
     source: str
+    streamed = False  # held in memory (a StreamData is read as the run trains)
+
+    def samples(self, split: str) -> int:
+        return len(self.train if split == "train" else self.test)
 
     @property
     def is_image(self) -> bool:
@@ -54,7 +59,7 @@ def load_data(cfg, cache: Path, log: Callable[[str], None]) -> Dataset:
             f"data.placement=stream: streams image folders, archives of one and shards; {cfg.kind} data are read "
             "into memory (data.placement auto)"
         )
-    if cfg.kind == "folder" and (cfg.placement == "stream" or too_big_to_hold(cfg, log)):
+    if cfg.kind == "folder" and streams_folder(cfg, log):
         from job.data.pack import packed_for_streaming
 
         cfg = cfg.model_copy(update={"kind": "shards", "path": packed_for_streaming(cfg.path, cache, log)})
@@ -82,16 +87,16 @@ def load_data(cfg, cache: Path, log: Callable[[str], None]) -> Dataset:
     return data
 
 
-def too_big_to_hold(cfg, log: Callable[[str], None]) -> bool:
-    """placement auto: whether an image folder, decoded, would take more than data.device_share of the free host
-    memory (it is then streamed; the run says so)."""
-    if cfg.placement != "auto":
-        return False
-    from job.data.pack import decoded_size
-    from job.memory import available_host_memory
+def streams_folder(cfg, log: Callable[[str], None]) -> bool:
+    """Whether an image folder is packed into shards and streamed (job/data/placement.py decides; the run says so)."""
+    from job.data.placement import decide_streaming
 
-    need, room = decoded_size(cfg.path, cfg.resize_size or cfg.image_size), cfg.device_share * available_host_memory()
-    if need <= room:
-        return False
-    log(f"data: decoded, {cfg.path} would take {need / 1e9:.1f} GB, more than {room / 1e9:.1f} GB: streaming it")
-    return True
+    decoded = None
+    if cfg.placement == "auto":
+        from job.data.pack import decoded_size
+
+        decoded = decoded_size(cfg.path, cfg.resize_size or cfg.image_size)
+    choice = decide_streaming(cfg.placement, decoded, cfg.device_share)
+    if choice.streamed and cfg.placement == "auto":
+        log(f"data: {cfg.path}: {choice.reason}: streaming it")
+    return choice.streamed

@@ -1,26 +1,25 @@
-"""Streaming shards: batches read from tar shards as the run trains, with memory bounded by a few shards, a shuffle
-buffer and the batches being decoded, whatever the data set's size.
+"""Streamed shards: batches read from tar shards as the run trains, with memory bounded by a few shards, a shuffle
+buffer and the batches being decoded, whatever the data set's size. This module deals the shards to the processes
+of a group and makes batches; job/data/sample_stream.py reads one process's samples, job/data/shards.py the tars.
 
 The order of an epoch is a function of (seed, epoch, rank) alone, never of how many processes decode:
   - the shards are dealt to the processes of a group once, balancing their sample counts (greedy, largest first);
-    each process reads its own shards, in an order shuffled per epoch;
-  - samples pass through a shuffle buffer whose draws come from a counter-based hash of (seed, epoch, rank, draw),
-    so the buffer's "RNG state" is a single number;
+    with more processes than shards, every process reads every shard and takes every world-th sample of the data;
+    each process reads its parts in an order shuffled per epoch, through a shuffle buffer (sample_stream.py);
   - a batch's crops and flips are drawn from (seed, epoch, rank, batch).
-The position after any batch is therefore small and exact: which shard, the byte offset in it, the buffer as
-references (shard, first byte, last byte) and the number of draws. A checkpoint saves it; a resumed run reads the
-buffer's samples back by range reads and goes on reading from the offset, without reading the epoch again.
+A checkpoint keeps each process's stream position and the byte ranges of its last batch.
 
 Every process of a group takes the same number of steps (DistributedDataParallel needs them in step): the most any
-of them needs. One whose shards run out first feeds its last batch again with a loss weight of zero, so no sample
-counts twice and none is dropped; with data.drop_last each takes as many full batches as the one with the fewest
-samples has, and the others' extra samples are left out of that epoch.
+of them needs. One whose samples run out first feeds its last batch again as a Batch of weight 0 and no samples of
+its own, so no sample counts twice and none is dropped, in training or in evaluation; stopped in that stretch, a
+resumed process reads its last batch back by its byte ranges and goes on feeding it. With data.drop_last each takes
+as many full batches as the one with the fewest samples has, and the others' extra samples are left out of that
+epoch.
 
-Images are decoded and resized in worker processes (torchvision's decoders, one thread each, off the training
-process and its GIL), in batches submitted ahead of the step that needs them; reading and the buffer stay in the
-training process (about 2 us a member). webdataset and torchdata's StatefulDataLoader are not used: both make the
-order depend on the number of loader workers and checkpoint the shuffle buffer's samples, where this keeps
-references to them.
+Images are decoded and resized in worker processes (job/data/decode.py), in batches submitted ahead of the step
+that needs them; reading and the buffer stay in the training process (about 2 us a member). webdataset and
+torchdata's StatefulDataLoader are not used: both make the order depend on the number of loader workers and
+checkpoint the shuffle buffer's samples, where this keeps references to them.
 """
 
 from __future__ import annotations
@@ -28,155 +27,41 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
-from job.cloud import filesystem
 from job.data import Dataset, Split
+from job.data.augment import View, crop_flip, epoch_seed, to_float
+from job.data.batches import Batch, move
 from job.data.decode import Decoder, DeviceDecoder, auto_workers, decode, decoded
-from job.data.loader import View, crop_flip, epoch_seed, to_float
-from job.data.shards import InMemory, Sample, Shard, ShardFile, ShardSet, open_shards, read_range, samples
-from job.errors import ConfigError, DataError
-from job.memory import available_host_memory
-
-MASK = (1 << 64) - 1
-READ_AHEAD = 2  # remote shards downloaded ahead of the one being read
-CHUNK = 8 << 20  # bytes a remote shard is downloaded in: one request each
+from job.data.placement import decide_streaming
+from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved
+from job.data.shards import Sample, Shard, ShardFile, ShardSet, open_shards, samples
+from job.errors import CheckpointError, ConfigError, DataError
 
 
-def mix(*parts: int) -> int:
-    """A 64-bit hash of integers (splitmix64 steps): the shuffle buffer's draws, reproducible from a counter."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = (h ^ (p & MASK)) * 0xBF58476D1CE4E5B9 & MASK
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & MASK
-        h ^= h >> 31
-    return h
-
-
-def deal(shards: list[Shard], world: int) -> list[list[int]]:
-    """The shards (by index) each process reads: dealt largest first to the process with the fewest samples."""
+def deal(shards: list[Shard], world: int) -> list[list[Part]]:
+    """The parts of the shards each process reads: whole shards dealt largest first to the process with the fewest
+    samples; with fewer shards than processes, every world-th sample of the data (in name order) to each."""
     if len(shards) < world:
-        raise ConfigError(
-            f"{len(shards)} shards cannot be split over {world} processes: pack with more (job shard "
-            "--samples-per-shard) or run fewer processes"
-        )
-    hands: list[list[int]] = [[] for _ in range(world)]
+        hands: list[list[Part]] = [[] for _ in range(world)]
+        base = 0
+        for s in shards:
+            for r in range(world):
+                part = Part(s.url, s.samples, (r - base) % world, world)
+                if part.taken:
+                    hands[r].append(part)
+            base += s.samples
+        return hands
+    whole: list[list[int]] = [[] for _ in range(world)]
     totals = [0] * world
     for i in sorted(range(len(shards)), key=lambda i: (-shards[i].samples, i)):
         r = min(range(world), key=lambda r: (totals[r], r))
-        hands[r].append(i)
+        whole[r].append(i)
         totals[r] += shards[i].samples
-    return [sorted(h) for h in hands]
-
-
-class SampleStream:
-    """One process's samples of one epoch: its shards read in sequence through a shuffle buffer of `buffer`
-    samples. `position()` between samples is what a checkpoint keeps; `at` continues from one."""
-
-    def __init__(self, urls: list[str], buffer: int, key: tuple[int, ...], at: dict | None = None) -> None:
-        self.urls, self.size, self.key = urls, buffer, key
-        self.shard, self.offset, self.draws = 0, 0, 0
-        self.buffer: list[Sample] = []
-        self.remote = not isinstance(filesystem(urls[0])[0], LocalFileSystem) if urls else False
-        if at is not None:
-            self.shard, self.offset, self.draws = at["shard"], at["offset"], at["draws"]
-            self.buffer = refill(urls, at["buffer"])
-
-    def position(self) -> tuple:
-        """Where the stream stands, cheaply (taken after every batch): the buffer's samples as they are now.
-        `saved()` turns it into what a checkpoint keeps."""
-        return self.shard, self.offset, self.draws, tuple(self.buffer)
-
-    def draw(self, n: int) -> int:
-        self.draws += 1
-        return mix(*self.key, self.draws) % n
-
-    def __iter__(self) -> Iterator[Sample]:
-        for sample in self.read():
-            if len(self.buffer) < self.size:
-                self.buffer.append(sample)
-                continue
-            if not self.size:
-                yield sample
-                continue
-            j = self.draw(self.size)
-            out, self.buffer[j] = self.buffer[j], sample
-            yield out
-        while self.buffer:
-            j = self.draw(len(self.buffer))
-            out = self.buffer[j]
-            self.buffer[j] = self.buffer[-1]
-            self.buffer.pop()
-            yield out
-
-    def read(self) -> Iterator[Sample]:
-        """The samples of the shards from the position on; remote shards downloaded READ_AHEAD ahead."""
-        fetch = ShardPrefetch(self.urls, self.shard, self.offset) if self.remote else None
-        try:
-            while self.shard < len(self.urls):
-                url = self.urls[self.shard]
-                f = fetch.get(self.shard) if fetch else ShardFile(url, self.offset)
-                try:
-                    for sample in samples(f, self.shard, url):
-                        self.offset = sample.end
-                        yield sample
-                finally:
-                    f.close()
-                self.shard, self.offset = self.shard + 1, 0
-        finally:
-            if fetch:
-                fetch.close()
-
-
-def saved(position: tuple) -> dict:
-    """A stream position as a checkpoint holds it: the buffer as references to its samples' bytes."""
-    shard, offset, draws, buffer = position
-    return {"shard": shard, "offset": offset, "draws": draws, "buffer": [[s.shard, s.start, s.end] for s in buffer]}
-
-
-class ShardPrefetch:
-    """Remote shards downloaded whole, in a thread, a few ahead of the one being read: a cold bucket then costs
-    about what local disk does. Each download goes through ShardFile, whose reads resume after a failure."""
-
-    def __init__(self, urls: list[str], first: int, offset: int) -> None:
-        self.urls, self.first, self.offset = urls, first, offset
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shard-fetch")
-        self.pending: dict[int, Future] = {}
-        for k in range(first, min(first + READ_AHEAD + 1, len(urls))):
-            self.pending[k] = self.pool.submit(self.download, k)
-
-    def download(self, k: int) -> ShardFile:
-        start = self.offset if k == self.first else 0
-        f = ShardFile(self.urls[k], start, block_size=CHUNK)
-        chunks = []
-        try:
-            while chunk := f.read(CHUNK):
-                chunks.append(chunk)
-        finally:
-            f.close()
-        return InMemory(b"".join(chunks), start)
-
-    def get(self, k: int) -> ShardFile:
-        nxt = k + READ_AHEAD + 1
-        if nxt < len(self.urls) and nxt not in self.pending:
-            self.pending[nxt] = self.pool.submit(self.download, nxt)
-        return self.pending.pop(k).result()
-
-    def close(self) -> None:
-        for f in self.pending.values():
-            f.cancel()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def refill(urls: list[str], refs: list[list[int]]) -> list[Sample]:
-    """A saved shuffle buffer read back: each sample by a range read of its shard, concurrently."""
-    with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda ref: read_range(urls[ref[0]], *ref), refs))
+    return [[Part(shards[i].url, shards[i].samples) for i in sorted(h)] for h in whole]
 
 
 @dataclass
@@ -188,6 +73,11 @@ class StreamData:
     input_shape: tuple[int, ...]
     source: str
     is_image: bool = True
+    reason: str = ""  # why it is streamed
+    streamed = True
+
+    def samples(self, split: str) -> int:
+        return self.shards.samples(split)
 
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.input_shape)
@@ -198,8 +88,8 @@ class StreamData:
 
 
 class StreamLoader:
-    """Batches of one split read from its shards, on `device`: the BatchLoader's interface (batches, len,
-    loss_weight, n) plus position() and resume_at() for exact resume."""
+    """Batches of one split read from its shards, on `device`, for process `rank` of `world`: the loader contract
+    (job/data/batches.py), with a position that restores exactly anywhere in an epoch."""
 
     def __init__(
         self,
@@ -225,7 +115,7 @@ class StreamLoader:
         resized_crops: bool = False,
         keep_bytes: int = 0,
     ) -> None:
-        self.shards, self.device, self.decoder = shards, device, decoder
+        self.device, self.decoder = device, decoder
         # A split read the same way every pass (no shuffle, no augmentation: the test split) whose decoded images
         # take at most keep_bytes is kept decoded after its first whole pass, and replayed from memory.
         self.keep_bytes = keep_bytes if not (shuffle or crop_padding or hflip or resized_crops) else 0
@@ -234,19 +124,20 @@ class StreamLoader:
         self.seed, self.shuffle, self.buffer, self.drop_last = seed, shuffle, buffer if shuffle else 0, drop_last
         self.crop_padding, self.hflip, self.rank, self.world = crop_padding, hflip, rank, world
         self.reflect = reflect
-        self.hands = deal(shards, world)
-        self.counts = [sum(shards[i].samples for i in hand) for hand in self.hands]
         self.n = sum(s.samples for s in shards)
+        if self.n < world:
+            raise ConfigError(f"{self.n} samples cannot be shared by {world} processes: run fewer")
+        self.hands = deal(shards, world)
+        self.counts = [sum(p.taken for p in hand) for hand in self.hands]
         self.batch_size = min(batch_size, self.n)
         self.local = [self.batch_size * (r + 1) // world - self.batch_size * r // world for r in range(world)]
         if min(self.local) < 1:
             raise ConfigError(f"data.batch_size: a batch of {self.batch_size} cannot be split over {world} processes")
-        self.pin = device.type == "cuda"
         self.layout = torch.channels_last if channels_last else torch.contiguous_format
         self.mean = mean.to(device).view(1, -1, 1, 1) if mean is not None else None
         self.std = std.to(device).view(1, -1, 1, 1) if std is not None else None
         self.ahead = max(ahead, 2 * decoder.workers + 1)
-        self.last_position: tuple | None = None
+        self.last_place: tuple | None = None  # (stream position, last batch's samples, its step) after the last batch
         self.saved: tuple[int, int, dict] | None = None
 
     def __len__(self) -> int:
@@ -261,7 +152,7 @@ class StreamLoader:
 
     def loss_weight(self, i: int) -> float:
         """What this process's mean loss in step i is multiplied by so that DDP's average over the processes is the
-        mean over the samples of the step (0 for a process whose shards ran out)."""
+        mean over the samples of the step (0 for a process whose samples ran out)."""
         if self.world == 1:
             return 1.0
         return self.taken(self.rank, i) * self.world / self.samples(i)
@@ -270,43 +161,56 @@ class StreamLoader:
         """Samples in step i over all processes."""
         return sum(self.taken(r, i) for r in range(self.world))
 
-    def resume_at(self, epoch: int, step: int, position: dict | None) -> None:
-        """Where the next batches(epoch, step) starts: the stream position saved after step `step`."""
-        self.saved = (epoch, step, position) if position is not None else None
+    def batch(self, x: torch.Tensor, y: torch.Tensor, i: int) -> Batch:
+        return Batch(x, y, self.loss_weight(i), self.samples(i), self.taken(self.rank, i))
 
-    def position(self) -> dict | None:
-        return saved(self.last_position) if self.last_position is not None else None
+    def resume_at(self, epoch: int, step: int, places: list[dict]) -> None:
+        """Continue at step `step` of `epoch` from the place this process saved there."""
+        if len(places) != self.world or not all(places):
+            raise CheckpointError(
+                f"the checkpoint was taken in epoch {epoch + 1} by {len(places)} process(es) of a stream and holds "
+                f"no place for {self.world}: resume with as many, or from an epoch's end"
+            )
+        self.saved = (epoch, step, places[self.rank])
 
-    def urls(self, epoch: int) -> list[str]:
+    def position(self) -> dict:
+        if self.last_place is None:
+            return {}
+        stream, last, step = self.last_place
+        return {"stream": saved(stream), "last": refs(last), "last_step": step}
+
+    def parts(self, epoch: int) -> list[Part]:
         hand = self.hands[self.rank]
         if self.shuffle and len(hand) > 1:
             g = torch.Generator().manual_seed(mix(epoch_seed(self.seed, epoch), self.rank))
             hand = [hand[i] for i in torch.randperm(len(hand), generator=g).tolist()]
-        return [self.shards[i].url for i in hand]
+        return hand
 
-    def batches(self, epoch: int = 0, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The epoch's batches from step `start` on, as (inputs, labels) on the training device."""
+    def batches(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
+        """The epoch's batches from step `start` on, on the training device."""
         at = None
         if start:
             if self.saved is None or self.saved[:2] != (epoch, start):
                 raise DataError(f"no saved stream position for step {start} of epoch {epoch + 1}")
             at = self.saved[2]
         if self.kept is not None:
-            for x, y in self.kept[start:]:
-                x, y = self.place(x, y)
-                yield to_float(x, self.layout, self.mean, self.std, self.view, None), y
+            for i, (x, y) in enumerate(self.kept[start:], start):
+                yield self.batch(
+                    to_float(move(x, self.device), self.layout, self.mean, self.std, self.view), move(y, self.device), i
+                )
             return
         record: list | None = [] if self.keep_bytes and not start else None
         record_bytes = 0
         key = (epoch_seed(self.seed, epoch), self.rank)
-        urls = self.urls(epoch)
-        stream = SampleStream(urls, self.buffer, key, at)
-        self.last_position = stream.position()
+        parts = self.parts(epoch)
+        urls = [p.url for p in parts]
+        stream = SampleStream(parts, self.buffer, key, at["stream"] if at else None)
         steps, b = len(self), self.local[self.rank]
         pending: deque = deque()
-        group_names: deque = deque()
         samples_iter = iter(stream)
         i, last = start, None
+        if at is not None:
+            self.last_place = (stream.position(), refill(urls, at["last"]), at["last_step"])
         try:
             while i < steps:
                 while len(pending) < self.ahead:
@@ -315,25 +219,24 @@ class StreamLoader:
                         break
                     items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
                     labels = torch.tensor([s.label() for s in group])
-                    firsts = self.first_flips(group)
-                    pending.append((self.decoder.submit(items), labels, stream.position(), firsts))
-                    group_names.append((items[0][0], items[-1][0]))
+                    names = (items[0][0], items[-1][0])
+                    pending.append((self.decoder.submit(items), labels, (stream.position(), group), names))
                 if pending:
-                    future, labels, position, firsts = pending.popleft()
-                    images = decoded(future, group_names.popleft())
+                    future, labels, (place, group), names = pending.popleft()
+                    images = decoded(future, names)
                     if record is not None:  # kept in host memory, whatever decoded it
                         record.append((images.cpu(), labels))
                         record_bytes += images.nbytes
                         record = record if record_bytes <= self.keep_bytes else None
-                    x, y = self.place(images, labels)
-                    x, boxes = self.augment(x, epoch, i, firsts)
-                    last = (to_float(x, self.layout, self.mean, self.std, self.view, boxes), y)
-                    self.last_position = position
+                    last = self.make(images, labels, epoch, i, group)
+                    self.last_place = (place, group, i)
                 elif last is None:
-                    return
+                    if self.last_place is None:
+                        return
+                    last = self.replayed(urls, epoch)  # resumed in the padded stretch: the last batch read back
                 elif record is not None:
                     record.append(record[-1])  # replayed as it was fed: the last batch again
-                yield last  # a process whose shards ran out feeds its last batch again, at loss weight 0
+                yield self.batch(*last, i)
                 i += 1
             if record is not None:
                 self.kept = record
@@ -341,14 +244,20 @@ class StreamLoader:
             for future, *_ in pending:
                 future.cancel()
 
-    def place(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda:  # decoded on the device, on the decoder's stream: its memory is now in use on this one too
-            x.record_stream(torch.cuda.current_stream(x.device))
-        elif self.pin and not x.is_pinned():
-            x = x.pin_memory()
-        if self.pin and not y.is_pinned():
-            y = y.pin_memory()
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+    def make(
+        self, images: torch.Tensor, labels: torch.Tensor, epoch: int, i: int, group: list[Sample]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded images of step i as the model takes them: on the device, augmented, float."""
+        x, y = move(images, self.device), move(labels, self.device)
+        x, boxes = self.augment(x, epoch, i, self.first_flips(group))
+        return to_float(x, self.layout, self.mean, self.std, self.view, boxes), y
+
+    def replayed(self, urls: list[str], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last batch this process read, made again from its samples' bytes as it was made at its step."""
+        _, group, step = self.last_place
+        items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
+        images = decoded(self.decoder.submit(items), (items[0][0], items[-1][0]))
+        return self.make(images, torch.tensor([s.label() for s in group]), epoch, step, group)
 
     def first_flips(self, group: list[Sample]) -> torch.Tensor | None:
         """random_hflip alternate: whether each sample is flipped in even epochs, a function of the seed and the
@@ -390,18 +299,12 @@ def load_shards(cfg, cache, log) -> StreamData | Dataset:
     device_share of free host memory), else decoded whole into memory like any other data set."""
     shards = open_shards(cfg.path, cache, log)
     shape = image_shape(cfg, shards)
-    data = StreamData(shards, shards.classes, shape, f"shards {cfg.path}")
-    if cfg.placement == "stream":
-        return data
-    decoded = (shards.samples("train") + shards.samples("test")) * int(np.prod(shape))
-    if cfg.placement == "auto":
-        room = cfg.device_share * available_host_memory()
-        if decoded > room:
-            log(
-                f"data: decoded, {cfg.path} would take {decoded / 1e9:.1f} GB, more than {room / 1e9:.1f} GB: "
-                "streaming it"
-            )
-            return data
+    nbytes = (shards.samples("train") + shards.samples("test")) * int(np.prod(shape))
+    choice = decide_streaming(cfg.placement, nbytes, cfg.device_share)
+    if choice.streamed:
+        if cfg.placement == "auto":
+            log(f"data: {cfg.path}: {choice.reason}: streaming it")
+        return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", reason=choice.reason)
     decoder = held_decoder(cfg)
     splits = [read_all(shards.splits[s], decoder) for s in ("train", "test")]
     return Dataset(splits[0], splits[1], shards.classes, f"shards {cfg.path}")
@@ -450,7 +353,7 @@ def image_shape(cfg, shards: ShardSet) -> tuple[int, int, int]:
 
 def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
     """Every sample of the shards, in name order, decoded into memory."""
-    stream = iter(SampleStream([s.url for s in shards], 0, (0,)))
+    stream = iter(SampleStream([Part(s.url, s.samples) for s in shards], 0, (0,)))
     futures, labels = [], []
     while group := [s for _, s in zip(range(batch), stream)]:
         names = [f"{shards[s.shard].url}:{s.key}" for s in group]
@@ -460,8 +363,20 @@ def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
     return Split(x, torch.tensor(labels))
 
 
-def first_images(shards: list[Shard], decoder: Decoder, n: int = 1000) -> torch.Tensor:
-    """The first n images of the shards in name order: what normalisation's channel statistics are taken from."""
-    stream = iter(SampleStream([s.url for s in shards], 0, (0,)))
-    group = [s for _, s in zip(range(n), stream)]
+def sample_images(shards: list[Shard], decoder: Decoder, n: int, seed: int) -> torch.Tensor:
+    """A seeded random sample of n of the shards' images (all of them when they hold fewer): what normalisation's
+    statistics and a model's data-dependent start see. Shards are visited in a seeded order until four times n
+    samples are read (so a large data set is not read whole), and n are drawn from those; never the first in
+    storage order, which a folder packed by class would make one class."""
+    g = torch.Generator().manual_seed(mix(seed, 0x5EED))
+    order = torch.randperm(len(shards), generator=g).tolist()
+    chosen, total = [], 0
+    for i in order:
+        chosen.append(shards[i])
+        total += shards[i].samples
+        if total >= 4 * n:
+            break
+    picked = set(torch.randperm(total, generator=g)[:n].tolist())  # drawn before reading: only n kept in memory
+    stream = SampleStream([Part(s.url, s.samples) for s in chosen], 0, (0,))
+    group = [sample for k, sample in enumerate(stream) if k in picked]
     return decoded(decoder.submit([(s.key, *s.image()) for s in group]), (group[0].key, group[-1].key))

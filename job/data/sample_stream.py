@@ -1,0 +1,176 @@
+"""One process's samples of one epoch, read from its parts of the shards through a shuffle buffer, with a position
+that is small and exact after any sample. Torch-free: bytes and integers only.
+
+A part is a shard, or every `step`-th sample of one (when a group has more processes than the data has shards,
+they share shards that way). The buffer's draws come from a counter-based hash of (key, draw), so its "RNG state"
+is one number; the position is (shard, byte offset, samples passed in the shard, draws, the buffer as byte ranges of
+its samples). A resumed stream reads the buffer's samples back by range reads and goes on from the offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from fsspec.implementations.local import LocalFileSystem
+
+from job.cloud import filesystem
+from job.data.shards import InMemory, Sample, ShardFile, read_range, samples
+from job.errors import DataError
+
+MASK = (1 << 64) - 1
+READ_AHEAD = 2  # remote shards downloaded ahead of the one being read
+CHUNK = 8 << 20  # bytes a remote shard is downloaded in: one request each
+
+
+def mix(*parts: int) -> int:
+    """A 64-bit hash of integers (splitmix64 steps): the shuffle buffer's draws, reproducible from a counter."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (p & MASK)) * 0xBF58476D1CE4E5B9 & MASK
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & MASK
+        h ^= h >> 31
+    return h
+
+
+@dataclass(frozen=True)
+class Part:
+    """Samples first, first + step, ... of a shard of `samples` samples (step 1: the whole shard)."""
+
+    url: str
+    samples: int  # in the whole shard: what its reading is checked against
+    first: int = 0
+    step: int = 1
+
+    @property
+    def taken(self) -> int:
+        return len(range(self.first, self.samples, self.step))
+
+
+class SampleStream:
+    """One process's samples of one epoch: its parts read in sequence through a shuffle buffer of `buffer`
+    samples. `position()` between samples is what a checkpoint keeps; `at` continues from one."""
+
+    def __init__(self, parts: list[Part], buffer: int, key: tuple[int, ...], at: dict | None = None) -> None:
+        self.parts, self.size, self.key = parts, buffer, key
+        self.shard, self.offset, self.index, self.draws = 0, 0, 0, 0
+        self.buffer: list[Sample] = []
+        self.remote = not isinstance(filesystem(parts[0].url)[0], LocalFileSystem) if parts else False
+        if at is not None:
+            self.shard, self.offset, self.draws = at["shard"], at["offset"], at["draws"]
+            self.index = at.get("index", 0)
+            self.buffer = refill([p.url for p in parts], at["buffer"])
+
+    def position(self) -> tuple:
+        """Where the stream stands, cheaply (taken after every batch): the buffer's samples as they are now.
+        `saved()` turns it into what a checkpoint keeps."""
+        return self.shard, self.offset, self.index, self.draws, tuple(self.buffer)
+
+    def draw(self, n: int) -> int:
+        self.draws += 1
+        return mix(*self.key, self.draws) % n
+
+    def __iter__(self) -> Iterator[Sample]:
+        for sample in self.read():
+            if len(self.buffer) < self.size:
+                self.buffer.append(sample)
+                continue
+            if not self.size:
+                yield sample
+                continue
+            j = self.draw(self.size)
+            out, self.buffer[j] = self.buffer[j], sample
+            yield out
+        while self.buffer:
+            j = self.draw(len(self.buffer))
+            out = self.buffer[j]
+            self.buffer[j] = self.buffer[-1]
+            self.buffer.pop()
+            yield out
+
+    def read(self) -> Iterator[Sample]:
+        """This process's samples of its parts from the position on; remote shards downloaded READ_AHEAD ahead.
+        Each shard read to its end is held against the number of samples it should hold."""
+        urls = [p.url for p in self.parts]
+        fetch = ShardPrefetch(urls, self.shard, self.offset) if self.remote else None
+        try:
+            while self.shard < len(self.parts):
+                part = self.parts[self.shard]
+                f = fetch.get(self.shard) if fetch else ShardFile(part.url, self.offset)
+                try:
+                    for sample in samples(f, self.shard, part.url):
+                        mine = self.index % part.step == part.first
+                        self.offset, self.index = sample.end, self.index + 1
+                        if mine:
+                            yield sample
+                finally:
+                    f.close()
+                if self.index != part.samples:
+                    raise DataError(
+                        f"{part.url}: holds {self.index} samples where its count says {part.samples} (changed since "
+                        "it was counted or packed? pack it again)"
+                    )
+                self.shard, self.offset, self.index = self.shard + 1, 0, 0
+        finally:
+            if fetch:
+                fetch.close()
+
+
+def saved(position: tuple) -> dict:
+    """A stream position as a checkpoint holds it: the buffer as references to its samples' bytes."""
+    shard, offset, index, draws, buffer = position
+    return {
+        "shard": shard,
+        "offset": offset,
+        "index": index,
+        "draws": draws,
+        "buffer": [[s.shard, s.start, s.end] for s in buffer],
+    }
+
+
+def refs(group: list[Sample]) -> list[list[int]]:
+    """Samples as references to their bytes (shard, start, end): what a checkpoint keeps of them."""
+    return [[s.shard, s.start, s.end] for s in group]
+
+
+class ShardPrefetch:
+    """Remote shards downloaded whole, in a thread, a few ahead of the one being read: a cold bucket then costs
+    about what local disk does. Each download goes through ShardFile, whose reads resume after a failure."""
+
+    def __init__(self, urls: list[str], first: int, offset: int) -> None:
+        self.urls, self.first, self.offset = urls, first, offset
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shard-fetch")
+        self.pending: dict[int, Future] = {}
+        for k in range(first, min(first + READ_AHEAD + 1, len(urls))):
+            self.pending[k] = self.pool.submit(self.download, k)
+
+    def download(self, k: int) -> ShardFile:
+        start = self.offset if k == self.first else 0
+        f = ShardFile(self.urls[k], start, block_size=CHUNK)
+        chunks = []
+        try:
+            while chunk := f.read(CHUNK):
+                chunks.append(chunk)
+        finally:
+            f.close()
+        return InMemory(b"".join(chunks), start)
+
+    def get(self, k: int) -> ShardFile:
+        nxt = k + READ_AHEAD + 1
+        if nxt < len(self.urls) and nxt not in self.pending:
+            self.pending[nxt] = self.pool.submit(self.download, nxt)
+        return self.pending.pop(k).result()
+
+    def close(self) -> None:
+        for f in self.pending.values():
+            f.cancel()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def refill(urls: list[str], held: list[list[int]]) -> list[Sample]:
+    """Saved samples read back: each by a range read of its shard, concurrently."""
+    if not held:
+        return []
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda ref: read_range(urls[ref[0]], *ref), held))
