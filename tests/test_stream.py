@@ -1,0 +1,206 @@
+"""The loader contract on streamed shards: every sample of an epoch once across any group, padding that no caller
+counts, a position that restores anywhere (the padded stretch included), evaluation on N processes equal to one,
+and shards from other tools (the webdataset package's own writer: pax headers, non-ASCII keys) read exactly;
+shards cut short, miscounted, gzipped or gone named in one line."""
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import encode, invoke, pattern_images, sets, write_image_folder
+
+from job import evaluate
+from job.data.sample_stream import Part, SampleStream, saved
+from job.data.shards import open_shards, read_range
+from job.data.stream import Decoder, StreamLoader, sample_images
+from job.errors import DataError
+
+wds = pytest.importorskip("webdataset", reason="the webdataset package writes the other tool's shards")
+
+CPU = torch.device("cpu")
+STREAM = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=shards", "data.placement=stream")]
+
+
+def wds_shards(root: Path, train: list[int], test: list[int], size: int = 8) -> Path:
+    """Shards of the sizes given written by webdataset's TarWriter, with keys that need pax headers."""
+    for split, sizes, seed in (("train", train, 0), ("test", test, 1)):
+        images, labels = pattern_images(4, -(-sum(sizes) // 4), size, seed)
+        (root / split).mkdir(parents=True)
+        at = 0
+        for k, n in enumerate(sizes):
+            with wds.TarWriter(str(root / split / f"café-{k:03d}.tar")) as sink:
+                for i in range(at, at + n):
+                    sink.write({"__key__": f"été/échantillon-{i:05d}", "png": encode(images[i]), "cls": str(labels[i])})
+            at += n
+    (root / "classes.txt").write_text("a\nb\nc\nd\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory) -> Path:
+    return wds_shards(tmp_path_factory.mktemp("wds"), [23, 5, 4, 3, 2], [9, 4])
+
+
+def splits(root: Path, cache: Path | None = None):
+    return open_shards(str(root), cache, lambda line: None).splits
+
+
+def pixels(x: torch.Tensor) -> list[bytes]:
+    return [img.numpy().tobytes() for img in (x * 255).round().to(torch.uint8)]
+
+
+def test_webdataset_shards_resume_exactly_from_any_sample(uneven):
+    parts = [Part(s.url, s.samples) for s in splits(uneven)["train"]]
+    whole = [s.key for s in SampleStream(parts, 6, (3, 0))]
+    assert len(whole) == 37 and len(set(whole)) == 37 and all(k.startswith("été/") for k in whole)
+    for cut in (1, 6, 20, 36):
+        it = iter(stream := SampleStream(parts, 6, (3, 0)))
+        head = [next(it).key for _ in range(cut)]
+        place = json.loads(json.dumps(saved(stream.position())))
+        assert head + [s.key for s in SampleStream(parts, 6, (3, 0), place)] == whole, cut
+    first = next(iter(SampleStream(parts[:1], 0, (0,))))
+    again = read_range(parts[0].url, 0, first.start, first.end)
+    assert again.key == first.key and again.members == first.members  # the pax header is part of the sample
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_sample_once_across_any_group_with_padding_weighed_zero(uneven, world, drop_last):
+    """5 train shards of 23, 5, 4, 3, 2 samples: whole shards dealt to up to 5 processes, shared beyond that."""
+    shards = splits(uneven)["train"]
+    loaders = [
+        StreamLoader(
+            shards, 2 * world, CPU, Decoder(0, None), rank=r, world=world, drop_last=drop_last, shuffle=True, buffer=4
+        )
+        for r in range(world)
+    ]
+    runs = [list(loader.batches(1)) for loader in loaders]
+    assert len({len(run) for run in runs}) == 1 and len(runs[0]) == len(loaders[0])
+    seen = [p for run in runs for b in run if b.own for p in pixels(b.x)]
+    everything = pixels(torch.cat([b.x for b in StreamLoader(shards, 37, CPU, Decoder(0, None)).batches()]))
+    assert len(seen) == len(set(seen))
+    if drop_last:  # as many full batches as the process with the fewest samples has
+        assert len(seen) == len(loaders[0]) * loaders[0].batch_size
+    else:
+        assert sorted(seen) == sorted(everything)
+    for i in range(len(runs[0])):
+        step = [run[i] for run in runs]
+        assert sum(b.weight for b in step) == pytest.approx(world)
+        assert all(b.samples == sum(s.own for s in step) for b in step)
+        assert all((b.own == 0) == (b.weight == 0) for b in step)
+
+
+@pytest.mark.parametrize("world", [3, 7])
+def test_a_stream_resumes_exactly_from_any_step_the_padded_stretch_included(uneven, world):
+    shards = splits(uneven)["train"]
+
+    def loader(rank: int) -> StreamLoader:
+        return StreamLoader(
+            shards,
+            2 * world,
+            CPU,
+            Decoder(0, None),
+            rank=rank,
+            world=world,
+            shuffle=True,
+            buffer=5,
+            crop_padding=1,
+            hflip=True,
+        )
+
+    for rank in range(world):
+        whole = loader(rank)
+        run, places = [], []
+        for b in whole.batches(2):
+            run.append(b)
+            places.append(json.loads(json.dumps(whole.position())))  # as a checkpoint keeps it
+        padded = [i for i, b in enumerate(run) if not b.own]
+        cuts = sorted({1, len(run) - 1, *padded[:2]} - {0, len(run)})
+        for cut in cuts:
+            resumed = loader(rank)
+            resumed.resume_at(2, cut, [places[cut - 1]] * world)
+            rest = list(resumed.batches(2, cut))
+            assert len(rest) == len(run) - cut, (rank, cut)
+            for a, b in zip(run[cut:], rest):
+                assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and (a.weight, a.own) == (b.weight, b.own)
+
+
+def test_evaluation_on_several_processes_counts_each_sample_once(uneven):
+    """2 test shards of 9 and 4 samples over 3 processes: the sums over the group equal one process's."""
+    shards = splits(uneven)["test"]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 4))
+
+    def sums(world: int) -> torch.Tensor:
+        loaders = [StreamLoader(shards, 2 * world, CPU, Decoder(0, None), rank=r, world=world) for r in range(world)]
+        return sum(evaluate.test_sums(model, loader, torch.no_grad) for loader in loaders)
+
+    one = sums(1)
+    for world in (2, 3, 5):
+        assert torch.allclose(sums(world), one, atol=1e-4), world
+
+
+def test_a_shard_cut_short_miscounted_gzipped_or_gone_is_named(uneven, tmp_path):
+    cut = tmp_path / "cut"
+    shutil.copytree(uneven, cut)
+    victim = sorted((cut / "train").glob("*.tar"))[0]
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) * 6 // 10 // 512 * 512])  # cut at a block boundary: no end blocks
+    with pytest.raises(DataError, match=f"{victim.name}: cut short"):
+        splits(cut)  # counted without an index: read to the end once
+    indexed = tmp_path / "indexed"
+    src = write_image_folder(tmp_path / "images", per_class=12, test_per_class=4)
+    assert invoke(["shard", str(src), str(indexed), "--samples-per-shard", "8"])[0] == 0
+    first = sorted((indexed / "train").glob("*.tar"))[0]
+    whole = first.read_bytes()
+    first.write_bytes(whole[: len(whole) // 2 // 512 * 512])
+    with pytest.raises(DataError, match=f"{first.name}: .* bytes where index.json records"):
+        splits(indexed)
+    first.unlink()
+    with pytest.raises(DataError, match=f"{first.name}: listed in index.json but not there"):
+        splits(indexed)
+    first.write_bytes(gzip.compress(whole))
+    with pytest.raises(DataError, match=f"{first.name}: a gzip file"):
+        list(SampleStream([Part(str(first), 8)], 0, (0,)))
+    first.write_bytes(whole)
+    with pytest.raises(DataError, match=f"{first.name}: holds 8 samples where its count says 9"):
+        list(SampleStream([Part(str(first), 9)], 0, (0,)))
+
+
+def test_a_truncated_shard_stops_the_run_with_one_line(uneven, tmp_path):
+    cut = tmp_path / "cut"
+    src = write_image_folder(tmp_path / "images", per_class=12, test_per_class=4)
+    assert invoke(["shard", str(src), str(cut), "--samples-per-shard", "8"])[0] == 0
+    victim = sorted((cut / "train").glob("*.tar"))[1]
+    victim.write_bytes(victim.read_bytes()[:2048])
+    code, err = invoke(["train", *STREAM, *sets(f"data.path={cut}", "model.name=mlp", "train.epochs=1")])
+    assert code == 3 and victim.name in err and "Traceback" not in err, err
+
+
+def test_statistics_and_data_dependent_starts_see_a_seeded_sample_not_the_first_class(tmp_path):
+    """A folder packed in class order (one shard a class): the sample holds every class."""
+    src = write_image_folder(tmp_path / "images", n_classes=4, per_class=30, test_per_class=2)
+    root = tmp_path / "classes"
+    for split in ("train", "test"):
+        (root / split).mkdir(parents=True)
+    import tarfile
+
+    for split in ("train", "test"):
+        for k, folder in enumerate(sorted((src / split).iterdir())):
+            with tarfile.open(root / split / f"{k:03d}.tar", "w") as tar:
+                for f in sorted(folder.iterdir()):
+                    tar.add(f, arcname=f"{f.stem}.png")
+                    cls = tmp_path / "cls"
+                    cls.write_text(str(k))
+                    tar.add(cls, arcname=f"{f.stem}.cls")
+    shards = splits(root)["train"]
+    everything = StreamLoader(shards, 120, CPU, Decoder(0, None)).batches()
+    batch = next(everything)
+    by_pixels = dict(zip(pixels(batch.x), batch.y.tolist()))
+    sample = sample_images(shards, Decoder(0, None), 20, seed=0)
+    classes = {by_pixels[p] for p in pixels(sample.float() / 255)}
+    assert len(sample) == 20 and len(classes) >= 3
+    assert torch.equal(sample, sample_images(shards, Decoder(0, None), 20, seed=0))
