@@ -130,9 +130,22 @@ def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     if not active():
         return model
     if device.type == "cuda":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters, in place
+        model = sync_batchnorm(model)
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def sync_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
+    """BatchNorm layers made SyncBatchNorm (the same parameters and statistics), each keeping the forward pre-hooks it
+    had: PyTorch's conversion builds new modules without them, and a frozen backbone's batch norms are held in
+    evaluation by one (model.freeze_backbone), which would otherwise start updating their statistics."""
+    norm = torch.nn.modules.batchnorm._BatchNorm
+    hooks = {name: list(m._forward_pre_hooks.values()) for name, m in model.named_modules() if isinstance(m, norm)}
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for name, m in model.named_modules():
+        for hook in hooks.get(name, []) if isinstance(m, torch.nn.SyncBatchNorm) else []:
+            m.register_forward_pre_hook(hook)
+    return model
 
 
 def mean_(t: torch.Tensor) -> torch.Tensor:

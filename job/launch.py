@@ -20,6 +20,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil
+
 from job.errors import ConfigError, JobError, one_line
 from job.report import say
 
@@ -233,7 +235,10 @@ def group_exit_code(failures: dict) -> int:
         return first.exitcode  # the worker printed its one line
     rank = next(r for r, f in failures.items() if f is first)
     if first.exitcode < 0:
-        cause = f"was killed by {signal.Signals(-first.exitcode).name}"
+        try:
+            cause = f"was killed by {signal.Signals(-first.exitcode).name}"
+        except ValueError:  # a signal number Python has no name for (real-time signals)
+            cause = f"was killed by signal {-first.exitcode}"
     else:
         cause = f"failed with exit code {first.exitcode} (its output above says why)"
     print(f"error: worker {rank} (pid {first.pid}) {cause}; the other workers were stopped", file=sys.stderr)
@@ -267,19 +272,8 @@ def forwarding_signals() -> Iterator[None]:
 
 
 def children() -> list[int]:
-    """The pids of this process's children (Linux's /proc)."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # the field after the state: the parent's pid
-            found.append(int(entry))
-    return found
+    """The pids of this process's children (psutil: Linux, macOS and Windows alike)."""
+    return [p.pid for p in psutil.Process().children()]
 
 
 @contextlib.contextmanager

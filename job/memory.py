@@ -4,12 +4,12 @@ so that a batch that does not fit fails as an allocation error instead of waking
 from __future__ import annotations
 
 import contextlib
-import os
 import resource
 import subprocess
 import time
 from collections.abc import Iterator
 
+import psutil
 import torch
 
 from job.env import GIB
@@ -77,20 +77,13 @@ def memory_limit(device: torch.device, gib: float | None) -> Iterator[str]:
 
 
 def available_host_memory() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    """Bytes the host can give without swapping (Linux's MemAvailable; psutil reads it on macOS and Windows too)."""
+    return float(psutil.virtual_memory().available)
 
 
 def virtual_size() -> int:
     """This process's address space now: the cap is set this far above it."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no VmSize in /proc/self/status")
+    return int(psutil.Process().memory_info().vms)
 
 
 def peak_tree_rss(proc: subprocess.Popen, every_s: float = 0.02) -> int:
@@ -98,17 +91,15 @@ def peak_tree_rss(proc: subprocess.Popen, every_s: float = 0.02) -> int:
     sampled every `every_s` until the process ends: what the benchmark and the tests of streaming measure."""
     peak = 0
     while proc.poll() is None:
-        total, todo = 0, [proc.pid]
-        while todo:
-            pid = todo.pop()
-            try:
-                with open(f"/proc/{pid}/statm") as f:
-                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{task}/children") as f:
-                        todo += [int(c) for c in f.read().split()]
-            except (FileNotFoundError, ProcessLookupError):
-                pass  # it ended between the listing and the read
+        total = 0
+        try:
+            root = psutil.Process(proc.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            tree = []  # it ended between the poll and the listing
+        for p in tree:
+            with contextlib.suppress(psutil.Error):  # it ended between the listing and the read
+                total += p.memory_info().rss
         peak = max(peak, total)
         time.sleep(every_s)
     return peak

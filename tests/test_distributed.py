@@ -336,3 +336,23 @@ def test_each_process_draws_its_own_randomness_and_resumes_it_exactly(tmp_path):
     wa, wb = weights(tmp_path / "reference"), weights(out)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert metrics(tmp_path / "reference") == metrics(out)
+
+
+def test_a_frozen_backbone_keeps_its_batch_norm_statistics_through_sync_batchnorm():
+    """model.freeze_backbone holds its batch norms in evaluation by a hook; a group on GPUs converts them to
+    SyncBatchNorm, which must keep it (forced here on a CPU: frozen layers never synchronise)."""
+    from torch import nn
+
+    from job import distributed
+    from job.weights import freeze_backbone
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    model[1].running_mean.fill_(0.5)
+    freeze_backbone(model, ["4"])
+    before = model[1].running_mean.clone()
+    synced = distributed.sync_batchnorm(model)
+    assert isinstance(synced[1], nn.SyncBatchNorm)
+    synced.train()
+    synced(torch.randn(8, 3, 8, 8))
+    assert torch.equal(synced[1].running_mean, before) and int(synced[1].num_batches_tracked) == 0
