@@ -22,7 +22,7 @@ from job.data.augment import View, channel_stats, to_float
 from job.data.batches import Loader
 from job.data.decode import DeviceDecoder
 from job.data.loader import BatchLoader
-from job.data.placement import hold_on
+from job.data.placement import Streaming, hold_on
 from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
 from job.env import resolve_precision
 from job.errors import ConfigError
@@ -61,10 +61,10 @@ def resolved(cfg: Config) -> Config:
     return cfg.model_copy(update={"data": d.model_copy(update={"image_size": image, "resize_size": resize})})
 
 
-def read_data(cfg: Config) -> Dataset | StreamData:
+def read_data(cfg: Config, started: Streaming | None = None) -> Dataset | StreamData:
     """The config's data set in memory (or, streamed, its shards opened), remote inputs cached in the job's cache
-    folder."""
-    return load_data(resolved(cfg).data, cache_dir("data"), say)
+    folder; `started`: whether the run being resumed streamed, kept unless the config sets data.placement."""
+    return load_data(resolved(cfg).data, cache_dir("data"), say, started)
 
 
 def model_input(cfg: Config, held: tuple[int, ...], is_image: bool) -> tuple[tuple[int, ...], View | None]:
@@ -115,6 +115,7 @@ class Feed:
         self.cfg, self.device, self.channels_last, self.view = cfg, device, channels_last, view
         d = cfg.data
         self.is_image = data.is_image
+        self.streaming_choice = data.streaming  # streamed or held, and why: checkpoints record it
         self.stream = data if isinstance(data, StreamData) else None
         if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
             self.held_on = None

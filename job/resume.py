@@ -131,13 +131,12 @@ def preflight(cfg: Config, req: Request) -> RunDir:
     return run_dir
 
 
-def open_run(run_dir: RunDir, req: Request, cfg: Config) -> tuple[dict, dict] | None:
-    """Rank 0's part of setting up: the checkpoint to continue from, an overwritten run cleared, uploads started."""
-    found = find_checkpoint(run_dir, req.resume, req.overwrite, cfg)
+def open_run(run_dir: RunDir, req: Request, found: tuple[dict, dict] | None) -> None:
+    """Rank 0's part of setting up once the data and model are ready (a fault there leaves the folder as it was):
+    an overwritten run cleared, uploads started."""
     if req.overwrite and (found is None or req.resume != "auto"):  # the folder afresh, or for the given checkpoint
         clear_run(run_dir)
     run_dir.start_sync()
-    return found
 
 
 def has_results(run_dir: RunDir) -> bool:

@@ -18,6 +18,7 @@ import torch
 from job import checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
 from job.config import Config, flat_items, to_yaml
+from job.data.placement import HELD, restored
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Cancelled, ConfigError, Interrupted, StorageError, exit_code
 from job.evaluate import test_sums
@@ -26,7 +27,7 @@ from job.meters import LossLog, TrainClock
 from job.models import own_class
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
-from job.resume import Request, complete, has_results, open_run, preflight
+from job.resume import Request, complete, find_checkpoint, has_results, open_run, preflight
 from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops
 from job.stop import TIME_LIMIT, StopRequest
 from job.storage import RunDir
@@ -126,14 +127,17 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     device = pick_device(req.device)
     seed_everything(cfg.seed, cfg.train.deterministic)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
-    data = recipe.read_data(cfg)
+    found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume, req.overwrite, cfg))
+    if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs and has_results(run_dir):
+        distributed.on_writer(lambda: open_run(run_dir, req, found))
+        return complete(cfg, run_dir, found)
+    data = recipe.read_data(cfg, restored(found[0].get("placement")) if found is not None else None)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
-    found = distributed.share_checkpoint(lambda: open_run(run_dir, req, cfg))
-    if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs and has_results(run_dir):
-        return complete(cfg, run_dir, found)
+    distributed.on_writer(lambda: open_run(run_dir, req, found))
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     held = f"held on {r.feed.where}" if r.feed.stream is None else r.feed.streaming()
+    held += f" ({data.streaming.reason})" if data.streaming is not HELD else ""
     say(f"device {describe_device(device)}; data {data.describe()}, {held}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
@@ -338,6 +342,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead)
     payload |= {"rng_ranks": rngs} if rngs else {}
+    payload |= {"placement": r.feed.streaming_choice.saved()}
     t = cfg.train
     checkpoint.commit(
         loop.run_dir,

@@ -204,3 +204,59 @@ def test_statistics_and_data_dependent_starts_see_a_seeded_sample_not_the_first_
     classes = {by_pixels[p] for p in pixels(sample.float() / 255)}
     assert len(sample) == 20 and len(classes) >= 3
     assert torch.equal(sample, sample_images(shards, Decoder(0, None), 20, seed=0))
+
+
+STOPPER = """
+import os, signal
+from torch import nn
+
+class Net(nn.Module):
+    '''An MLP over 3x8x8 images that sends its process SIGTERM in training step $STOP_AT_STEP of each attempt (from 1;
+    unset: never). 50,000 parameters: gloo reduces a bucket that size in a ring, whose sums follow the layout.'''
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, num_classes))
+        self.steps, self.at = 0, int(os.environ.get("STOP_AT_STEP", "0"))
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return self.net(x)
+"""
+
+
+def test_three_processes_stopped_mid_stream_and_in_the_padded_stretch_resume_exactly(uneven, tmp_path):
+    """Train shards of 23, 5, 4, 3, 2 samples over 3 processes in batches of 6: 12 steps an epoch, two processes
+    padding from step 5 on. Stopped in step 2 of epoch 2 (every process mid-stream: their gradients are summed three
+    ways) and again in the padded stretch, the run ends as one that never stopped; its test accuracy is what
+    `evaluate` measures in one process."""
+    from conftest import assert_same_run, metrics, run_job
+
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    args = [
+        "train",
+        *STREAM,
+        "--nproc-per-node",
+        "3",
+        *sets(f"data.path={uneven}", "model.name=stopper:Net", "train.epochs=3", "data.batch_size=6"),
+        *sets("train.step_capture=off", "data.shuffle_buffer=5", "train.log_every_steps=5"),
+    ]
+    env = {"PYTHONPATH": str(tmp_path)}
+    ref = run_job(*args, "--output", str(tmp_path / "ref"), env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = str(tmp_path / "cut")
+    resumed = []
+    for stop in ("14", "7", None):  # a stop is learnt by the group one step later
+        attempt = run_job(*args, "--output", out, env={**env, **({"STOP_AT_STEP": stop} if stop else {})})
+        assert attempt.returncode == (75 if stop else 0), attempt.stderr[-3000:]
+        resumed += [line for line in attempt.stderr.splitlines() if line.startswith("resuming")]
+    assert "(3 steps into epoch 2)" in resumed[0] and "(11 steps into epoch 2)" in resumed[1], resumed
+    assert_same_run(str(tmp_path / "ref"), out)
+    group = metrics(out)[-1]
+    one = run_job("evaluate", "--checkpoint", out, "--device", "cpu", "--json", env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    measured = json.loads(one.stdout)
+    assert measured["samples"] == 13 and measured["test_accuracy"] == pytest.approx(group["test_accuracy"], abs=1e-12)

@@ -1,9 +1,11 @@
 """Where a data set lives while a run trains, decided here and nowhere else: streamed from shards or held in memory
 (before anything is decoded), and, held, on the training device or the host. Each decision is a value with its
-reason, which the start-up line prints."""
+reason, which the start-up line prints; the first is recorded in every checkpoint, since streaming and holding
+read the data in another order with another decoder: a resumed run keeps what its run started with."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,27 +18,55 @@ class Streaming:
     streamed: bool
     reason: str
 
+    def saved(self) -> dict:
+        return {"streamed": self.streamed, "reason": self.reason}
 
-def decide_streaming(setting: str, decoded_bytes: int | None, share: float) -> Streaming:
-    """data.placement: stream always streams; host or device hold; auto streams when the data set, decoded
-    (`decoded_bytes`, None when it cannot be streamed), would take more than `share` of the free host memory."""
-    if setting == "stream":
-        return Streaming(True, "data.placement=stream")
-    if setting != "auto" or decoded_bytes is None:
-        return Streaming(False, f"data.placement={setting}")
+
+HELD = Streaming(False, "held in memory")
+
+
+def decide_streaming(
+    setting: str,
+    decoded_bytes: Callable[[], int],
+    share: float,
+    started: Streaming | None = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> Streaming:
+    """data.placement: `stream` streams; `host` and `device` hold; `auto` keeps what the run `started` with (a
+    resumed run), else streams when the data set, decoded (`decoded_bytes()`, asked only then), would take more
+    than `share` of the free host memory. A setting that overrides what the run started with says what it costs."""
+    if setting != "auto":
+        choice = Streaming(setting == "stream", f"data.placement={setting}")
+        if started is not None and started.streamed != choice.streamed:
+            was = "streamed" if started.streamed else "held in memory"
+            log(
+                f"data: {choice.reason} where the run started {was}: the order, decoder and resizing change from "
+                "here on, so the run goes on but no longer matches one that never stopped"
+            )
+        return choice
+    if started is not None:
+        return Streaming(started.streamed, f"as the run started ({started.reason})")
     from job.memory import available_host_memory
 
-    room = share * available_host_memory()
-    if decoded_bytes > room:
+    need, room = decoded_bytes(), share * available_host_memory()
+    if need > room:
         return Streaming(
-            True, f"decoded, it would take {decoded_bytes / 1e9:.1f} GB, more than {room / 1e9:.1f} GB of host memory"
+            True, f"decoded, it would take {need / 1e9:.1f} GB, more than {room / 1e9:.1f} GB of host memory"
         )
-    return Streaming(False, f"decoded, it takes {decoded_bytes / 1e9:.2f} GB of {room / 1e9:.1f} GB allowed")
+    return Streaming(False, f"decoded, it takes {need / 1e9:.2f} GB of the {room / 1e9:.1f} GB allowed")
+
+
+def restored(saved: dict | None) -> Streaming | None:
+    """The decision a checkpoint recorded (None from checkpoints that recorded none)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("streamed"), bool):
+        return None
+    return Streaming(saved["streamed"], str(saved.get("reason", "")))
 
 
 def hold_on(nbytes: int, device: torch.device, setting: str, share: float, cap: float | None = None) -> torch.device:
     """Where data held in memory is held: on the training device when asked or when it fits in `share` of its free
-    memory (of at most `cap` bytes, where the process is held to less than the device has); else the host."""
+    memory (of at most `cap` bytes, where the process is held to less than the device has); else the host. Either
+    gives the same batches."""
     if device.type == "cpu" or setting == "host":
         return torch.device("cpu")
     if setting == "device":

@@ -36,7 +36,7 @@ from job.data import Dataset, Split
 from job.data.augment import View, crop_flip, epoch_seed, to_float
 from job.data.batches import Batch, move
 from job.data.decode import Decoder, DeviceDecoder, auto_workers, decode, decoded
-from job.data.placement import decide_streaming
+from job.data.placement import Streaming, decide_streaming
 from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved
 from job.data.shards import Sample, Shard, ShardFile, ShardSet, open_shards, samples
 from job.errors import CheckpointError, ConfigError, DataError
@@ -72,8 +72,8 @@ class StreamData:
     classes: list[str]
     input_shape: tuple[int, ...]
     source: str
+    streaming: Streaming
     is_image: bool = True
-    reason: str = ""  # why it is streamed
     streamed = True
 
     def samples(self, split: str) -> int:
@@ -294,20 +294,24 @@ class StreamLoader:
         return x, boxes
 
 
-def load_shards(cfg, cache, log) -> StreamData | Dataset:
+def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData | Dataset:
     """The shard data set at cfg.path: streamed (placement stream, or auto when decoded it would not fit in
-    device_share of free host memory), else decoded whole into memory like any other data set."""
+    device_share of free host memory, or as the run being resumed did), else decoded whole into memory like any
+    other data set."""
     shards = open_shards(cfg.path, cache, log)
     shape = image_shape(cfg, shards)
-    nbytes = (shards.samples("train") + shards.samples("test")) * int(np.prod(shape))
-    choice = decide_streaming(cfg.placement, nbytes, cfg.device_share)
+
+    def decoded() -> int:
+        return (shards.samples("train") + shards.samples("test")) * int(np.prod(shape))
+
+    choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log)
     if choice.streamed:
         if cfg.placement == "auto":
             log(f"data: {cfg.path}: {choice.reason}: streaming it")
-        return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", reason=choice.reason)
+        return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
     decoder = held_decoder(cfg)
     splits = [read_all(shards.splits[s], decoder) for s in ("train", "test")]
-    return Dataset(splits[0], splits[1], shards.classes, f"shards {cfg.path}")
+    return Dataset(splits[0], splits[1], shards.classes, f"shards {cfg.path}", choice)
 
 
 def held_decoder(cfg, device: torch.device | None = None) -> Decoder | DeviceDecoder:
