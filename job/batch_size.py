@@ -26,7 +26,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     from job.env import describe_device, pick_device, seed_everything
     from job.models import own_class
     from job.report import say
-    from job.step import CudaGraphStep, build_step
+    from job.step import CudaGraphStep, build_step, plan_step, step_facts
 
     device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)
@@ -44,7 +44,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
         try:
             loader = r.feed.train(batch)
             # no schedule: built without loaders
-            step = build_step(r, sums, capture, own_model=own_class(cfg.model.name))
+            step = build_step(r, sums, plan_step(step_facts(r, capture, own_model=own_class(cfg.model.name))))
             count = 2 + (step.warmup if isinstance(step, CudaGraphStep) else 0)
             for _ in range(count):
                 first = next(loader.batches())

@@ -18,10 +18,12 @@ possible the step runs eagerly, and the run says why.
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,85 @@ if TYPE_CHECKING:
 # A CPU step whose forward pass does less arithmetic than this is dominated by per-operation overhead: it is
 # traced, and it runs on one thread (waking a second thread costs more than it saves at this size).
 SMALL_STEP_FLOPS = 2e7
+
+
+class StepKind(enum.Enum):
+    EAGER = "eager"
+    CUDA_GRAPH = "one CUDA graph per batch shape"
+    CPU_TRACE = "traced on the CPU"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How the step runs, whether the optimizer step is inside what is captured, and why: decided once, by
+    plan_step; a step that cannot run as planned falls back to an eager plan with its reason."""
+
+    kind: StepKind
+    reason: str = ""
+    optimizer_inside: bool = False
+
+    def describe(self) -> str:
+        if self.kind is StepKind.EAGER:
+            return f"eager ({self.reason})" if self.reason else "eager"
+        if self.kind is StepKind.CUDA_GRAPH:
+            what = (
+                "forward, backward and SGD step"
+                if self.optimizer_inside
+                else "forward and backward; optimizer step eager"
+            )
+            return f"one CUDA graph per batch shape ({what})"
+        what = "forward, backward and SGD step" if self.optimizer_inside else "forward and backward"
+        return f"traced on the CPU ({what} as one graph per batch shape)"
+
+
+@dataclass(frozen=True)
+class StepFacts:
+    """What decides how a step runs: the device, train.step_capture, the precision, a forward pass's FLOPs, whether
+    the model is the user's own class, fp16's loss scaler, what wraps the model (none, ddp, compile), and the
+    optimizer: `plain_sgd`, SGD whose step is the same arithmetic every batch with nothing on the host's side between
+    steps (no accumulation, schedule, lookahead or loss scaler; a constant rate): what a captured step may hold
+    whole; `bare_sgd`, that and one group without momentum (two operations a tensor, traced on a CPU)."""
+
+    device: str
+    capture: str = "auto"
+    precision: str = "fp32"
+    step_flops: float = float("inf")
+    own_model: bool = False
+    loss_scaler: bool = False
+    wrapper: str = "none"
+    plain_sgd: bool = False
+    bare_sgd: bool = False
+
+
+def plan_step(f: StepFacts) -> StepPlan:
+    """How the step runs, from the facts alone (no device needed: a pure function)."""
+    if f.wrapper == "compile":
+        return StepPlan(StepKind.EAGER, "the compiled model in eager steps: step capture is off with torch.compile")
+    if f.wrapper == "ddp":
+        return StepPlan(StepKind.EAGER, "DistributedDataParallel reduces gradients from autograd hooks: no capture")
+    if f.capture == "off":
+        return StepPlan(StepKind.EAGER, "train.step_capture off")
+    small = f.step_flops < SMALL_STEP_FLOPS
+    traced = f.device == "cpu" and small and f.precision == "fp32"
+    if (f.device == "cuda" or traced) and f.own_model and f.capture == "auto":
+        return StepPlan(
+            StepKind.EAGER,
+            "a model of your own: a captured step replays what its forward did in Python when captured, a "
+            "random.random() draw or a counter, frozen; train.step_capture=on captures it when it does neither",
+        )
+    if f.device == "cuda":
+        return StepPlan(StepKind.CUDA_GRAPH, "a step replayed without launching its kernels one by one", f.plain_sgd)
+    if traced:
+        return StepPlan(StepKind.CPU_TRACE, "a small step, bound by per-operation overhead", f.bare_sgd)
+    if f.device == "cpu" and f.loss_scaler:
+        return StepPlan(StepKind.EAGER, "fp16's loss scaler on a CPU")
+    if f.device == "cpu" and small:  # the check against the eager step would refuse it
+        return StepPlan(
+            StepKind.EAGER, f"{f.precision} on a CPU: a traced step would round differently from the eager one"
+        )
+    if f.device == "cpu":
+        return StepPlan(StepKind.EAGER, "a CPU step this large is bound by arithmetic; capture would not help")
+    return StepPlan(StepKind.EAGER, f"no step capture on {f.device}")
 
 
 class Accumulator:
@@ -93,12 +174,21 @@ class EagerStep:
         accumulate: int = 1,
         loss: Callable[..., torch.Tensor] = F.cross_entropy,
         lookahead=None,
+        plan: StepPlan = StepPlan(StepKind.EAGER),
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler, self.amp = model, optimizer, scheduler, scaler, amp
         self.sums, self.loss, self.lookahead = sums, loss, lookahead
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulator = Accumulator(self.params, accumulate) if accumulate > 1 else None
-        self.description = "eager"
+        self.plan = plan
+        self.fallback: StepPlan | None = None  # the eager plan it fell back to, and why
+
+    @property
+    def description(self) -> str:
+        return (self.fallback or self.plan).describe()
+
+    def fall_back(self, reason: str) -> None:
+        self.fallback = StepPlan(StepKind.EAGER, reason[:300])
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         """`weight` scales the loss: a process's uneven part of a global batch under torchrun (1.0 otherwise)."""
@@ -139,18 +229,6 @@ class EagerStep:
         if self.lookahead is not None:
             self.lookahead.step()
 
-    def plain_sgd(self) -> bool:
-        """Whether each optimizer step is SGD's same arithmetic on this batch's gradients alone, with nothing on the
-        host's side between steps (no accumulation, schedule, lookahead or loss scaler): what a captured step may
-        hold whole."""
-        return (
-            self.accumulator is None
-            and isinstance(self.optimizer, torch.optim.SGD)
-            and self.scheduler is None
-            and self.lookahead is None
-            and not self.scaler.is_enabled()
-        )
-
     def set_grads(self, grads: list[torch.Tensor]) -> None:
         if self.params and self.params[0].grad is not grads[0]:
             for p, g in zip(self.params, grads):
@@ -167,12 +245,9 @@ class CudaGraphStep(EagerStep):
     def __init__(self, *args, warmup: int = 3, **how) -> None:
         super().__init__(*args, **how)
         # The whole step fits in the graph when the optimizer's arithmetic does not change between steps on the
-        # host's side: SGD with a constant rate, every batch. Otherwise the graph ends at the gradients.
-        self.whole = self.plain_sgd() and not any(
-            isinstance(g["lr"], torch.Tensor) for g in self.optimizer.param_groups
-        )
+        # host's side: SGD with a constant rate, every batch (the plan says). Otherwise the graph ends at the gradients.
+        self.whole = self.plan.optimizer_inside
         self.warmup = warmup
-        self.failed = ""
         # One memory pool for every shape's graph: each graph's outputs (gradients, loss) stay referenced, the
         # graphs replay one at a time on one stream, and a replay's gradients are used up before another graph
         # replays, so their intermediates may share memory. (Gradients kept across shapes would break this.)
@@ -181,8 +256,10 @@ class CudaGraphStep(EagerStep):
         self.graphs: dict[tuple, tuple] = {}
         self.inputs: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.side = torch.cuda.Stream()
-        what = "forward, backward and SGD step" if self.whole else "forward and backward; optimizer step eager"
-        self.description = f"one CUDA graph per batch shape ({what})"
+
+    @property
+    def failed(self) -> str:
+        return self.fallback.reason if self.fallback is not None else ""
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         if weight != 1.0 or self.failed:  # weight: never in one process, where captured steps are used
@@ -230,8 +307,7 @@ class CudaGraphStep(EagerStep):
     def fall_back(self, reason: str) -> None:
         """Every shape runs eagerly from now on; the graphs' memory goes back to the allocator."""
         self.graphs.clear()
-        self.failed = reason[:200]
-        self.description = f"eager (the step could not be captured as a CUDA graph: {self.failed})"
+        super().fall_back(f"the step could not be captured as a CUDA graph: {reason[:200]}")
 
     def capture(self, sx: torch.Tensor, sy: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]] | None:
         """The graph of one step on these static inputs (capturing runs nothing); None, with the reason kept,
@@ -289,25 +365,19 @@ class CpuTracedStep(EagerStep):
 
     def __init__(self, *args, **how) -> None:
         super().__init__(*args, **how)
-        groups = self.optimizer.param_groups
         # Plain SGD (one group, no momentum, a constant rate) is two operations per tensor: traced with the rest,
-        # and checked against torch.optim's own step on the first batch like everything else.
-        self.whole = (
-            self.plain_sgd()
-            and len(groups) == 1
-            and groups[0]["momentum"] == 0
-            and not groups[0]["maximize"]
-            and not isinstance(groups[0]["lr"], torch.Tensor)
-        )
+        # and checked against torch.optim's own step on the first batch like everything else (the plan says).
+        self.whole = self.plan.optimizer_inside
         named = [(n, p) for n, p in self.model.named_parameters()]
         self.names = [n for n, p in named if p.requires_grad]
         self.frozen = [(n, p.detach()) for n, p in named if not p.requires_grad]
         self.buffers = list(self.model.named_buffers())
         self.args = [p.detach() for p in self.params] + [t for _, t in self.frozen] + [b for _, b in self.buffers]
         self.traced: dict[tuple, Callable] = {}
-        self.failed = ""
-        what = "forward, backward and SGD step" if self.whole else "forward and backward"
-        self.description = f"traced on the CPU ({what} as one graph per batch shape)"
+
+    @property
+    def failed(self) -> str:
+        return self.fallback.reason if self.fallback is not None else ""
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         key = shape_key(x, y)
@@ -359,8 +429,7 @@ class CpuTracedStep(EagerStep):
                 fn = torch.jit.trace(graph, (*[a.clone() for a in self.args], x, y), check_trace=False)
             self.check(fn, x, y)
         except Exception as e:  # every way tracing can fail means the same: run this model eagerly
-            self.failed = why_not_traced(e)
-            self.description = f"eager (the step could not be traced: {self.failed})"
+            self.fall_back(f"the step could not be traced: {why_not_traced(e)}")
             return None
         self.traced[key] = fn
         return fn
@@ -424,37 +493,32 @@ def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> float:
         model.train(was_training)
 
 
-def build_step(
-    r: Recipe, sums: torch.Tensor, capture: str, step_flops: float = float("inf"), model=None, own_model: bool = False
-) -> EagerStep:
-    """The recipe's step for its device, adding each step's loss to `sums`: captured when `capture` is auto and it can
-    be, else eager (its description says). `model`: what the step calls, when not the recipe's own model (a
-    DistributedDataParallel or compiled wrapper of it); `step_flops`: a forward pass's cost (CPU: trace if small).
-    `own_model`: the user's own class, captured only when `capture` is on (auto leaves it eager, and says why)."""
-    device, scaler = r.device, r.scaler
-    args = (model if model is not None else r.model, r.optimizer, r.scheduler, scaler, r.amp, sums)
-    how = {"accumulate": r.accumulate, "loss": r.loss, "lookahead": r.lookahead}
-    if capture == "off":
-        step = EagerStep(*args, **how)
-        step.description = "eager (train.step_capture off)"
-        return step
-    traced = device.type == "cpu" and step_flops < SMALL_STEP_FLOPS and r.precision == "fp32"
-    step = EagerStep(*args, **how)
-    if (device.type == "cuda" or traced) and own_model and capture == "auto":
-        step.description = (
-            "eager (a model of your own: a captured step replays what its forward did in Python when captured, a "
-            "random.random() draw or a counter, frozen; train.step_capture=on captures it when it does neither)"
-        )
-    elif device.type == "cuda":
+def step_facts(
+    r: Recipe, capture: str, step_flops: float = float("inf"), own_model: bool = False, wrapper: str = "none"
+) -> StepFacts:
+    """The facts plan_step decides from, read off the recipe."""
+    o, groups = r.optimizer, r.optimizer.param_groups
+    plain = (
+        r.accumulate == 1
+        and isinstance(o, torch.optim.SGD)
+        and r.scheduler is None
+        and r.lookahead is None
+        and not r.scaler.is_enabled()
+        and not any(isinstance(g["lr"], torch.Tensor) for g in groups)
+    )
+    bare = plain and len(groups) == 1 and groups[0]["momentum"] == 0 and not groups[0]["maximize"]
+    return StepFacts(
+        r.device.type, capture, r.precision, step_flops, own_model, r.scaler.is_enabled(), wrapper, plain, bare
+    )
+
+
+def build_step(r: Recipe, sums: torch.Tensor, plan: StepPlan, model=None) -> EagerStep:
+    """The recipe's step as `plan` says (plan_step), adding each step's loss to `sums`. `model`: what the step calls,
+    when not the recipe's own model (a DistributedDataParallel or compiled wrapper of it)."""
+    args = (model if model is not None else r.model, r.optimizer, r.scheduler, r.scaler, r.amp, sums)
+    how = {"accumulate": r.accumulate, "loss": r.loss, "lookahead": r.lookahead, "plan": plan}
+    if plan.kind is StepKind.CUDA_GRAPH:
         return CudaGraphStep(*args, **how)
-    elif traced:
+    if plan.kind is StepKind.CPU_TRACE:
         return CpuTracedStep(*args, **how)
-    elif device.type == "cpu" and scaler.is_enabled():
-        step.description = "eager (fp16's loss scaler on a CPU)"
-    elif device.type == "cpu" and step_flops < SMALL_STEP_FLOPS:  # the check against the eager step would refuse it
-        step.description = f"eager ({r.precision} on a CPU: a traced step would round differently from the eager one)"
-    elif device.type == "cpu":
-        step.description = "eager (a CPU step this large is bound by arithmetic; capture would not help)"
-    else:
-        step.description = f"eager (no step capture on {device.type})"
-    return step
+    return EagerStep(*args, **how)

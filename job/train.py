@@ -28,7 +28,7 @@ from job.models import own_class
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
 from job.resume import Request, complete, find_checkpoint, has_results, open_run, preflight
-from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops
+from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops, plan_step, step_facts
 from job.stop import TIME_LIMIT, StopRequest
 from job.storage import RunDir
 
@@ -237,12 +237,9 @@ def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerS
     t = cfg.train
     model = distributed.wrap(r.model, r.device)
     model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
-    capture = "off" if t.compile or model is not r.model else t.step_capture
-    step = build_step(r, log.sums, capture, step_flops, model=model, own_model=own_class(cfg.model.name))
-    if t.compile:
-        step.description = "the compiled model in eager steps (step capture is off with torch.compile)"
-    elif model is not r.model:
-        step.description = "eager (DistributedDataParallel reduces gradients from autograd hooks: no capture)"
+    wrapper = "compile" if t.compile else "ddp" if model is not r.model else "none"
+    facts = step_facts(r, t.step_capture, step_flops, own_class(cfg.model.name), wrapper)
+    step = build_step(r, log.sums, plan_step(facts), model=model)
     layout = ", channels-last" if r.channels_last else ""
     compiled = ", torch.compile" if t.compile else ""
     accumulated = f"; the optimizer steps every {t.accumulate_steps} batches" if t.accumulate_steps > 1 else ""
@@ -253,7 +250,7 @@ def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerS
 def train_epoch(loop: Loop, epoch: int) -> bool:
     """One epoch from where the state says it stands; False when a stop was requested before its end."""
     state, log, report, stop, loader = loop.state, loop.log, loop.report, loop.stop, loop.r.train
-    described, every, accumulator = loop.step.description, log.every, loop.step.accumulator
+    fallback, every, accumulator = loop.step.fallback, log.every, loop.step.accumulator
     report.start_epoch(epoch, state.epoch_step)
     loop.clock.start()
     log.system.resume(state.step)
@@ -275,7 +272,7 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
             if stop.signal is not None:
                 break
         stop.settle()
-    if loop.step.description != described:  # a fallback found on the first batch: say so once
+    if loop.step.fallback != fallback:  # a fallback found on the first batch: say so once
         say(f"step: {loop.step.description}")
     finished = state.epoch_step == len(loader)
     if finished:

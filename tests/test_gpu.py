@@ -13,7 +13,7 @@ from job.data import load_data
 from job.data.loader import BatchLoader
 from job.meters import LossLog, TrainClock
 from job.report import Report, say
-from job.step import CudaGraphStep, build_step
+from job.step import CudaGraphStep, build_step, plan_step, step_facts
 from job.stop import StopRequest
 from job.storage import RunDir
 from job.train import Loop, Progress, train_epoch
@@ -47,7 +47,7 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
     r = recipe.build(cfg, CUDA, data)  # fp16: fused optimizer kernels, so the loss scaler never syncs
     assert r.feed.where == ("the device" if placement == "device" else "the host")
     state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
-    step = build_step(r, log.sums, capture, 1e9)
+    step = build_step(r, log.sums, plan_step(step_facts(r, capture, 1e9)))
     assert isinstance(step, CudaGraphStep) == (capture == "auto")
     run_dir = RunDir(str(tmp_path / "run"))
     report = Report(run_dir, {}, 2, len(r.train), 0)
@@ -170,7 +170,7 @@ def test_the_fast_preset_on_cuda_never_waits_in_an_epoch_and_captures_as_it_runs
     data = load_data(cfg.data, tmp_path / "cache", say)
     r = recipe.build(cfg, CUDA, data)
     state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
-    step = build_step(r, log.sums, "auto")
+    step = build_step(r, log.sums, plan_step(step_facts(r, "auto")))
     assert isinstance(step, CudaGraphStep) and r.lookahead is not None
     run_dir = RunDir(str(tmp_path / "run"))
     with StopRequest(20) as stop:

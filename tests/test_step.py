@@ -159,7 +159,7 @@ def test_a_large_cpu_step_runs_eagerly_on_all_threads(tmp_path, capsys):
 def test_torch_compile_option_trains_the_same_model(tmp_path, capsys):
     eager, w_eager, _ = train(tmp_path, "eager", ["train.epochs=20", "train.step_capture=off"], capsys)
     compiled, w_compiled, said = train(tmp_path, "compiled", ["train.epochs=20", "train.compile=true"], capsys)
-    assert "torch.compile; the compiled model in eager steps" in said
+    assert "torch.compile; eager (the compiled model in eager steps" in said
     assert list(w_compiled) == list(w_eager)  # the plain module's names, without torch.compile's prefix
     for k in w_eager:
         assert torch.allclose(w_eager[k], w_compiled[k], rtol=1e-4, atol=1e-6), k
@@ -210,3 +210,43 @@ def test_bf16_on_a_cpu_says_once_how_its_step_runs(tmp_path):
     assert code == 0, err
     lines = [line for line in err.splitlines() if line.startswith("step:")]
     assert lines == ["step: bf16; eager (bf16 on a CPU: a traced step would round differently from the eager one)"]
+
+
+def test_the_step_plan_is_one_pure_decision_with_its_reason():
+    """How a step runs is a value of plan_step's, decided from the facts alone: no GPU needed to test the GPU's."""
+    from job.step import StepFacts, StepKind, plan_step
+
+    sgd = StepFacts("cuda", plain_sgd=True)
+    assert plan_step(sgd).kind is StepKind.CUDA_GRAPH and plan_step(sgd).optimizer_inside
+    scheduled = plan_step(StepFacts("cuda", plain_sgd=False))
+    assert scheduled.kind is StepKind.CUDA_GRAPH and not scheduled.optimizer_inside
+    assert "optimizer step eager" in scheduled.describe()
+    for facts, reason in [
+        (StepFacts("cuda", wrapper="ddp", plain_sgd=True), "DistributedDataParallel"),
+        (StepFacts("cuda", wrapper="compile"), "torch.compile"),
+        (StepFacts("cuda", capture="off"), "train.step_capture off"),
+        (StepFacts("cuda", own_model=True), "a model of your own"),
+        (StepFacts("cpu", step_flops=1e5, precision="bf16"), "would round differently"),
+        (StepFacts("cpu", step_flops=1e12), "bound by arithmetic"),
+        (StepFacts("cpu", step_flops=1e12, loss_scaler=True), "loss scaler"),
+        (StepFacts("mps"), "no step capture on mps"),
+    ]:
+        plan = plan_step(facts)
+        assert plan.kind is StepKind.EAGER and reason in plan.reason, (facts, plan)
+    traced = plan_step(StepFacts("cpu", step_flops=1e5, bare_sgd=True, plain_sgd=True))
+    assert traced.kind is StepKind.CPU_TRACE and traced.optimizer_inside
+    own_on = plan_step(StepFacts("cuda", capture="on", own_model=True))
+    assert own_on.kind is StepKind.CUDA_GRAPH
+
+
+def test_a_step_that_falls_back_says_so_as_a_value():
+    from job.step import EagerStep, StepKind, StepPlan
+
+    model = torch.nn.Linear(2, 2)
+    scaler, optimizer = torch.amp.GradScaler("cpu", enabled=False), torch.optim.SGD(model.parameters(), lr=0.1)
+    plan = StepPlan(StepKind.CPU_TRACE, "small")
+    step = EagerStep(model, optimizer, None, scaler, torch.no_grad, torch.zeros(3), plan=plan)
+    assert step.fallback is None and step.description.startswith("traced on the CPU")
+    step.fall_back("the step could not be traced: a reason")
+    assert step.fallback == StepPlan(StepKind.EAGER, "the step could not be traced: a reason")
+    assert step.description == "eager (the step could not be traced: a reason)"

@@ -260,3 +260,35 @@ def test_three_processes_stopped_mid_stream_and_in_the_padded_stretch_resume_exa
     assert one.returncode == 0, one.stderr[-2000:]
     measured = json.loads(one.stdout)
     assert measured["samples"] == 13 and measured["test_accuracy"] == pytest.approx(group["test_accuracy"], abs=1e-12)
+
+
+def test_a_resumed_run_keeps_the_placement_it_started_with(uneven, tmp_path):
+    """data.placement auto streams a data set too big for its share of memory; resumed where it would fit, the run
+    keeps streaming (another placement reads in another order) and ends as one that never stopped. Setting the
+    placement overrides it, and says what that gives up."""
+    from conftest import assert_same_run, run_job
+
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    common = [
+        "train",
+        "--device",
+        "cpu",
+        "--config",
+        "cifar10",
+        *sets("data.kind=shards", f"data.path={uneven}", "model.name=stopper:Net", "train.epochs=2"),
+        *sets("data.batch_size=6", "train.step_capture=off", "train.log_every_steps=2"),
+    ]
+    tight, roomy = sets("data.device_share=0.000000001"), sets("data.device_share=0.9")
+    env = {"PYTHONPATH": str(tmp_path)}
+    ref = run_job(*common, *tight, "--output", str(tmp_path / "ref"), env=env)
+    assert ref.returncode == 0 and "streaming it" in ref.stderr, ref.stderr[-2000:]
+    out = str(tmp_path / "cut")
+    stopped = run_job(*common, *tight, "--output", out, env={**env, "STOP_AT_STEP": "9"})
+    assert stopped.returncode == 75, stopped.stderr[-2000:]
+    again = run_job(*common, *roomy, "--output", out, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "streamed" in again.stderr and "as the run started" in again.stderr
+    assert_same_run(str(tmp_path / "ref"), out)
+    held = run_job(*common, *sets("data.placement=host", "train.epochs=3"), "--output", out, env=env)
+    assert held.returncode == 0, held.stderr[-2000:]
+    assert "where the run started streamed" in held.stderr and "no longer matches" in held.stderr
