@@ -19,8 +19,8 @@ from torch.utils.data import Dataset as TorchDataset
 from torchvision.transforms import v2
 
 from job.config import Config
-from job.data import Dataset, Split
 from job.data.augment import channel_stats
+from job.data.dataset import Dataset, Split
 from job.env import resolve_precision, seed_everything
 from job.errors import ConfigError
 from job.models import build_model

@@ -17,12 +17,13 @@ from torch import nn
 
 from job import weights
 from job.config import Config
-from job.data import Dataset, Split, load_data
 from job.data.augment import View, channel_stats, to_float
 from job.data.batches import Loader
+from job.data.dataset import Dataset, Split
 from job.data.decode import DeviceDecoder
 from job.data.loader import BatchLoader
 from job.data.placement import Streaming, hold_on
+from job.data.read import load_data
 from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
 from job.env import resolve_precision
 from job.errors import ConfigError

@@ -12,7 +12,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import job.data
 from job.config import load_config
-from job.data import load_data
+from job.data.read import load_data
 from job.errors import DataError
 
 
@@ -248,3 +248,40 @@ def test_data_readers_do_not_import_the_run_storage_or_the_console():
                 continue
             hits = [n for n in names if any(n == b or n.startswith(b + ".") for b in banned)]
             assert not hits, f"{path.name}:{node.lineno} imports {hits[0]}"
+
+
+def data_imports() -> dict[str, set[str]]:
+    """Each module of job/data and the job/data modules it imports (at the top or inside a function)."""
+    found = {}
+    modules = {p.stem for p in Path(job.data.__file__).parent.glob("*.py")}
+    for path in sorted(Path(job.data.__file__).parent.glob("*.py")):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("job.data."):
+                names.add(node.module.split(".")[2])
+            elif isinstance(node, ast.ImportFrom) and node.module == "job.data":  # a module, or a name of __init__
+                names.update(a.name if a.name in modules else "__init__" for a in node.names)
+            elif isinstance(node, ast.Import):
+                names.update(a.name.split(".")[2] for a in node.names if a.name.startswith("job.data."))
+        found[path.stem] = names
+    return found
+
+
+def test_the_data_package_is_layered_one_way_and_its_shard_reader_needs_no_torch():
+    graph = data_imports()
+    assert not graph["__init__"]  # the package's face names its modules; it imports none of them
+    seen: dict[str, int] = {}
+
+    def depth(module: str, path: tuple = ()) -> int:
+        assert module not in path, f"job/data imports in a circle: {' -> '.join((*path, module))}"
+        if module not in seen:
+            seen[module] = 1 + max((depth(m, (*path, module)) for m in graph.get(module, ())), default=0)
+        return seen[module]
+
+    for module in graph:
+        depth(module)
+    for module in ("shards", "sample_stream", "files"):
+        tree = ast.parse((Path(job.data.__file__).parent / f"{module}.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {m for m in imported if m.split(".")[0] in ("torch", "torchvision", "numpy")}, module

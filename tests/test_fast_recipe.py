@@ -17,8 +17,8 @@ from conftest import assert_same_run, invoke, metrics, pointer, run_job, scalars
 
 from job import recipe, schedule
 from job.config import load_config
-from job.data import Split
 from job.data.augment import crop_flip
+from job.data.dataset import Split
 from job.data.loader import BatchLoader
 from job.errors import ConfigError
 from job.evaluate import logits

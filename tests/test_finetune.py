@@ -26,8 +26,8 @@ from conftest import (
 
 from job import recipe
 from job.config import load_config
-from job.data import Split
 from job.data.augment import View
+from job.data.dataset import Split
 from job.data.loader import BatchLoader
 from job.errors import StorageError
 from job.weights import Weights, cache_path, download, resolve
@@ -55,7 +55,7 @@ def test_a_torchvision_weights_name_resolves_to_its_url_and_preprocessing():
 
 
 def _images(n: int):
-    from job.data import Dataset
+    from job.data.dataset import Dataset
 
     x, y = pattern_images(2, n // 2, 8)
     split = Split(torch.from_numpy(x), torch.tensor(y))

@@ -9,8 +9,8 @@ from conftest import encode, pattern_images, run_job, write_cifar_batches, write
 from job import recipe
 from job.attempts import Attempt
 from job.config import load_config
-from job.data import load_data
 from job.data.loader import BatchLoader
+from job.data.read import load_data
 from job.meters import LossLog, TrainClock
 from job.report import Report, say
 from job.step import CudaGraphStep, build_step, plan_step, step_facts

@@ -1,7 +1,7 @@
 import torch
 
-from job.data import Split
 from job.data.augment import channel_stats, crop_flip
+from job.data.dataset import Split
 from job.data.loader import BatchLoader
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from job.cloud import filesystem
-from job.data import Dataset, Split
+from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_entries
 from job.errors import DataError, one_line
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from job.data import Dataset, Split
+from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_entries
 from job.errors import DataError, one_line
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import torch
 
-from job.data import Split
 from job.data.augment import View, crop_flip, draw_flips, epoch_seed, to_float
 from job.data.batches import Batch, move
+from job.data.dataset import Split
 
 
 class BatchLoader:

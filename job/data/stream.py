@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from job.data import Dataset, Split
 from job.data.augment import View, crop_flip, epoch_seed, to_float
 from job.data.batches import Batch, move
+from job.data.dataset import Dataset, Split
 from job.data.decode import Decoder, DeviceDecoder, auto_workers, decode, decoded
 from job.data.placement import Streaming, decide_streaming
 from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from job.data import Dataset, Split
+from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_bytes
 from job.errors import DataError, StorageError, one_line
 

@@ -1,0 +1,70 @@
+"""Which reader reads a config's data, and whether it is streamed: the one entry to job/data/ for a run. Each reader
+is imported when used (a table needs no image decoder)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from job.data.dataset import Dataset
+from job.data.placement import HELD, Streaming, decide_streaming
+from job.errors import ConfigError, DataError
+
+
+def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming | None = None) -> Dataset:
+    """Read the data set the config names into memory, or open its shards to stream. `cfg` is the config's data
+    section; remote data are kept in the folder `cache` (unless cfg.cache is off); `log` prints one line for the
+    user; `started`: whether the run being resumed streamed (job/data/placement.py keeps it)."""
+    kept = cache if cfg.cache else None
+    if cfg.placement == "stream" and cfg.kind in ("csv", "cifar10"):
+        raise ConfigError(
+            f"data.placement=stream: streams image folders, archives of one and shards; {cfg.kind} data are read "
+            "into memory (data.placement auto)"
+        )
+    choice = HELD
+    if cfg.kind == "folder":
+        choice = folder_streaming(cfg, log, started)
+        if choice.streamed:
+            from job.data.pack import packed_for_streaming
+
+            cfg = cfg.model_copy(update={"kind": "shards", "path": packed_for_streaming(cfg.path, cache, log)})
+            cfg = cfg.model_copy(update={"placement": "stream"})
+    if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
+        from job.data.tabular import load_table
+
+        data = load_table(cfg, kept, log)
+    elif cfg.kind == "cifar10":
+        from job.data.cifar10 import load_cifar10
+
+        data = load_cifar10(cfg, kept, log)
+    elif cfg.kind == "shards":
+        from job.data.stream import load_shards
+
+        data = load_shards(cfg, kept, log, None if choice.streamed else started)
+        choice = choice if choice.streamed else data.streaming  # a folder packed to stream: why it streams
+        if data.streamed:
+            data.streaming = choice
+            return data  # nothing read yet (open_shards has checked both splits have shards)
+    else:
+        from job.data.folder import load_folder
+
+        data = load_folder(cfg, kept, log)
+    for name, split in (("train", data.train), ("test", data.test)):
+        if len(split) == 0:
+            raise DataError(f"{data.source}: the {name} split is empty")
+    data.streaming = choice
+    return data
+
+
+def folder_streaming(cfg, log: Callable[[str], None], started: Streaming | None) -> Streaming:
+    """Whether an image folder is packed into shards and streamed (job/data/placement.py decides; auto says so)."""
+
+    def decoded() -> int:
+        from job.data.pack import decoded_size
+
+        return decoded_size(cfg.path, cfg.resize_size or cfg.image_size)
+
+    choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log)
+    if cfg.placement == "auto" and choice.streamed:
+        log(f"data: {cfg.path}: {choice.reason}: streaming it")
+    return choice
