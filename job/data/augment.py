@@ -5,6 +5,7 @@ per-epoch seed their draws come from."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,13 +80,31 @@ class View:
         return roi_align(x.contiguous(), rois, self.size, sampling_ratio=-1, aligned=True)
 
 
-def draw_flips(n: int, g: torch.Generator, how: bool | str, seed: int, epoch: int) -> torch.Tensor | None:
-    """Which of n images are flipped in this epoch: drawn from g (True); alternate: a draw of the run's seed (the
-    same in every epoch), inverted in odd epochs; None when none are."""
-    if how == "alternate":
-        first = torch.rand(n, generator=torch.Generator().manual_seed(epoch_seed(seed, -1))) < 0.5
-        return first ^ bool(epoch % 2)
-    return torch.rand(n, generator=g) < 0.5 if how else None
+def draws(
+    g: torch.Generator,
+    n: int,
+    size: tuple[int, int],
+    crop_padding: int,
+    hflip: bool | str,
+    view: View | None,
+    resized_crops: bool,
+    alternate: Callable[[], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """n images' crop offsets, flips and resized-crop boxes (None for each not asked), drawn from g in that order:
+    the one order both loaders draw in. Alternate flips come from `alternate()`: their side is a function of the
+    image and the epoch's parity, not of g."""
+    crops = torch.randint(0, 2 * crop_padding + 1, (n, 2), generator=g) if crop_padding else None
+    flips = torch.rand(n, generator=g) < 0.5 if hflip is True else None
+    flips = alternate() if hflip == "alternate" else flips
+    boxes = view.draw(n, *size, g) if resized_crops else None
+    return crops, flips, boxes
+
+
+def alternate_flips(n: int, seed: int, epoch: int) -> torch.Tensor:
+    """random_hflip alternate for n images held in memory: a draw of the run's seed (the same in every epoch),
+    inverted in odd epochs."""
+    first = torch.rand(n, generator=torch.Generator().manual_seed(epoch_seed(seed, -1))) < 0.5
+    return first ^ bool(epoch % 2)
 
 
 def crop_flip(

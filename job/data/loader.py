@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from job.data.augment import View, crop_flip, draw_flips, epoch_seed, to_float
+from job.data.augment import View, alternate_flips, crop_flip, draws, epoch_seed, to_float
 from job.data.batches import Batch, move
 from job.data.dataset import Split
 
@@ -114,11 +114,15 @@ class BatchLoader:
             return None, None, None, None
         g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         order = torch.randperm(self.n, generator=g) if shuffle else None
-        crops = torch.randint(0, 2 * self.crop_padding + 1, (self.n, 2), generator=g) if self.crop_padding else None
-        flips = draw_flips(self.n, g, self.hflip, self.seed, epoch)
-        if self.hflip == "alternate" and order is not None:  # drawn per image: taken in the epoch's order
-            flips = flips[order]
-        boxes = self.view.draw(self.n, *self.x.shape[-2:], g) if self.resized_crops else None
+
+        def alternate() -> torch.Tensor:  # drawn per image: taken in the epoch's order
+            flips = alternate_flips(self.n, self.seed, epoch)
+            return flips[order] if order is not None else flips
+
+        size = tuple(self.x.shape[-2:])
+        crops, flips, boxes = draws(
+            g, self.n, size, self.crop_padding, self.hflip, self.view, self.resized_crops, alternate
+        )
         placed = [move(t, self.device) if t is not None else None for t in (crops, flips, boxes)]
         return move(order, self.held_on) if order is not None else None, *placed
 

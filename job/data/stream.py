@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from job.data.augment import View, crop_flip, epoch_seed, to_float
+from job.data.augment import View, crop_flip, draws, epoch_seed, to_float
 from job.data.batches import Batch, move
 from job.data.dataset import Dataset, Split
 from job.data.decode import Decoder, DeviceDecoder, auto_workers, decode, decoded
@@ -249,7 +249,7 @@ class StreamLoader:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded images of step i as the model takes them: on the device, augmented, float."""
         x, y = move(images, self.device), move(labels, self.device)
-        x, boxes = self.augment(x, epoch, i, self.first_flips(group))
+        x, boxes = self.augment(x, epoch, i, group)
         return to_float(x, self.layout, self.mean, self.std, self.view, boxes), y
 
     def replayed(self, urls: list[str], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,39 +259,27 @@ class StreamLoader:
         images = decoded(self.decoder.submit(items), (items[0][0], items[-1][0]))
         return self.make(images, torch.tensor([s.label() for s in group]), epoch, step, group)
 
-    def first_flips(self, group: list[Sample]) -> torch.Tensor | None:
-        """random_hflip alternate: whether each sample is flipped in even epochs, a function of the seed and the
-        sample's key alone, so the same in every epoch however the stream is shuffled."""
-        if self.hflip != "alternate":
-            return None
-        return torch.tensor([zlib.crc32(f"{self.seed}:{s.key}".encode()) & 1 for s in group], dtype=torch.bool)
-
     def augment(
-        self, x: torch.Tensor, epoch: int, i: int, firsts: torch.Tensor | None = None
+        self, x: torch.Tensor, epoch: int, i: int, group: list[Sample]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Batch i's crops and flips done (`firsts`: alternate flips' even-epoch sides), and its resized-crop boxes
-        drawn (the view applies them)."""
+        """Batch i's crops and flips done, and its resized-crop boxes drawn (the view applies them), from (seed,
+        epoch, rank, i). Alternate flips: a sample's side in even epochs is a function of the seed and its key, so
+        the same in every epoch however the stream is shuffled."""
         if not (self.crop_padding or self.hflip or self.resized_crops):
             return x, None
         g = torch.Generator().manual_seed(mix(epoch_seed(self.seed, epoch), self.rank, i) >> 1)
-        n = x.shape[0]
-        crops = torch.randint(0, 2 * self.crop_padding + 1, (n, 2), generator=g) if self.crop_padding else None
-        if firsts is not None:
-            flips = firsts ^ bool(epoch % 2)
-        else:
-            flips = torch.rand(n, generator=g) < 0.5 if self.hflip else None
-        boxes = self.view.draw(n, *x.shape[-2:], g).to(self.device) if self.resized_crops else None
-        if crops is None and flips is None:
-            return x, boxes
-        to = self.device
-        x = crop_flip(
-            x,
-            self.crop_padding,
-            crops.to(to) if crops is not None else None,
-            flips.to(to) if flips is not None else None,
-            self.reflect,
-        )
-        return x, boxes
+
+        def alternate() -> torch.Tensor:
+            firsts = [zlib.crc32(f"{self.seed}:{s.key}".encode()) & 1 for s in group]
+            return torch.tensor(firsts, dtype=torch.bool) ^ bool(epoch % 2)
+
+        how = (self.crop_padding, self.hflip, self.view, self.resized_crops, alternate)
+        crops, flips, boxes = draws(g, x.shape[0], tuple(x.shape[-2:]), *how)
+        if crops is not None or flips is not None:
+            to = self.device
+            crops = crops.to(to) if crops is not None else None
+            x = crop_flip(x, self.crop_padding, crops, flips.to(to) if flips is not None else None, self.reflect)
+        return x, boxes.to(self.device) if boxes is not None else None
 
 
 def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData | Dataset:
