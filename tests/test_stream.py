@@ -292,3 +292,13 @@ def test_a_resumed_run_keeps_the_placement_it_started_with(uneven, tmp_path):
     held = run_job(*common, *sets("data.placement=host", "train.epochs=3"), "--output", out, env=env)
     assert held.returncode == 0, held.stderr[-2000:]
     assert "where the run started streamed" in held.stderr and "no longer matches" in held.stderr
+
+
+def test_find_batch_size_and_bench_on_streamed_shards(uneven):
+    """Both read the data through the loader contract: find-batch-size searches on streamed batches; bench, whose
+    naive loop holds its data in memory, says so in one line."""
+    data = sets("data.kind=shards", "data.placement=stream", f"data.path={uneven}", "model.name=mlp")
+    code, err = invoke(["find-batch-size", "--config", "cifar10", *data, "--device", "cpu"])
+    assert code == 0 and "batch 37: fits" in err, err
+    code, err = invoke(["bench", "--config", "cifar10", *data, "--devices", "cpu"])
+    assert code == 2 and "streamed from shards" in err and "Traceback" not in err, err
