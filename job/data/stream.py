@@ -24,6 +24,7 @@ checkpoint the shuffle buffer's samples, where this keeps references to them.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -201,29 +202,18 @@ class StreamLoader:
             return
         record: list | None = [] if self.keep_bytes and not start else None
         record_bytes = 0
-        key = (epoch_seed(self.seed, epoch), self.rank)
         parts = self.parts(epoch)
         urls = [p.url for p in parts]
-        stream = SampleStream(parts, self.buffer, key, at["stream"] if at else None)
-        steps, b = len(self), self.local[self.rank]
-        pending: deque = deque()
-        samples_iter = iter(stream)
-        i, last = start, None
-        if at is not None:
-            self.last_place = (stream.position(), refill(urls, at["last"]), at["last_step"])
-        try:
-            while i < steps:
-                while len(pending) < self.ahead:
-                    group = [s for _, s in zip(range(b), samples_iter)]
-                    if not group or (self.drop_last and len(group) < b):
-                        break
-                    items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
-                    labels = torch.tensor([s.label() for s in group])
-                    names = (items[0][0], items[-1][0])
-                    pending.append((self.decoder.submit(items), labels, (stream.position(), group), names))
-                if pending:
-                    future, labels, (place, group), names = pending.popleft()
-                    images = decoded(future, names)
+        stream = SampleStream(
+            parts, self.buffer, (epoch_seed(self.seed, epoch), self.rank), at["stream"] if at else None
+        )
+        self.last_place = (stream.position(), refill(urls, at["last"]), at["last_step"]) if at else None
+        b, last = self.local[self.rank], None
+        with contextlib.closing(decoded_ahead(stream, urls, b, self.decoder, self.ahead, self.drop_last)) as groups:
+            for i in range(start, len(self)):
+                got = next(groups, None)
+                if got is not None:
+                    images, labels, place, group = got
                     if record is not None:  # kept in host memory, whatever decoded it
                         record.append((images.cpu(), labels))
                         record_bytes += images.nbytes
@@ -237,12 +227,8 @@ class StreamLoader:
                 elif record is not None:
                     record.append(record[-1])  # replayed as it was fed: the last batch again
                 yield self.batch(*last, i)
-                i += 1
-            if record is not None:
-                self.kept = record
-        finally:
-            for future, *_ in pending:
-                future.cancel()
+        if record is not None:
+            self.kept = record
 
     def make(
         self, images: torch.Tensor, labels: torch.Tensor, epoch: int, i: int, group: list[Sample]
@@ -280,6 +266,32 @@ class StreamLoader:
             crops = crops.to(to) if crops is not None else None
             x = crop_flip(x, self.crop_padding, crops, flips.to(to) if flips is not None else None, self.reflect)
         return x, boxes.to(self.device) if boxes is not None else None
+
+
+def decoded_ahead(
+    stream: SampleStream, urls: list[str], size: int, decoder: Decoder, ahead: int, whole_only: bool
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple, list[Sample]]]:
+    """The stream's samples in groups of `size`, decoded: (images, labels, the stream's position after the group,
+    the group), each submitted to the decoder `ahead` groups before it is used; `whole_only`: a last, short group
+    is left out. Closing it cancels what was submitted."""
+    samples, pending = iter(stream), deque()
+    try:
+        while True:
+            while len(pending) < ahead:
+                group = [s for _, s in zip(range(size), samples)]
+                if not group or (whole_only and len(group) < size):
+                    break
+                items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
+                names = (items[0][0], items[-1][0])
+                labels = torch.tensor([s.label() for s in group])
+                pending.append((decoder.submit(items), labels, stream.position(), group, names))
+            if not pending:
+                return
+            future, labels, place, group, names = pending.popleft()
+            yield decoded(future, names), labels, place, group
+    finally:
+        for future, *_ in pending:
+            future.cancel()
 
 
 def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData | Dataset:
