@@ -11,6 +11,7 @@ from job.attempts import RUN_JSON, attempts_in
 from job.cloud import filesystem
 from job.config import apply_override, load_config, validate
 from job.data.batches import Loader
+from job.data.placement import restored
 from job.env import pick_device
 from job.errors import CheckpointError
 
@@ -67,7 +68,8 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
             apply_override(raw, item)
         cfg = validate(raw)
     device = pick_device(device_name)
-    r = recipe.build(cfg, device, recipe.read_data(cfg), pretrained=False)  # the checkpoint holds the weights
+    data = recipe.read_data(cfg, restored(payload.get("placement")))  # read as the run read it
+    r = recipe.build(cfg, device, data, pretrained=False, started=payload)  # the checkpoint holds the weights
     try:
         r.model.load_state_dict(payload["model"])
     except RuntimeError as e:

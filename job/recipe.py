@@ -100,6 +100,15 @@ def normalization(cfg: Config, data: Dataset | StreamData, decoder=None) -> tupl
     return torch.tensor(w.mean), torch.tensor(w.std)
 
 
+def saved_stats(payload: dict | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The normalisation statistics a checkpoint recorded (None where it recorded none): a resumed run and an
+    evaluation normalise as the run did, whatever sample of the data they would draw now."""
+    stats = (payload or {}).get("normalization")
+    if not isinstance(stats, dict):
+        return None
+    return torch.tensor(stats["mean"], dtype=torch.float32), torch.tensor(stats["std"], dtype=torch.float32)
+
+
 class Feed:
     """The data set where the run holds it (the device when it fits, else the host) and the loaders over it at
     any batch size, normalised by the training split's channel statistics when the config asks."""
@@ -112,6 +121,7 @@ class Feed:
         channels_last: bool,
         limit: float | None = None,
         view: View | None = None,
+        stats: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.cfg, self.device, self.channels_last, self.view = cfg, device, channels_last, view
         d = cfg.data
@@ -121,13 +131,13 @@ class Feed:
         if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
             self.held_on = None
             self.decoder = held_decoder(d, device)
-            self.mean, self.std = normalization(cfg, data, self.decoder)
+            self.mean, self.std = stats or normalization(cfg, data, self.decoder)
             n = data.shards.samples("train")
             self.batch_size = n if d.batch_size == "full" else d.batch_size
             return
         nbytes = data.train.x.nbytes + data.test.x.nbytes
         self.held_on = hold_on(nbytes, device, d.placement, d.device_share, limit)
-        self.mean, self.std = normalization(cfg, data)
+        self.mean, self.std = stats or normalization(cfg, data)
         self.train_split, self.test_split = (
             Split(s.x.to(self.held_on), s.y.to(self.held_on)) for s in (data.train, data.test)
         )
@@ -270,10 +280,12 @@ def build(
     world: int = 1,
     memory_limit: float | None = None,
     pretrained: bool = True,
+    started: dict | None = None,
 ) -> Recipe:
     """Everything the config asks for, on `device`. `loaders`: the training and test loaders at the config's batch
     size (the schedule spans their steps); `memory_limit`: bytes the data may take on the device at most;
-    `pretrained`: load model.weights (not when a checkpoint's weights replace them)."""
+    `pretrained`: load model.weights (not when a checkpoint's weights replace them); `started`: the checkpoint a run
+    continues from, whose normalisation statistics it keeps."""
     cfg = resolved(cfg)
     input_shape, view = model_input(cfg, data.input_shape, data.is_image)
     check_image_settings(cfg, input_shape, data.is_image)
@@ -288,7 +300,7 @@ def build(
     model.train()
     optimizer = make_optimizer(cfg, model, fused=device.type == "cuda" and precision == "fp16")
     prime_momentum(optimizer)
-    feed = Feed(cfg, data, device, channels_last, memory_limit, view)
+    feed = Feed(cfg, data, device, channels_last, memory_limit, view, saved_stats(started))
     if pretrained and not cfg.model.weights and hasattr(model, "init_from_data"):  # a start that depends on the data
         model.init_from_data(feed.sample_images(DATA_INIT_IMAGES))
     train = test = scheduler = lookahead = None

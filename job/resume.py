@@ -52,18 +52,25 @@ class Request:
     routes: dict[str, str] | None = None  # some of the run's files elsewhere (Vertex AI's folders)
 
 
-def find_checkpoint(run_dir: RunDir, resume: str, overwrite: bool, cfg: Config) -> tuple[dict, dict] | None:
-    """The checkpoint to continue from, per --resume: auto (the run's newest), never, or a URL."""
+def find_checkpoint(run_dir: RunDir, resume: str) -> tuple[dict, dict] | None:
+    """The checkpoint to continue from, per --resume: auto (the run's newest), never, or a URL; verified, not yet
+    checked against the run (check_resumable, once the data and model are known good)."""
     if resume == "never":
-        if run_dir.has_run() and not overwrite:
-            raise ConfigError(f"{run_dir.url} already holds a run: --resume auto continues it, --overwrite replaces it")
         return None
-    found = checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
+    return checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
+
+
+def check_resumable(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict] | None) -> None:
+    """ConfigError where the folder or the checkpoint cannot be continued as asked: a run already there with
+    --resume never, settings that change what the checkpoint means, another run's checkpoint into this folder."""
+    if req.resume == "never":
+        if run_dir.has_run() and not req.overwrite:
+            raise ConfigError(f"{run_dir.url} already holds a run: --resume auto continues it, --overwrite replaces it")
+        return
     if found is not None:
         check_compatible(found[0]["config"], cfg)
-        if resume != "auto" and not overwrite:
+        if req.resume != "auto" and not req.overwrite:
             check_same_run(run_dir, found[0])
-    return found
 
 
 def check_same_run(run_dir: RunDir, payload: dict) -> None:
@@ -79,11 +86,16 @@ def check_same_run(run_dir: RunDir, payload: dict) -> None:
         )
 
 
+def changed_settings(saved: dict, cfg: Config) -> list[str]:
+    """The settings that change what a checkpoint means (not RESUME_SAFE) and differ between it and `cfg`."""
+    old, new = flat_items(Config.model_validate(saved)), flat_items(cfg)
+    return sorted(k for k in new if k not in RESUME_SAFE and old.get(k) != new[k])
+
+
 def check_compatible(saved: dict, cfg: Config) -> None:
     """Refuse to resume when a setting that changes what the checkpoint means differs."""
-    old = flat_items(Config.model_validate(saved))
-    new = flat_items(cfg)
-    changed = sorted(k for k in new if k not in RESUME_SAFE and old.get(k) != new[k])
+    old, new = flat_items(Config.model_validate(saved)), flat_items(cfg)
+    changed = changed_settings(saved, cfg)
     if changed:
         detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:4])
         raise ConfigError(
@@ -131,9 +143,10 @@ def preflight(cfg: Config, req: Request) -> RunDir:
     return run_dir
 
 
-def open_run(run_dir: RunDir, req: Request, found: tuple[dict, dict] | None) -> None:
+def open_run(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict] | None) -> None:
     """Rank 0's part of setting up once the data and model are ready (a fault there leaves the folder as it was):
-    an overwritten run cleared, uploads started."""
+    the checkpoint checked against the run, an overwritten run cleared, uploads started."""
+    check_resumable(run_dir, req, cfg, found)
     if req.overwrite and (found is None or req.resume != "auto"):  # the folder afresh, or for the given checkpoint
         clear_run(run_dir)
     run_dir.start_sync()

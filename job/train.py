@@ -27,7 +27,7 @@ from job.meters import LossLog, TrainClock
 from job.models import own_class
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
-from job.resume import Request, complete, find_checkpoint, has_results, open_run, preflight
+from job.resume import Request, changed_settings, complete, find_checkpoint, has_results, open_run, preflight
 from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops, plan_step, step_facts
 from job.stop import TIME_LIMIT, StopRequest
 from job.storage import RunDir
@@ -127,14 +127,19 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     device = pick_device(req.device)
     seed_everything(cfg.seed, cfg.train.deterministic)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
-    found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume, req.overwrite, cfg))
-    if found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs and has_results(run_dir):
-        distributed.on_writer(lambda: open_run(run_dir, req, found))
+    found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume))
+    replacing = req.overwrite and req.resume != "auto"  # --overwrite --resume URL: the folder cleared for it
+    done = found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs
+    # A finished run is left as it is without reading its data; one with other settings reads it first, so that bad
+    # data is named before the settings are (the settings' error comes once the data and model are known good).
+    if done and not replacing and not changed_settings(found[0]["config"], cfg) and has_results(run_dir):
+        distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
         return complete(cfg, run_dir, found)
-    data = recipe.read_data(cfg, restored(found[0].get("placement")) if found is not None else None)
-    r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world())
+    started = found[0] if found is not None else None
+    data = recipe.read_data(cfg, restored(started.get("placement")) if started else None)
+    r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
-    distributed.on_writer(lambda: open_run(run_dir, req, found))
+    distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     held = f"held on {r.feed.where}" if r.feed.stream is None else r.feed.streaming()
     held += f" ({data.streaming.reason})" if data.streaming is not HELD else ""
@@ -182,8 +187,10 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
                 f"stopped by {stop.describe()} {position(state)}; "
                 f"checkpoint committed to {run_dir.url}: run the same command again to continue"
             )
+    if replacing and not loop.report.records:  # a finished checkpoint into a cleared folder: its results anew
+        test_and_report(loop)
     stop.finishing()
-    return finish(loop, first_epoch)
+    return finish(loop, first_epoch, (found[1] or {}).get("metrics") or {} if found else {})
 
 
 def position(state: Progress) -> str:
@@ -212,8 +219,8 @@ def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed
     recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
     saved = dict(payload["progress"])
     log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
-    places = saved.pop("places", None) or []  # each process's place in the epoch, by rank
-    saved.pop("stream", None)  # the places as checkpoints of earlier versions held them: not resumable mid-epoch
+    places = saved.pop("places", None) or saved.pop("stream", None) or []  # each process's place, by rank
+    saved.pop("stream", None)
     saved.pop("accumulated", None)  # the step takes them when it is made
     state = Progress(**{"run_id": run_id, **saved})
     if state.epoch_step:
@@ -340,6 +347,8 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead)
     payload |= {"rng_ranks": rngs} if rngs else {}
     payload |= {"placement": r.feed.streaming_choice.saved()}
+    if r.feed.mean is not None:
+        payload |= {"normalization": {"mean": r.feed.mean.tolist(), "std": r.feed.std.tolist()}}
     t = cfg.train
     checkpoint.commit(
         loop.run_dir,
@@ -360,13 +369,16 @@ def write_results(loop: Loop, final: dict) -> None:
     loop.attempt.end(0)
 
 
-def finish(loop: Loop, first_epoch: int) -> dict:
-    """The final weights, hparams and curves written and uploaded; returns the run's summary."""
+def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
+    """The final weights, hparams and curves written and uploaded; returns the run's summary. `resumed`: the metrics
+    of the checkpoint the run continued from, for a process that evaluated nothing since (a group's other ranks
+    keep no records of earlier attempts)."""
     run_dir, state, report, stop = loop.run_dir, loop.state, loop.report, loop.stop
+    last = report.records[-1] if report.records else resumed
     final = {
         "best_accuracy": state.best_accuracy,
-        "final_accuracy": report.records[-1]["test_accuracy"],
-        "final_test_loss": report.records[-1]["test_loss"],
+        "final_accuracy": last.get("test_accuracy"),
+        "final_test_loss": last.get("test_loss"),
     }
     distributed.on_writer(lambda: write_results(loop, final))
     if not distributed.is_writer():  # rank 0 has written the results and uploads them

@@ -252,3 +252,17 @@ def test_a_run_stopped_after_its_last_checkpoint_writes_its_results_when_run_aga
     code, err = invoke(base)
     assert code == 0 and "is complete" not in err and "done: 200 epochs" in err, err
     assert (out / "model.pt").read_bytes() == weights
+
+
+def test_overwriting_a_finished_run_from_its_own_checkpoint_writes_its_results_again(tmp_path):
+    """--overwrite --resume URL on a finished run clears the folder for that checkpoint: the run then writes its
+    results again, never leaves the folder empty as if it were complete."""
+    out = tmp_path / "run"
+    base = ["train", "--device", "cpu", "--output", str(out), *sets("train.eval_every_epochs=100", "train.epochs=200")]
+    code, err = invoke(base)
+    assert code == 0, err
+    kept = tmp_path / "kept.pt"
+    kept.write_bytes(max((out / "checkpoints").glob("e*.pt")).read_bytes())
+    code, err = invoke([*base, "--resume", str(kept), "--overwrite"])
+    assert code == 0, err
+    assert (out / "model.pt").is_file() and (out / "config.yaml").is_file() and (out / "metrics.jsonl").is_file()

@@ -302,3 +302,63 @@ def test_find_batch_size_and_bench_on_streamed_shards(uneven):
     assert code == 0 and "batch 37: fits" in err, err
     code, err = invoke(["bench", "--config", "cifar10", *data, "--devices", "cpu"])
     assert code == 2 and "streamed from shards" in err and "Traceback" not in err, err
+
+
+def test_empty_shards_are_left_out_of_the_deal(uneven, tmp_path):
+    """An index may list a shard of no samples: no process is dealt nothing but it (it would take no step while the
+    others wait for it)."""
+    from job.data.shards import Shard
+
+    shards = [*splits(uneven)["train"][:1], Shard(str(tmp_path / "empty.tar"), 0, 0)]
+    loaders = [StreamLoader(shards, 4, CPU, Decoder(0, None), rank=r, world=2) for r in range(2)]
+    runs = [list(loader.batches()) for loader in loaders]
+    assert [len(run) for run in runs] == [len(loaders[0])] * 2 and sum(b.own for run in runs for b in run) == 23
+
+
+def test_malformed_pax_headers_are_one_line_not_a_hang(tmp_path):
+    import io
+    import tarfile
+
+    from job.data.shards import ShardFile, pax_records, samples
+
+    for bad in (b"0 path=x\n", b"-5 path=x\n", b"99 path=x\n"):
+        with pytest.raises(ValueError):
+            pax_records(bad)
+    good = tmp_path / "good.tar"
+    with tarfile.open(good, "w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("été.cls")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"1"))
+    data = bytearray(good.read_bytes())
+    at = data.index(b" path=")
+    data[at - 2 : at] = b"00"  # the record's length: 0
+    header = data[:512]
+    header[148:156] = b" " * 8
+    data[148:156] = f"{sum(header):06o}\0 ".encode()
+    (tmp_path / "bad.tar").write_bytes(bytes(data))
+    f = ShardFile(str(tmp_path / "bad.tar"))
+    with pytest.raises(DataError, match="bad.tar: not a readable tar shard .*malformed pax"):
+        list(samples(f, 0, str(tmp_path / "bad.tar")))
+
+
+def test_a_place_from_other_shards_or_an_earlier_version(uneven, tmp_path):
+    from job.data.placement import Streaming, decide_streaming
+    from job.errors import CheckpointError
+
+    shards = splits(uneven)["train"]
+    whole = StreamLoader(shards, 6, CPU, Decoder(0, None), shuffle=True, buffer=4)
+    run, places = [], []
+    for b in whole.batches(1):
+        run.append(b)
+        places.append(whole.position())
+    old = {k: places[2]["stream"][k] for k in ("shard", "offset", "draws", "buffer")}  # as earlier versions saved it
+    resumed = StreamLoader(shards, 6, CPU, Decoder(0, None), shuffle=True, buffer=4)
+    resumed.resume_at(1, 3, [old])
+    rest = list(resumed.batches(1, 3))
+    assert all(torch.equal(a.x, b.x) for a, b in zip(run[3:], rest)) and len(rest) == len(run) - 3
+    fewer = StreamLoader(shards[:4], 6, CPU, Decoder(0, None), shuffle=True, buffer=4)
+    with pytest.raises(CheckpointError, match="other shards"):
+        fewer.resume_at(1, 3, [places[2]])
+    once = decide_streaming("auto", lambda: 0, 0.5, Streaming(True, "data.placement=stream"))
+    twice = decide_streaming("auto", lambda: 0, 0.5, once)
+    assert twice == once and twice.reason == "as the run started (data.placement=stream)"

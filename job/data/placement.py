@@ -45,7 +45,9 @@ def decide_streaming(
             )
         return choice
     if started is not None:
-        return Streaming(started.streamed, f"as the run started ({started.reason})")
+        said = "as the run started"
+        reason = started.reason if started.reason.startswith(said) else f"{said} ({started.reason})"
+        return Streaming(started.streamed, reason)
     from job.memory import available_host_memory
 
     need, room = decoded_bytes(), share * available_host_memory()

@@ -59,7 +59,7 @@ class SampleStream:
         self.remote = not isinstance(filesystem(parts[0].url)[0], LocalFileSystem) if parts else False
         if at is not None:
             self.shard, self.offset, self.draws = at["shard"], at["offset"], at["draws"]
-            self.index = at.get("index", 0)
+            self.index = at.get("index", 0)  # None: not saved (an earlier version's place); not checked
             self.buffer = refill([p.url for p in parts], at["buffer"])
 
     def position(self) -> tuple:
@@ -100,13 +100,13 @@ class SampleStream:
                 f = fetch.get(self.shard) if fetch else ShardFile(part.url, self.offset)
                 try:
                     for sample in samples(f, self.shard, part.url):
-                        mine = self.index % part.step == part.first
-                        self.offset, self.index = sample.end, self.index + 1
+                        mine = part.step == 1 or self.index % part.step == part.first
+                        self.offset, self.index = sample.end, None if self.index is None else self.index + 1
                         if mine:
                             yield sample
                 finally:
                     f.close()
-                if self.index != part.samples:
+                if self.index is not None and self.index != part.samples:
                     raise DataError(
                         f"{part.url}: holds {self.index} samples where its count says {part.samples} (changed since "
                         "it was counted or packed? pack it again)"

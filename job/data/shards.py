@@ -145,6 +145,8 @@ def pax_records(data: bytes) -> dict[str, str]:
     while pos < len(data) and data[pos : pos + 1] not in (b"\0", b""):
         space = data.index(b" ", pos)
         length = int(data[pos:space])
+        if length <= space - pos or pos + length > len(data):
+            raise ValueError(f"a record of length {length} at {pos}")
         key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
         found[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         pos += length
@@ -177,6 +179,8 @@ def members(f: ShardFile, url: str, whole: bool = True) -> Iterator[tuple[int, s
             raise DataError(f"{url}: not a readable tar shard (a bad header at byte {at}: truncated or corrupt?)")
         kind = header[156:157]
         if kind not in (b"x", b"L", b"g") and "size" in extended:
+            if not extended["size"].isdigit():
+                raise DataError(f"{url}: not a readable tar shard (a pax size that is not a number at byte {at})")
             size = int(extended["size"])
         whole_size = BLOCK + size + (-size % BLOCK)
         buf, i = f.ahead(whole_size)
@@ -296,8 +300,7 @@ def open_shards(url: str, cache: Path | None, log: Log) -> ShardSet:
             sizes = [tuple(s) for s in index.get("image_sizes", [])]
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{url}/{INDEX}: not a shard index ({one_line(e)})") from None
-        for s in SPLITS:
-            check_listed(fs, path, root, s, splits[s])
+        check_listed(fs, splits["train"] + splits["test"], root)
     else:
         splits = {s: count_split(fs, path, root, s, cache, log) for s in SPLITS}
         classes, sizes = [], []
@@ -312,22 +315,25 @@ def open_shards(url: str, cache: Path | None, log: Log) -> ShardSet:
     return ShardSet(url, splits, classes, sizes)
 
 
-def check_listed(fs, path: str, root: str, split: str, shards: list[Shard]) -> None:
-    """Each shard the index lists is there at the size it records (one listing a split, before any reading): a
-    shard gone, cut short or rewritten since it was packed is named now, not mid-epoch."""
-    try:
-        listing = fs.find(f"{path.rstrip('/')}/{split}", maxdepth=1, detail=True)
-    except Exception as e:
-        raise StorageError(f"cannot list the data: {describe_storage_error(root, e)}") from None
-    sizes = {p.rsplit("/", 1)[-1]: info.get("size") for p, info in listing.items()}
+def check_listed(fs, shards: list[Shard], root: str) -> None:
+    """Each shard the index lists is there at the size it records (one listing a folder the index names, before any
+    reading): a shard gone, cut short or rewritten since it was packed is named now, not mid-epoch."""
+    folders: dict[str, dict[str, int | None]] = {}
     for shard in shards:
-        name = shard.url.rsplit("/", 1)[-1]
-        if name not in sizes:
+        folder, _, name = filesystem(shard.url)[1].rpartition("/")
+        if folder not in folders:
+            try:
+                listing = fs.find(folder, maxdepth=1, detail=True)
+            except Exception as e:
+                raise StorageError(f"cannot list the data: {describe_storage_error(root, e)}") from None
+            folders[folder] = {p.rsplit("/", 1)[-1]: info.get("size") for p, info in listing.items()}
+        size = folders[folder].get(name, -1)
+        if size == -1:
             raise DataError(f"{shard.url}: listed in {INDEX} but not there")
-        if shard.size and sizes[name] is not None and int(sizes[name]) != shard.size:
+        if shard.size and size is not None and int(size) != shard.size:
             raise DataError(
-                f"{shard.url}: {sizes[name]} bytes where {INDEX} records {shard.size} (cut short or changed since "
-                "it was packed: pack it again)"
+                f"{shard.url}: {size} bytes where {INDEX} records {shard.size} (cut short or changed since it was "
+                "packed: pack it again)"
             )
 
 

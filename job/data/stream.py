@@ -25,6 +25,7 @@ checkpoint the shuffle buffer's samples, where this keeps references to them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import zlib
 from collections import deque
 from collections.abc import Iterator
@@ -125,6 +126,7 @@ class StreamLoader:
         self.seed, self.shuffle, self.buffer, self.drop_last = seed, shuffle, buffer if shuffle else 0, drop_last
         self.crop_padding, self.hflip, self.rank, self.world = crop_padding, hflip, rank, world
         self.reflect = reflect
+        shards = [s for s in shards if s.samples]  # an empty shard holds nothing to deal
         self.n = sum(s.samples for s in shards)
         if self.n < world:
             raise ConfigError(f"{self.n} samples cannot be shared by {world} processes: run fewer")
@@ -139,6 +141,7 @@ class StreamLoader:
         self.std = std.to(device).view(1, -1, 1, 1) if std is not None else None
         self.ahead = max(ahead, 2 * decoder.workers + 1)
         self.last_place: tuple | None = None  # (stream position, last batch's samples, its step) after the last batch
+        self.epoch_digest = ""  # the parts the epoch being read takes (digest())
         self.saved: tuple[int, int, dict] | None = None
 
     def __len__(self) -> int:
@@ -167,18 +170,32 @@ class StreamLoader:
 
     def resume_at(self, epoch: int, step: int, places: list[dict]) -> None:
         """Continue at step `step` of `epoch` from the place this process saved there."""
-        if len(places) != self.world or not all(places):
+        if len(places) != self.world or not all(isinstance(p, dict) and p for p in places):
             raise CheckpointError(
                 f"the checkpoint was taken in epoch {epoch + 1} by {len(places)} process(es) of a stream and holds "
                 f"no place for {self.world}: resume with as many, or from an epoch's end"
             )
-        self.saved = (epoch, step, places[self.rank])
+        place = places[self.rank]
+        if "stream" not in place:  # an earlier version's: the stream's place alone, its count in the shard unknown
+            place = {"stream": {**place, "index": None}, "last": None, "last_step": None}
+        if place.get("parts", self.digest(epoch)) != self.digest(epoch):
+            raise CheckpointError(
+                f"the checkpoint's place in epoch {epoch + 1} is in other shards than data.path holds now (packed "
+                "again?): resume with the shards it was taken on, or from an epoch's end"
+            )
+        self.saved = (epoch, step, place)
+
+    def digest(self, epoch: int) -> str:
+        """What a saved place refers to: this process's parts of the shards in the epoch's order, by file name and
+        sample count (a data set moved elsewhere keeps them)."""
+        named = "\n".join(f"{p.url.rsplit('/', 1)[-1]} {p.samples} {p.first} {p.step}" for p in self.parts(epoch))
+        return hashlib.sha256(named.encode()).hexdigest()[:16]
 
     def position(self) -> dict:
         if self.last_place is None:
             return {}
         stream, last, step = self.last_place
-        return {"stream": saved(stream), "last": refs(last), "last_step": step}
+        return {"stream": saved(stream), "last": refs(last), "last_step": step, "parts": self.epoch_digest}
 
     def parts(self, epoch: int) -> list[Part]:
         hand = self.hands[self.rank]
@@ -204,10 +221,17 @@ class StreamLoader:
         record_bytes = 0
         parts = self.parts(epoch)
         urls = [p.url for p in parts]
-        stream = SampleStream(
-            parts, self.buffer, (epoch_seed(self.seed, epoch), self.rank), at["stream"] if at else None
-        )
-        self.last_place = (stream.position(), refill(urls, at["last"]), at["last_step"]) if at else None
+        self.epoch_digest = self.digest(epoch)
+        key = (epoch_seed(self.seed, epoch), self.rank)
+        try:
+            stream = SampleStream(parts, self.buffer, key, at["stream"] if at else None)
+            self.last_place = (
+                (stream.position(), refill(urls, at["last"] or []) or None, at["last_step"]) if at else None
+            )
+        except (KeyError, IndexError, TypeError):
+            raise CheckpointError(
+                f"the checkpoint's place in epoch {epoch + 1} is not one this version reads"
+            ) from None
         b, last = self.local[self.rank], None
         with contextlib.closing(decoded_ahead(stream, urls, b, self.decoder, self.ahead, self.drop_last)) as groups:
             for i in range(start, len(self)):
@@ -241,6 +265,11 @@ class StreamLoader:
     def replayed(self, urls: list[str], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last batch this process read, made again from its samples' bytes as it was made at its step."""
         _, group, step = self.last_place
+        if group is None:
+            raise CheckpointError(
+                "the checkpoint was taken by an earlier version where this process had run out of samples, which it "
+                "cannot continue from: resume from an epoch's end (--resume with that epoch's checkpoint)"
+            )
         items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
         images = decoded(self.decoder.submit(items), (items[0][0], items[-1][0]))
         return self.make(images, torch.tensor([s.label() for s in group]), epoch, step, group)
