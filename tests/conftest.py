@@ -338,3 +338,31 @@ def pointer(url: str) -> dict:
 
     with fsspec.open(f"{url}/checkpoints/latest.json") as f:
         return json.load(f)
+
+
+STOPPING_MODEL = '''
+import os, signal
+from torch import nn
+
+class Net(nn.Module):
+    """DOC"""
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = LAYERS
+        self.steps, self.at = 0, int(os.environ.get("STOP_AT_STEP", "0"))
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            if self.steps == self.at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return self.net(x)
+'''
+
+
+def stopping_model(layers: str, doc: str) -> str:
+    """The source of a module defining Net(num_classes): `layers` (an nn.Sequential expression that may use
+    num_classes) that sends its own process SIGTERM in training step $STOP_AT_STEP of each attempt (from 1; unset:
+    never), as a preemption would."""
+    return STOPPING_MODEL.replace("LAYERS", layers).replace("DOC", doc)

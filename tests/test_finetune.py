@@ -19,6 +19,7 @@ from conftest import (
     pointer,
     run_job,
     sets,
+    stopping_model,
     weights,
     write_cifar_batches,
     write_image_folder,
@@ -192,25 +193,10 @@ def test_uneven_accumulated_batches_weigh_by_their_samples(tmp_path, capture):
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
 
 
-STOPPER = """
-import os, signal
-from torch import nn
-
-class Net(nn.Module):
-    '''The Iris MLP, which sends its own process SIGTERM in training step $STOP_AT_STEP.'''
-
-    def __init__(self, num_classes):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 10), nn.ReLU(), nn.Linear(10, num_classes))
-        self.steps, self.at = 0, int(os.environ.get("STOP_AT_STEP", "0"))
-
-    def forward(self, x):
-        if self.training:
-            self.steps += 1
-            if self.steps == self.at:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return self.net(x)
-"""
+STOPPER = stopping_model(
+    "nn.Sequential(nn.Linear(4, 10), nn.ReLU(), nn.Linear(10, num_classes))",
+    "The Iris MLP, which sends its own process SIGTERM in training step $STOP_AT_STEP.",
+)
 
 
 def test_resume_in_the_middle_of_an_accumulated_group_is_bit_identical(tmp_path):

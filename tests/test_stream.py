@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import encode, invoke, pattern_images, sets, write_image_folder
+from conftest import encode, invoke, pattern_images, sets, stopping_model, write_image_folder
 
 from job import evaluate
 from job.data.sample_stream import Part, SampleStream, saved
@@ -206,26 +206,10 @@ def test_statistics_and_data_dependent_starts_see_a_seeded_sample_not_the_first_
     assert torch.equal(sample, sample_images(shards, Decoder(0, None), 20, seed=0))
 
 
-STOPPER = """
-import os, signal
-from torch import nn
-
-class Net(nn.Module):
-    '''An MLP over 3x8x8 images that sends its process SIGTERM in training step $STOP_AT_STEP of each attempt (from 1;
-    unset: never). 50,000 parameters: gloo reduces a bucket that size in a ring, whose sums follow the layout.'''
-
-    def __init__(self, num_classes):
-        super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, num_classes))
-        self.steps, self.at = 0, int(os.environ.get("STOP_AT_STEP", "0"))
-
-    def forward(self, x):
-        if self.training:
-            self.steps += 1
-            if self.steps == self.at:
-                os.kill(os.getpid(), signal.SIGTERM)
-        return self.net(x)
-"""
+STOPPER = stopping_model(
+    "nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 256), nn.ReLU(), nn.Linear(256, num_classes))",
+    "An MLP over 3x8x8 images of 50,000 parameters: gloo reduces a bucket that size in a ring.",
+)
 
 
 def test_three_processes_stopped_mid_stream_and_in_the_padded_stretch_resume_exactly(uneven, tmp_path):
