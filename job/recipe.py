@@ -22,7 +22,7 @@ from job.data.batches import Loader
 from job.data.dataset import Dataset, Split
 from job.data.decode import DeviceDecoder
 from job.data.loader import BatchLoader
-from job.data.placement import Streaming, hold_on
+from job.data.placement import HELD, Streaming, hold_on
 from job.data.read import load_data
 from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
 from job.env import resolve_precision
@@ -160,6 +160,11 @@ class Feed:
         if self.mean is None:
             return None, None
         return self.mean.to(self.device).view(1, -1, 1, 1), self.std.to(self.device).view(1, -1, 1, 1)
+
+    def describe(self) -> str:
+        """Where the data is for the start-up line, and why where that was a decision."""
+        held = f"held on {self.where}" if self.stream is None else self.streaming()
+        return held + (f" ({self.streaming_choice.reason})" if self.streaming_choice is not HELD else "")
 
     @property
     def where(self) -> str:

@@ -152,6 +152,18 @@ def open_run(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict
     run_dir.start_sync()
 
 
+def left_alone(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict] | None) -> bool:
+    """Whether the run in the folder is finished and stays exactly as it is: its checkpoint has train.epochs done
+    with the same settings and its results are written, and --overwrite --resume URL did not ask for the folder
+    afresh. Decided without reading the data; a run with other settings reads it first, so that bad data is named
+    before the settings are (their error comes once the data and model are known good)."""
+    if found is None or (req.overwrite and req.resume != "auto"):
+        return False
+    if found[0]["progress"]["epoch"] < cfg.train.epochs or changed_settings(found[0]["config"], cfg):
+        return False
+    return has_results(run_dir)
+
+
 def has_results(run_dir: RunDir) -> bool:
     """Whether the run wrote its results (an attempt stopped after its last checkpoint has them still to write).
     Asked by every process of a group, which must all take the same way: rank 0 asks, the others are told."""

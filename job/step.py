@@ -157,6 +157,17 @@ class Accumulator:
         if self.sums is not None:
             torch._foreach_zero_(self.sums)
 
+    def saved(self, epoch_step: int) -> dict:
+        """Stopped inside a group of batches (after `epoch_step` of the epoch): the group's gradient sums so far, on
+        the host, for a checkpoint (the same in every process: DDP has averaged each batch's); else nothing."""
+        if self.sums is None or epoch_step % self.every == 0:
+            return {}
+        return {"accumulated": [t.detach().cpu() for t in self.sums]}
+
+    def restore(self, sums: list[torch.Tensor] | None, device: torch.device) -> None:
+        """A checkpoint's sums back on the device: the resumed run adds the rest of the group to them."""
+        self.sums = [t.to(device) for t in sums] if sums is not None else None
+
 
 class EagerStep:
     """Forward, loss, backward and optimizer step as plain PyTorch calls; the loss is added to `sums` on the device.

@@ -18,7 +18,7 @@ import torch
 from job import checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
 from job.config import Config, flat_items, to_yaml
-from job.data.placement import HELD, restored
+from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Cancelled, ConfigError, Interrupted, StorageError, exit_code
 from job.evaluate import test_sums
@@ -27,7 +27,7 @@ from job.meters import LossLog, TrainClock
 from job.models import own_class
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
-from job.resume import Request, changed_settings, complete, find_checkpoint, has_results, open_run, preflight
+from job.resume import Request, complete, find_checkpoint, left_alone, open_run, preflight
 from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops, plan_step, step_facts
 from job.stop import TIME_LIMIT, StopRequest
 from job.storage import RunDir
@@ -128,11 +128,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     seed_everything(cfg.seed, cfg.train.deterministic)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
     found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume))
-    replacing = req.overwrite and req.resume != "auto"  # --overwrite --resume URL: the folder cleared for it
-    done = found is not None and found[0]["progress"]["epoch"] >= cfg.train.epochs
-    # A finished run is left as it is without reading its data; one with other settings reads it first, so that bad
-    # data is named before the settings are (the settings' error comes once the data and model are known good).
-    if done and not replacing and not changed_settings(found[0]["config"], cfg) and has_results(run_dir):
+    if left_alone(run_dir, req, cfg, found):
         distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
         return complete(cfg, run_dir, found)
     started = found[0] if found is not None else None
@@ -141,9 +137,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
     distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
-    held = f"held on {r.feed.where}" if r.feed.stream is None else r.feed.streaming()
-    held += f" ({data.streaming.reason})" if data.streaming is not HELD else ""
-    say(f"device {describe_device(device)}; data {data.describe()}, {held}")
+    say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
     say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
@@ -165,9 +159,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), state.step + 1 if found else 0)
     step = make_step(cfg, r, log, step_flops)
     if step.accumulator is not None and found is not None:
-        step.accumulator.sums = found[0]["progress"].get("accumulated")
-        if step.accumulator.sums is not None:
-            step.accumulator.sums = [t.to(r.device) for t in step.accumulator.sums]
+        step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)
     clock, now = TrainClock(device), time.perf_counter()
     loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt)
     attempt.begin(state, distributed.world(), device)
@@ -187,7 +179,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
                 f"stopped by {stop.describe()} {position(state)}; "
                 f"checkpoint committed to {run_dir.url}: run the same command again to continue"
             )
-    if replacing and not loop.report.records:  # a finished checkpoint into a cleared folder: its results anew
+    if req.overwrite and req.resume != "auto" and not loop.report.records:  # a finished checkpoint, folder cleared
         test_and_report(loop)
     stop.finishing()
     return finish(loop, first_epoch, (found[1] or {}).get("metrics") or {} if found else {})
@@ -327,22 +319,14 @@ def save(loop: Loop) -> None:
     distributed.on_writer(lambda: commit(loop, sums, places, rngs))
 
 
-def accumulated(loop: Loop) -> dict:
-    """Stopped inside a group of accumulated batches: the group's gradient sums so far (the same in every process:
-    DDP has averaged each batch's), which the resumed run adds the rest of the group to."""
-    acc = loop.step.accumulator
-    if acc is None or acc.sums is None or loop.state.epoch_step % acc.every == 0:
-        return {}
-    return {"accumulated": [t.detach().cpu() for t in acc.sums]}
-
-
 def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None, rngs: list | None = None) -> None:
     """Rank 0 commits the checkpoint: `rngs`, every process's RNG state in a group (kept by rank)."""
     cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
     for window in loop.log.ready(wait=True):
         report.loss(*window)
     report.flush()
-    progress = {**asdict(state), "loss_sums": loss_sums, **({"places": places} if places else {}), **accumulated(loop)}
+    progress = {**asdict(state), "loss_sums": loss_sums, **({"places": places} if places else {})}
+    progress |= loop.step.accumulator.saved(state.epoch_step) if loop.step.accumulator is not None else {}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead)
     payload |= {"rng_ranks": rngs} if rngs else {}
