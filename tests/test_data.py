@@ -285,3 +285,21 @@ def test_the_data_package_is_layered_one_way_and_its_shard_reader_needs_no_torch
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not {m for m in imported if m.split(".")[0] in ("torch", "torchvision", "numpy")}, module
+
+
+def test_an_empty_image_file_is_named_in_plain_words_and_the_layout_names_every_suffix_read(tmp_path):
+    """A zero-byte photo's line says so (not Pillow's `<_io.BytesIO object at 0x...>`); a folder without the
+    layout names every suffix the reader takes, not just .jpg and .png."""
+    from conftest import invoke, sets
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=2, per_class=3, test_per_class=1)
+    (root / "train" / "class0" / "empty.jpg").write_bytes(b"")
+    code, err = invoke(
+        ["train", "--device", "cpu", "--config", "cifar10", *sets("data.kind=folder", f"data.path={root}")]
+    )
+    assert code == 3 and "empty.jpg" in err and "an empty file" in err and "BytesIO" not in err, err
+    (tmp_path / "flat").mkdir()
+    code, err = invoke(
+        ["train", "--device", "cpu", "--config", "cifar10", *sets("data.kind=folder", f"data.path={tmp_path / 'flat'}")]
+    )
+    assert code == 3 and "*.jpg|jpeg|png|webp layout" in err, err

@@ -17,6 +17,7 @@ from job.errors import DataError, one_line
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 SPLITS = ("train", "test")
+SUFFIXES = "|".join(s.lstrip(".") for s in IMAGE_SUFFIXES)  # as the layout's messages name them: jpg|jpeg|png|webp
 
 
 def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
@@ -27,7 +28,7 @@ def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
         split, cls = layout_key(name)
         by_split[split].append((cls, name, data))
     if not by_split["train"]:
-        raise DataError(f"{url}: no images in the train/<class>/*.jpg|png layout")
+        raise DataError(f"{url}: no images in the train/<class>/*.{SUFFIXES} layout")
     classes = sorted({cls for cls, _, _ in by_split["train"]})
     unknown = sorted({cls for cls, _, _ in by_split["test"]} - set(classes))
     if unknown:
@@ -36,7 +37,7 @@ def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
     train = decode_split(sorted(by_split["train"]), classes, size, url, fit)
     test = decode_split(sorted(by_split["test"]), classes, size, url, fit) if by_split["test"] else None
     if test is None:
-        raise DataError(f"{url}: no images in the test/<class>/*.jpg|png layout")
+        raise DataError(f"{url}: no images in the test/<class>/*.{SUFFIXES} layout")
     if train.x.shape[1:] != test.x.shape[1:]:
         raise DataError(
             f"{url}: train images are {tuple(train.x.shape[2:])}, test images {tuple(test.x.shape[2:])}; "
@@ -87,5 +88,14 @@ def decode(name: str, data: bytes, size: int | None, url: str, fit: bool = False
                     rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
             pixels = np.asarray(rgb, dtype=np.uint8)
     except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise DataError(f"{url}: cannot decode image {name}: {one_line(e)}") from None
+        raise DataError(f"{url}: cannot decode image {name}: {image_fault(data, e)}") from None
     return torch.from_numpy(pixels.transpose(2, 0, 1).copy())
+
+
+def image_fault(data: bytes, e: Exception) -> str:
+    """Why Pillow could not read an image, in words (its own message for bytes names a BytesIO object)."""
+    if not data:
+        return "an empty file"
+    if isinstance(e, UnidentifiedImageError):
+        return f"not an image file ({SUFFIXES.replace('|', ', ')})"
+    return one_line(e)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from job.cloud import describe_storage_error, filesystem
 from job.data.files import VERSION_KEYS, Log, is_archive, read_entries, resolve
-from job.data.folder import layout_key
+from job.data.folder import SUFFIXES, image_fault, layout_key
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
 from job.errors import ConfigError, DataError, StorageError, one_line
 
@@ -76,10 +76,8 @@ def check_image(name: str, data: bytes, src: str) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as img:
             size = img.size
             img.verify()
-    except UnidentifiedImageError:
-        raise DataError(f"{src}: cannot read image {name}: not an image file (JPEG, PNG or WebP)") from None
-    except (OSError, ValueError, SyntaxError) as e:
-        raise DataError(f"{src}: cannot read image {name}: {one_line(e)}") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+        raise DataError(f"{src}: cannot read image {name}: {image_fault(data, e)}") from None
     return size
 
 
@@ -170,9 +168,9 @@ def spool(src: str, folder: Path, log: Log) -> tuple[dict[str, Spool], set[tuple
     for s in spools.values():
         s.f.close()
     if not len(spools["train"]):
-        raise DataError(f"{src}: no images in the train/<class>/*.jpg|png layout")
+        raise DataError(f"{src}: no images in the train/<class>/*.{SUFFIXES} layout")
     if not len(spools["test"]):
-        raise DataError(f"{src}: no images in the test/<class>/*.jpg|png layout")
+        raise DataError(f"{src}: no images in the test/<class>/*.{SUFFIXES} layout")
     return spools, sizes
 
 
