@@ -132,7 +132,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
         return complete(cfg, run_dir, found)
     started = found[0] if found is not None else None
-    data = recipe.read_data(cfg, restored(started.get("placement")) if started else None)
+    data = recipe.read_data(cfg, restored((started or {}).get("placement")))
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
     distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
@@ -211,8 +211,8 @@ def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed
     recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
     saved = dict(payload["progress"])
     log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
-    places = saved.pop("places", None) or saved.pop("stream", None) or []  # each process's place, by rank
-    saved.pop("stream", None)
+    places, earlier = saved.pop("places", None), saved.pop("stream", None)  # earlier versions' name for them
+    places = places or earlier or []  # each process's place in the epoch, by rank
     saved.pop("accumulated", None)  # the step takes them when it is made
     state = Progress(**{"run_id": run_id, **saved})
     if state.epoch_step:

@@ -31,10 +31,12 @@ def decide_streaming(
     share: float,
     started: Streaming | None = None,
     log: Callable[[str], None] = lambda line: None,
+    name: str = "the data",
 ) -> Streaming:
     """data.placement: `stream` streams; `host` and `device` hold; `auto` keeps what the run `started` with (a
     resumed run), else streams when the data set, decoded (`decoded_bytes()`, asked only then), would take more
-    than `share` of the free host memory. A setting that overrides what the run started with says what it costs."""
+    than `share` of the free host memory, and says so (`name`: the data's URL). A setting that overrides what the
+    run started with says what it costs."""
     if setting != "auto":
         choice = Streaming(setting == "stream", f"data.placement={setting}")
         if started is not None and started.streamed != choice.streamed:
@@ -44,13 +46,25 @@ def decide_streaming(
                 "here on, so the run goes on but no longer matches one that never stopped"
             )
         return choice
-    if started is not None:
-        said = "as the run started"
-        reason = started.reason if started.reason.startswith(said) else f"{said} ({started.reason})"
-        return Streaming(started.streamed, reason)
+    choice = kept(started) if started is not None else by_memory(decoded_bytes(), share)
+    if choice.streamed:
+        log(f"data: {name}: {choice.reason}: streaming it")
+    return choice
+
+
+def kept(started: Streaming) -> Streaming:
+    """A resumed run's decision: the one it started with (its reason said once, however often it resumes)."""
+    said = "as the run started"
+    return Streaming(
+        started.streamed, started.reason if started.reason.startswith(said) else f"{said} ({started.reason})"
+    )
+
+
+def by_memory(need: int, share: float) -> Streaming:
+    """Streamed when `need` bytes would take more than `share` of the free host memory."""
     from job.memory import available_host_memory
 
-    need, room = decoded_bytes(), share * available_host_memory()
+    room = share * available_host_memory()
     if need > room:
         return Streaming(
             True, f"decoded, it would take {need / 1e9:.1f} GB, more than {room / 1e9:.1f} GB of host memory"

@@ -64,7 +64,4 @@ def folder_streaming(cfg, log: Callable[[str], None], started: Streaming | None)
 
         return decoded_size(cfg.path, cfg.resize_size or cfg.image_size)
 
-    choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log)
-    if cfg.placement == "auto" and choice.streamed:
-        log(f"data: {cfg.path}: {choice.reason}: streaming it")
-    return choice
+    return decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)

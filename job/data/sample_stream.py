@@ -125,7 +125,7 @@ def saved(position: tuple) -> dict:
         "offset": offset,
         "index": index,
         "draws": draws,
-        "buffer": [[s.shard, s.start, s.end] for s in buffer],
+        "buffer": refs(buffer),
     }
 
 

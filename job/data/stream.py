@@ -29,6 +29,7 @@ import hashlib
 import zlib
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -178,7 +179,8 @@ class StreamLoader:
         place = places[self.rank]
         if "stream" not in place:  # an earlier version's: the stream's place alone, its count in the shard unknown
             place = {"stream": {**place, "index": None}, "last": None, "last_step": None}
-        if place.get("parts", self.digest(epoch)) != self.digest(epoch):
+        expected = self.digest(epoch)
+        if place.get("parts", expected) != expected:
             raise CheckpointError(
                 f"the checkpoint's place in epoch {epoch + 1} is in other shards than data.path holds now (packed "
                 "again?): resume with the shards it was taken on, or from an epoch's end"
@@ -270,9 +272,8 @@ class StreamLoader:
                 "the checkpoint was taken by an earlier version where this process had run out of samples, which it "
                 "cannot continue from: resume from an epoch's end (--resume with that epoch's checkpoint)"
             )
-        items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
-        images = decoded(self.decoder.submit(items), (items[0][0], items[-1][0]))
-        return self.make(images, torch.tensor([s.label() for s in group]), epoch, step, group)
+        future, names, labels = submitted(group, urls, self.decoder)
+        return self.make(decoded(future, names), labels, epoch, step, group)
 
     def augment(
         self, x: torch.Tensor, epoch: int, i: int, group: list[Sample]
@@ -297,6 +298,13 @@ class StreamLoader:
         return x, boxes.to(self.device) if boxes is not None else None
 
 
+def submitted(group: list[Sample], urls: list[str], decoder: Decoder) -> tuple[Future, tuple[str, str], torch.Tensor]:
+    """A group of samples sent to the decoder: its future, the first and last names (what a decoding error names)
+    and its labels."""
+    items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
+    return decoder.submit(items), (items[0][0], items[-1][0]), torch.tensor([s.label() for s in group])
+
+
 def decoded_ahead(
     stream: SampleStream, urls: list[str], size: int, decoder: Decoder, ahead: int, whole_only: bool
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple, list[Sample]]]:
@@ -310,13 +318,10 @@ def decoded_ahead(
                 group = [s for _, s in zip(range(size), samples)]
                 if not group or (whole_only and len(group) < size):
                     break
-                items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
-                names = (items[0][0], items[-1][0])
-                labels = torch.tensor([s.label() for s in group])
-                pending.append((decoder.submit(items), labels, stream.position(), group, names))
+                pending.append((*submitted(group, urls, decoder), stream.position(), group))
             if not pending:
                 return
-            future, labels, place, group, names = pending.popleft()
+            future, names, labels, place, group = pending.popleft()
             yield decoded(future, names), labels, place, group
     finally:
         for future, *_ in pending:
@@ -333,10 +338,8 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
     def decoded() -> int:
         return (shards.samples("train") + shards.samples("test")) * int(np.prod(shape))
 
-    choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log)
+    choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)
     if choice.streamed:
-        if cfg.placement == "auto":
-            log(f"data: {cfg.path}: {choice.reason}: streaming it")
         return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
     decoder = held_decoder(cfg)
     splits = [read_all(shards.splits[s], decoder) for s in ("train", "test")]
