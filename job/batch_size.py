@@ -51,7 +51,7 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
                 step(first.x, first.y)
             r.model.eval()
             with torch.no_grad(), r.amp():
-                r.model(next(r.feed.test(batch).batches()).x)
+                r.model(next(r.feed.test(batch, split=r.evaluated_on).batches()).x)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             ok = True

@@ -168,11 +168,12 @@ def prune(run: RunDir, keep_last: int, keep_best: bool = False) -> None:
 
 
 def best_checkpoint(run: RunDir, names: list[str]) -> str | None:
-    """The checkpoint whose manifest records the highest test accuracy."""
+    """The checkpoint whose manifest records the highest val accuracy (test accuracy, for a run without val)."""
     scored = []
     for name in names:
         try:
-            accuracy = json.loads(run.read(f"{FOLDER}/{name}.json") or b"{}").get("metrics", {}).get("test_accuracy")
+            metrics = json.loads(run.read(f"{FOLDER}/{name}.json") or b"{}").get("metrics", {})
+            accuracy = metrics.get("val_accuracy", metrics.get("test_accuracy"))
         except ValueError:
             continue
         if isinstance(accuracy, (int, float)):

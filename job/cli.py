@@ -144,9 +144,10 @@ def evaluate(
             print(json.dumps(result))
         else:
             where = f": epoch {result['epoch']}, step {result['step']}" if result["epoch"] is not None else ""
+            s = result["split"]
             print(
-                f"{result['checkpoint']}{where}: test_loss {result['test_loss']:.4f}  "
-                f"test_accuracy {result['test_accuracy']:.4f} ({result['samples']} samples)"
+                f"{result['checkpoint']}{where}: {s}_loss {result[f'{s}_loss']:.4f}  "
+                f"{s}_accuracy {result[f'{s}_accuracy']:.4f} ({result['samples']} {s} samples)"
             )
 
 

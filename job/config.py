@@ -48,9 +48,10 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    kind: Literal["csv", "cifar10", "folder", "shards"] = Field(
+    kind: Literal["csv", "cifar10", "folder", "manifest", "shards"] = Field(
         "csv",
-        description="Reader: a CSV table, CIFAR-10's python-version layout, train/<class>/ image folders, or "
+        description="Reader: a CSV table, CIFAR-10's python-version layout, image folders (class folders at the top, "
+        "or train/ val/ test/ folders of them), a manifest (a CSV or JSONL file of image paths and labels), or "
         "WebDataset-style tar shards (train/*.tar, test/*.tar; `python -m job shard` makes them).",
     )
     path: str = Field(
@@ -64,11 +65,36 @@ class DataConfig(Section):
     drop_last: bool = Field(False, description="Drop the last partial training batch of each epoch.")
     target: str = Field("species", description="csv: the name of the label column.")
     test_path: str = Field("", description="csv: a separate test table; empty: split the table by test_split.")
-    test_split: float = Field(0.2, gt=0, lt=1, description="csv: share of rows held out for testing.")
+    val_split: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="Share of each class held out from training for validation when the data has no val split of "
+        "its own (0: none). The run chooses on val (train.keep_best, early stopping); test is only reported. A file's "
+        "split is a hash of its path (a table's: of its row number) and split_seed, so added files never move others.",
+    )
+    test_split: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Share held out for testing when the data has no test split of its own; default: 0.2 of a csv "
+        "table's rows (scikit-learn's train_test_split), none of an image folder's or manifest's files.",
+    )
     split_seed: int = Field(
         42,
-        description="csv: the seed of the held-out rows, apart from `seed` so that runs of other seeds test on the "
-        "same rows; the rows of scikit-learn's train_test_split(test_size=test_split, random_state=split_seed).",
+        description="The seed of the held-out files and rows, apart from `seed` so that runs of other seeds choose "
+        "and test on the same ones; a csv table's test rows are scikit-learn's train_test_split(test_size="
+        "test_split, random_state=split_seed).",
+    )
+    skip_bad_samples: bool = Field(
+        True,
+        description="An image that cannot be decoded (empty, truncated, not an image) is skipped and named, and "
+        "data.json in the run folder lists every one; false: the first one stops the run (exit 3).",
+    )
+    path_column: str = Field("path", description="manifest: the column of image paths (relative to the file, or URLs).")
+    label_column: str = Field("label", description="manifest: the column of labels (class names or indexes).")
+    split_column: str = Field(
+        "split", description="manifest: the column of splits (train, val, test), when the file has one."
     )
     image_size: int | None = Field(
         None,
@@ -299,10 +325,28 @@ class TrainConfig(Section):
         "2e7 FLOPs), where waking more costs more than it saves, else PyTorch's default.",
     )
     log_every_steps: int = Field(100, gt=0, description="Log the mean training loss every this many steps.")
-    eval_every_epochs: int = Field(1, gt=0, description="Evaluate on the test split every this many epochs.")
+    eval_every_epochs: int = Field(
+        1, gt=0, description="Evaluate on the val split (the test split when there is none) every this many epochs."
+    )
     checkpoint_every_epochs: int = Field(1, gt=0, description="Commit a checkpoint every this many epochs.")
     keep_last: int = Field(3, gt=0, description="Checkpoints to keep; older ones are deleted after a commit.")
-    keep_best: bool = Field(False, description="Also keep the checkpoint with the best test accuracy.")
+    keep_best: bool = Field(
+        False, description="Also keep the checkpoint with the best val accuracy (test accuracy when there is no val)."
+    )
+    early_stopping_patience: int = Field(
+        0,
+        ge=0,
+        description="End the run after this many evaluations without a val accuracy better than the best by "
+        "train.early_stopping_min_delta (0: off); model.pt then holds the best-on-val weights.",
+    )
+    early_stopping_min_delta: float = Field(
+        0.0, ge=0, description="early_stopping_patience: the least gain in val accuracy that counts as better."
+    )
+    class_weights: Literal["none", "balanced"] = Field(
+        "none",
+        description="balanced: weigh each class's training loss by n_samples / (n_classes x its samples), as "
+        "scikit-learn's and Keras's 'balanced', so a class with few images is not ignored.",
+    )
     grace_seconds: float = Field(
         20.0,
         gt=0,

@@ -74,15 +74,18 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
         r.model.load_state_dict(payload["model"])
     except RuntimeError as e:
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
-    loss_sum, correct = test_sums(r.model, r.test, r.amp, cfg.train.test_time_augmentation).tolist()
+    split = "test" if "test" in r.held_out else "val"  # class folders held out for val alone: val
+    loader = r.held_out[split]
+    loss_sum, correct = test_sums(r.model, loader, r.amp, cfg.train.test_time_augmentation).tolist()
     progress = payload.get("progress", {})
     return {
         "checkpoint": url,
         "epoch": progress.get("epoch"),
         "step": progress.get("step"),
-        "test_loss": loss_sum / r.test.n,
-        "test_accuracy": correct / r.test.n,
-        "samples": r.test.n,
+        "split": split,
+        f"{split}_loss": loss_sum / loader.n,
+        f"{split}_accuracy": correct / loader.n,
+        "samples": loader.n,
         "device": str(device),
     } | run_record(url)
 

@@ -74,7 +74,8 @@ def make_data_loaders(cfg: Config, data: Dataset) -> tuple[DataLoader, DataLoade
     )
     if len(train) == 0:
         raise ConfigError(f"data.drop_last: the training split ({len(data.train)}) is smaller than one batch")
-    test = DataLoader(ItemDataset(data.test, test_tf), batch_size=d.eval_batch_size or batch)
+    held_out = data.test if data.test is not None else data.val
+    test = DataLoader(ItemDataset(held_out, test_tf), batch_size=d.eval_batch_size or batch)
     return train, test
 
 

@@ -127,6 +127,7 @@ class Feed:
         d = cfg.data
         self.is_image = data.is_image
         self.streaming_choice = data.streaming  # streamed or held, and why: checkpoints record it
+        self.inventory = data.inventory  # which files are in which split: checkpoints record its digest
         self.stream = data if isinstance(data, StreamData) else None
         if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
             self.held_on = None
@@ -135,12 +136,11 @@ class Feed:
             n = data.shards.samples("train")
             self.batch_size = n if d.batch_size == "full" else d.batch_size
             return
-        nbytes = data.train.x.nbytes + data.test.x.nbytes
-        self.held_on = hold_on(nbytes, device, d.placement, d.device_share, limit)
+        held = {name: data.split(name) for name in ("train", "val", "test") if data.split(name) is not None}
+        self.held_on = hold_on(sum(s.x.nbytes for s in held.values()), device, d.placement, d.device_share, limit)
         self.mean, self.std = stats or normalization(cfg, data)
-        self.train_split, self.test_split = (
-            Split(s.x.to(self.held_on), s.y.to(self.held_on)) for s in (data.train, data.test)
-        )
+        self.splits = {name: Split(s.x.to(self.held_on), s.y.to(self.held_on)) for name, s in held.items()}
+        self.train_split = self.splits["train"]
         self.batch_size = len(data.train) if d.batch_size == "full" else d.batch_size
 
     def sample_images(self, n: int) -> torch.Tensor:
@@ -236,15 +236,20 @@ class Feed:
             raise ConfigError(f"data.drop_last: the training split ({n}) is smaller than one batch")
         return loader
 
-    def test(self, batch: int, rank: int = 0, world: int = 1) -> Loader:
-        """Test batches of data.eval_batch_size, else of the training batch size."""
+    def has(self, split: str) -> bool:
+        if self.stream is not None:
+            return self.stream.shards.samples(split) > 0
+        return split in self.splits
+
+    def test(self, batch: int, rank: int = 0, world: int = 1, split: str = "test") -> Loader:
+        """Batches of a held-out split (test, or val) of data.eval_batch_size, else of the training batch size."""
         if self.stream is not None:
             # Read the same way at every evaluation: kept decoded after its first pass if it takes a small share of
             # the host's memory (a sixteenth of what is available), so evaluations decode nothing again.
             keep = int(available_host_memory() / 16)
-            return self.streamed("test", self.cfg.data.eval_batch_size or batch, rank, world, keep_bytes=keep)
+            return self.streamed(split, self.cfg.data.eval_batch_size or batch, rank, world, keep_bytes=keep)
         return BatchLoader(
-            self.test_split,
+            self.splits[split],
             self.cfg.data.eval_batch_size or batch,
             self.device,
             self.held_on,
@@ -254,6 +259,10 @@ class Feed:
             channels_last=self.channels_last,
             view=self.view,
         )
+
+    def held_out(self, batch: int, rank: int = 0, world: int = 1) -> dict[str, Loader]:
+        """The loaders of the held-out splits the data has: val, test, or both."""
+        return {s: self.test(batch, rank, world, s) for s in ("val", "test") if self.has(s)}
 
 
 @dataclass
@@ -268,11 +277,20 @@ class Recipe:
     scaler: torch.amp.GradScaler  # enabled for fp16 only
     feed: Feed
     train: Loader | None  # at the config's batch size (None when built without loaders)
-    test: Loader | None
+    held_out: dict[str, Loader]  # val and test, those the data has (none when built without loaders)
     input_shape: tuple[int, ...]  # what the model takes: the data's, or its view's
     accumulate: int = 1  # batches per optimizer step
     loss: Callable[..., torch.Tensor] = F.cross_entropy  # the training loss of (logits, labels)
     lookahead: Lookahead | None = None  # stepped after each optimizer step, when optim.lookahead_every is set
+
+    @property
+    def evaluated_on(self) -> str:
+        """The split every evaluation reports, and the run chooses on: val, or test when the data has no val."""
+        return "val" if "val" in self.held_out else "test"
+
+    @property
+    def test(self) -> Loader | None:
+        return self.held_out.get("test")
 
 
 def build(
@@ -308,10 +326,11 @@ def build(
     feed = Feed(cfg, data, device, channels_last, memory_limit, view, saved_stats(started))
     if pretrained and not cfg.model.weights and hasattr(model, "init_from_data"):  # a start that depends on the data
         model.init_from_data(feed.sample_images(DATA_INIT_IMAGES))
-    train = test = scheduler = lookahead = None
+    train = scheduler = lookahead = None
+    held_out: dict[str, Loader] = {}
     accumulate = cfg.train.accumulate_steps
     if loaders:
-        train, test = feed.train(feed.batch_size, rank, world), feed.test(feed.batch_size, rank, world)
+        train, held_out = feed.train(feed.batch_size, rank, world), feed.held_out(feed.batch_size, rank, world)
         steps = optimizer_steps(cfg, len(train))
         scheduler = make_scheduler(cfg, optimizer, steps)
         lookahead = Lookahead(model, cfg.optim.lookahead_every, steps) if cfg.optim.lookahead_every else None
@@ -330,7 +349,7 @@ def build(
         scaler,
         feed,
         train,
-        test,
+        held_out,
         input_shape,
         accumulate,
         loss,

@@ -71,19 +71,38 @@ class Report:
             self.bar = None
 
     def evaluation(self, record: dict[str, Any]) -> None:
-        """One evaluation: TensorBoard, a line of metrics.jsonl, a line on the console."""
+        """One evaluation (of val, or of test when there is no val): TensorBoard, a line of metrics.jsonl, a line on
+        the console."""
+        step, on = record["step"], evaluated(record)
+        self.writer.add_scalar(f"{on}/loss", record[f"{on}_loss"], step)
+        self.writer.add_scalar(f"{on}/accuracy", record[f"{on}_accuracy"], step)
+        self.writer.add_scalar("train/throughput", record["samples_per_s"], step)
+        self.append(record)
+        say(
+            f"epoch {record['epoch']}/{self.epochs}  step {step}  train_loss {record['train_loss']:.4f}  "
+            f"{on}_loss {record[f'{on}_loss']:.4f}  {on}_accuracy {record[f'{on}_accuracy']:.4f}  "
+            f"{record['samples_per_s']:.0f} samples/s"
+        )
+
+    def tested(self, record: dict[str, Any]) -> None:
+        """The test split's one report, at the end, on the model the run chose on val (and on the final one)."""
         step = record["step"]
         self.writer.add_scalar("test/loss", record["test_loss"], step)
         self.writer.add_scalar("test/accuracy", record["test_accuracy"], step)
-        self.writer.add_scalar("train/throughput", record["samples_per_s"], step)
+        if "final_test_accuracy" in record:
+            self.writer.add_scalar("test/final_model_accuracy", record["final_test_accuracy"], step)
+        self.append(record)
+        final = record.get("final_test_accuracy")
+        also = f"; the final model's {final:.4f}" if final is not None else ""
+        say(
+            f"test: the model chosen on val (epoch {record['chosen_epoch']}): test_loss {record['test_loss']:.4f}  "
+            f"test_accuracy {record['test_accuracy']:.4f}{also}"
+        )
+
+    def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         with open(self.run.path(METRICS), "a") as f:
             f.write(json.dumps(record) + "\n")
-        say(
-            f"epoch {record['epoch']}/{self.epochs}  step {step}  train_loss {record['train_loss']:.4f}  "
-            f"test_loss {record['test_loss']:.4f}  test_accuracy {record['test_accuracy']:.4f}  "
-            f"{record['samples_per_s']:.0f} samples/s"
-        )
 
     def flush(self) -> None:
         """Make the event and metrics files whole on disk and mirror them to the run's URL."""
@@ -122,21 +141,29 @@ def read_records(run: RunDir, upto_step: int) -> list[dict[str, Any]]:
     return records
 
 
+def evaluated(record: dict[str, Any]) -> str:
+    """The split an evaluation's record reports: val, or test."""
+    return "val" if "val_loss" in record else "test"
+
+
 def plot_curves(records: list[dict[str, Any]]) -> bytes:
-    """PNG of training and test loss, and test accuracy, over the run's evaluations."""
+    """PNG of training and held-out loss, and held-out accuracy, over the run's evaluations (val, or test when the
+    run has no val split)."""
     import io
 
     from matplotlib.figure import Figure  # without pyplot: no global backend switched, a notebook's kept as it is
 
+    records = [r for r in records if "train_loss" in r]  # the evaluations, not the test split's report at the end
+    on = evaluated(records[-1]) if records else "test"
     epochs = [r["epoch"] for r in records]
     fig = Figure(figsize=(10, 4))
     ax_loss, ax_acc = fig.subplots(1, 2)
     ax_loss.plot(epochs, [r["train_loss"] for r in records], marker=".", label="train")
-    ax_loss.plot(epochs, [r["test_loss"] for r in records], marker=".", label="test")
+    ax_loss.plot(epochs, [r.get(f"{on}_loss") for r in records], marker=".", label=on)
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_loss.legend()
-    ax_acc.plot(epochs, [r["test_accuracy"] for r in records], marker=".", color="tab:green")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="test accuracy", ylim=(0, 1))
+    ax_acc.plot(epochs, [r.get(f"{on}_accuracy") for r in records], marker=".", color="tab:green")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title=f"{on} accuracy", ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -152,6 +179,9 @@ class FollowerReport:
         self.records: list[dict] = []
 
     def evaluation(self, record: dict) -> None:
+        self.records.append(record)
+
+    def tested(self, record: dict) -> None:
         self.records.append(record)
 
     def loss(self, *args) -> None:

@@ -4,12 +4,16 @@ URL) and the settings that may change when it does, what --overwrite clears, and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from job import checkpoint, cloud, distributed
 from job.config import Config, flat_items
-from job.errors import ConfigError
+from job.errors import ConfigError, DataError
 from job.report import say
 from job.storage import RunDir
+
+if TYPE_CHECKING:
+    from job.data.split import Inventory
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
 RESUME_SAFE = {
@@ -152,6 +156,18 @@ def open_run(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict
     run_dir.start_sync()
 
 
+def check_split(started: dict | None, inventory: Inventory | None) -> None:
+    """A resumed run learns from, chooses on and tests on the files it started with: files added, removed or
+    unreadable since would change its split (and its results) in the middle of it."""
+    saved = (started or {}).get("split")
+    if saved is None or inventory is None or saved == inventory.digest():
+        return
+    raise DataError(
+        "cannot resume: the data's files differ from those the run started with (its train/val/test split would "
+        "change): resume with the same files, or start a new run (another --output, or --overwrite)"
+    )
+
+
 def left_alone(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict] | None) -> bool:
     """Whether the run in the folder is finished and stays exactly as it is: its checkpoint has train.epochs done
     with the same settings and its results are written, and --overwrite --resume URL did not ask for the folder
@@ -159,7 +175,9 @@ def left_alone(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, di
     before the settings are (their error comes once the data and model are known good)."""
     if found is None or (req.overwrite and req.resume != "auto"):
         return False
-    if found[0]["progress"]["epoch"] < cfg.train.epochs or changed_settings(found[0]["config"], cfg):
+    progress = found[0]["progress"]
+    done = progress["epoch"] >= cfg.train.epochs or progress.get("stopped_early")
+    if not done or changed_settings(found[0]["config"], cfg):
         return False
     return has_results(run_dir)
 
@@ -188,7 +206,7 @@ def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
         "steps": progress["step"],
         "best_accuracy": progress.get("best_accuracy"),
         "best_epoch": progress.get("best_epoch"),
-        "final_accuracy": metrics.get("test_accuracy"),
+        "final_accuracy": metrics.get("val_accuracy", metrics.get("test_accuracy")),
         "final_test_loss": metrics.get("test_loss"),
         "epochs_run": 0,
         "output": run_dir.url,

@@ -8,6 +8,7 @@ time without blocking (job/meters.py); the host reads numbers only at evaluation
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import time
 import uuid
@@ -17,17 +18,17 @@ import torch
 
 from job import checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
+from job.choose import Chooser, final_test, outcome, test_and_report
 from job.config import Config, flat_items, to_yaml
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Cancelled, ConfigError, Interrupted, StorageError, exit_code
-from job.evaluate import test_sums
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
 from job.models import own_class
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
-from job.resume import Request, complete, find_checkpoint, left_alone, open_run, preflight
+from job.resume import Request, check_split, complete, find_checkpoint, left_alone, open_run, preflight
 from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops, plan_step, step_facts
 from job.stop import TIME_LIMIT, StopRequest
 from job.storage import RunDir
@@ -42,8 +43,10 @@ class Progress:
     step: int = 0  # optimizer steps in the whole run
     steps_since_eval: int = 0
     samples_since_eval: int = 0
-    best_accuracy: float = -1.0
+    best_accuracy: float = -1.0  # of the split evaluations report: val, else test (job/choose.py)
     best_epoch: int = 0
+    evals_since_best: int = 0
+    stopped_early: str = ""  # why early stopping ended the run; empty while it goes on
     run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
 
 
@@ -63,6 +66,7 @@ class Loop:
     t_start: float
     t_eval: float  # when the last evaluation ended: throughput is measured from there
     attempt: Attempt  # this invocation's entry in run.json
+    chooser: Chooser  # the best evaluation and its weights
 
 
 def run(
@@ -133,15 +137,18 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         return complete(cfg, run_dir, found)
     started = found[0] if found is not None else None
     data = recipe.read_data(cfg, restored((started or {}).get("placement")))
+    check_split(started, data.inventory)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
     distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
+    chooser = Chooser(cfg, r.evaluated_on)
     say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
         state = restore(found, r, log, state.run_id, cfg.seed)
+        chooser.restore(found[0], r.model)
         replanned = replan_schedule(cfg, r, state)
         source = (found[1] or {}).get("file") or req.resume  # a bare .pt given by URL has no manifest
         into = f" ({state.epoch_step} steps into epoch {state.epoch + 1})" if state.epoch_step else ""
@@ -156,24 +163,30 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     report = FollowerReport()
     if distributed.is_writer():
         run_dir.write("config.yaml", to_yaml(cfg).encode())
+        if data.inventory is not None:  # which files the run learns from, chooses on and tests on
+            run_dir.write("data.json", json.dumps(data.inventory.to_json(), indent=1, ensure_ascii=False).encode())
         report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), state.step + 1 if found else 0)
     step = make_step(cfg, r, log, step_flops)
     if step.accumulator is not None and found is not None:
         step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)
     clock, now = TrainClock(device), time.perf_counter()
-    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt)
+    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser)
     attempt.begin(state, distributed.world(), device)
     first_epoch = state.epoch
-    for epoch in range(state.epoch, cfg.train.epochs):
+    for epoch in range(state.epoch, state.epoch if state.stopped_early else cfg.train.epochs):
         finished = train_epoch(loop, epoch)
         last = state.epoch == cfg.train.epochs
         if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
-            test_and_report(loop)
+            state.stopped_early = test_and_report(loop)
+            last = last or bool(state.stopped_early)
         stopping = stop.signal is not None and not last
         if stopping:
             say(f"{stop.describe()}: stopping {position(state)}; committing a checkpoint")
         if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
             save(loop)
+        if state.stopped_early:
+            say(state.stopped_early)
+            break
         if stopping:
             raise Interrupted(
                 f"stopped by {stop.describe()} {position(state)}; "
@@ -280,34 +293,6 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
     return finished
 
 
-def test_and_report(loop: Loop) -> None:
-    """Test the model and report it with the training loss and throughput since the previous evaluation."""
-    loop.clock.stop()
-    loop.log.system.pause()
-    r, state, log, test = loop.r, loop.state, loop.log, loop.r.test
-    with memory_guard(f"data.eval_batch_size={test.batch_size}", r.device), loop.clock.testing():
-        sums = test_sums(r.model, test, r.amp, loop.cfg.train.test_time_augmentation)
-    test_loss, correct, train_sum = distributed.totals(sums, log.sums[1:]).tolist()  # the evaluation's host sync
-    now = time.perf_counter()
-    for window in log.ready(wait=True):
-        loop.report.loss(*window)
-    log.sums[1:].zero_()
-    record = {
-        "epoch": state.epoch,
-        "step": state.step,
-        "train_loss": train_sum / max(state.steps_since_eval, 1),
-        "test_loss": test_loss / test.n,
-        "test_accuracy": correct / test.n,
-        "samples_per_s": state.samples_since_eval / max(now - loop.t_eval, 1e-9),
-        "wall_s": round(now - loop.t_start, 3),
-    }
-    if record["test_accuracy"] > state.best_accuracy:
-        state.best_accuracy, state.best_epoch = record["test_accuracy"], state.epoch
-    state.steps_since_eval = state.samples_since_eval = 0
-    loop.report.evaluation(record)
-    loop.t_eval = now
-
-
 def save(loop: Loop) -> None:
     """Commit a checkpoint of the state as it stands, with each process's own loss sums, so that every one of them
     resumes with exactly what it had. Rank 0 flushes the logs and writes it."""
@@ -330,7 +315,9 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
     payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead)
     payload |= {"rng_ranks": rngs} if rngs else {}
+    payload |= loop.chooser.saved(state)
     payload |= {"placement": r.feed.streaming_choice.saved()}
+    payload |= {"split": r.feed.inventory.digest()} if r.feed.inventory is not None else {}
     if r.feed.mean is not None:
         payload |= {"normalization": {"mean": r.feed.mean.tolist(), "std": r.feed.std.tolist()}}
     t = cfg.train
@@ -354,16 +341,17 @@ def write_results(loop: Loop, final: dict) -> None:
 
 
 def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
-    """The final weights, hparams and curves written and uploaded; returns the run's summary. `resumed`: the metrics
+    """The chosen weights, hparams and curves written and uploaded; returns the run's summary. `resumed`: the metrics
     of the checkpoint the run continued from, for a process that evaluated nothing since (a group's other ranks
     keep no records of earlier attempts)."""
-    run_dir, state, report, stop = loop.run_dir, loop.state, loop.report, loop.stop
-    last = report.records[-1] if report.records else resumed
+    run_dir, state, report, stop, on = loop.run_dir, loop.state, loop.report, loop.stop, loop.r.evaluated_on
+    last = next((r for r in reversed(report.records) if "train_loss" in r), resumed)
+    tested = final_test(loop)
     final = {
         "best_accuracy": state.best_accuracy,
-        "final_accuracy": last.get("test_accuracy"),
-        "final_test_loss": last.get("test_loss"),
-    }
+        "final_accuracy": last.get(f"{on}_accuracy"),
+        f"final_{on}_loss": last.get(f"{on}_loss"),
+    } | {k: v for k, v in tested.items() if k.startswith(("test_", "final_test_"))}
     distributed.on_writer(lambda: write_results(loop, final))
     if not distributed.is_writer():  # rank 0 has written the results and uploads them
         return {"rank": distributed.rank(), "epochs": state.epoch, "steps": state.step}
@@ -373,6 +361,7 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     summary = {
         **final,
         "best_epoch": state.best_epoch,
+        "chosen_on": on,
         "epochs": state.epoch,
         "steps": state.step,
         "seconds": round(time.perf_counter() - loop.t_start, 2),
@@ -380,13 +369,12 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         "epochs_run": state.epoch - first_epoch,
         "output": run_dir.url,
         "attempt": loop.attempt.number,
-    }
+    } | ({"stopped_early": state.stopped_early} if state.stopped_early else {})
     if stop.signal or stop.received:  # it came during the last step or while the results were written
         reason = stop.describe(stop.signal or stop.received)
         say(f"{reason} came as the run was ending: it finished, there is nothing to continue")
     say(
-        f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; best test accuracy "
-        f"{state.best_accuracy:.4f} (epoch {state.best_epoch}), final {final['final_accuracy']:.4f}; "
+        f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; {outcome(on, final, state)}; "
         f"outputs in {run_dir.url}" + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
     )
     return summary

@@ -18,6 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 from job.cloud import filesystem
 from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_entries
+from job.data.split import held_out_role
 from job.errors import DataError, one_line
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -44,7 +45,13 @@ def load_cifar10(cfg, cache: Path | None, log: Log) -> Dataset:
         names = _get(read_pickle(blobs["batches.meta"], "batches.meta", url), "label_names")
         if names:
             classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
-    return Dataset(train, test, classes, f"cifar10 {url}")
+    val = None
+    if cfg.val_split:  # the training images' own numbers, 1 to 50,000, are their keys
+        held = torch.tensor(
+            [held_out_role(f"train/{i}", cfg.split_seed, cfg.val_split, 0) == "val" for i in range(len(train))]
+        )
+        train, val = Split(train.x[~held], train.y[~held]), Split(train.x[held], train.y[held])
+    return Dataset(train, test, classes, f"cifar10 {url}", val=val)
 
 
 def read_batch(blob: bytes, name: str, url: str) -> Split:

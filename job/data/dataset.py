@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from job.data.placement import HELD, Streaming
+
+if TYPE_CHECKING:
+    from job.data.split import Inventory
 
 
 @dataclass
@@ -22,15 +26,29 @@ class Split:
 
 @dataclass
 class Dataset:
+    """The splits in memory: train is learned from, val is what the run chooses on, test is only reported (val or
+    test may be absent, not both)."""
+
     train: Split
-    test: Split
+    test: Split | None
     classes: list[str]
     source: str
     streaming: Streaming = HELD  # held in memory, and why (a StreamData is read as the run trains)
+    val: Split | None = None
+    inventory: Inventory | None = None  # the run's data.json: counts, held-out files, skipped files
     streamed = False
 
+    def split(self, name: str) -> Split | None:
+        return {"train": self.train, "val": self.val, "test": self.test}[name]
+
     def samples(self, split: str) -> int:
-        return len(self.train if split == "train" else self.test)
+        held = self.split(split)
+        return len(held) if held is not None else 0
+
+    @property
+    def evaluated_on(self) -> str:
+        """The split each evaluation reports and the run chooses on: val, or test when there is no val."""
+        return "val" if self.val is not None else "test"
 
     @property
     def is_image(self) -> bool:
@@ -42,7 +60,5 @@ class Dataset:
 
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.input_shape)
-        return (
-            f"{self.source}: {len(self.train)} train / {len(self.test)} test, "
-            f"{len(self.classes)} classes, inputs {shape}"
-        )
+        held = " / ".join(f"{self.samples(s)} {s}" for s in ("train", "val", "test") if self.split(s) is not None)
+        return f"{self.source}: {held}, {len(self.classes)} classes, inputs {shape}"

@@ -14,33 +14,24 @@ from concurrent.futures.process import BrokenProcessPool
 import numpy as np
 import torch
 
-from job.errors import DataError, one_line
+from job.data.image import pixels
+from job.errors import DataError
 
 JPEG = ("jpg", "jpeg")
 
 
 def decode(items: list[tuple[str, str, bytes]], size: int | None, fit: bool = False) -> np.ndarray:
-    """Images (name, extension, bytes) decoded to one uint8 N x 3 x H x W array, each resized to size x size when
-    a size is given (`fit`: the short side resized to it and the centre kept, as photos are held). Runs in a
-    worker process."""
-    from torchvision.io import ImageReadMode, decode_image
-
+    """Images (name, extension, bytes) decoded to one uint8 N x 3 x H x W array the one way every host path decodes
+    (job/data/image.py: EXIF turn, HEIC, every mode to RGB), each resized to size x size when a size is given
+    (`fit`: the short side resized to it and the centre kept, as photos are held). Runs in a worker process."""
     out = None
-    with warnings.catch_warnings():  # once a batch: entering it costs as much as a small image's decoding
-        # torchvision's notice that its decoders move to another package; and torch's, that a tensor over bytes is
-        # not writable (the decoder only reads it: no copy)
-        warnings.simplefilter("ignore")
-        for n, (name, _, data) in enumerate(items):
-            try:
-                img = decode_image(torch.frombuffer(data, dtype=torch.uint8), mode=ImageReadMode.RGB)
-            except RuntimeError as e:
-                raise DataError(f"cannot decode image {name}: {one_line(e)}") from None
-            img = sized(img, size, fit)
-            if out is None:
-                out = np.empty((len(items), *img.shape), dtype=np.uint8)
-            elif img.shape != out.shape[1:]:
-                raise different_sizes(out.shape[1:], img.shape, name)
-            out[n] = img.numpy()
+    for n, (name, _, data) in enumerate(items):
+        img = pixels(data, name, size, fit).transpose(2, 0, 1)
+        if out is None:
+            out = np.empty((len(items), *img.shape), dtype=np.uint8)
+        elif img.shape != out.shape[1:]:
+            raise different_sizes(out.shape[1:], img.shape, name)
+        out[n] = img
     return out
 
 
@@ -154,7 +145,7 @@ class DeviceDecoder:
         jpeg = [i for i, (_, ext, _) in enumerate(items) if ext in JPEG]
         images: list[torch.Tensor | None] = [None] * len(items)
         with torch.cuda.stream(self.stream), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # as in decode()
+            warnings.simplefilter("ignore")  # torchvision's notice that its decoders move to another package
             for start in range(0, len(jpeg), DEVICE_GROUP):
                 group = jpeg[start : start + DEVICE_GROUP]
                 for i, img in zip(group, self.decode_jpegs([items[i][2] for i in group])):
@@ -175,7 +166,7 @@ class DeviceDecoder:
 
         try:
             tensors = [torch.frombuffer(d, dtype=torch.uint8) for d in data]
-            return decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device)
+            return decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device, apply_exif_orientation=True)
         except RuntimeError:
             return [None] * len(data)
 

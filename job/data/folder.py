@@ -1,101 +1,161 @@
-"""Image folders: train/<class>/* and test/<class>/* (JPEG or PNG), as a folder or a .tar/.tar.gz of one."""
+"""Image folders held in memory: class folders at the top, or train/ val/ test/ folders of them (job/data/split.py
+sorts the files and holds splits out), as a folder at any URL or a .tar/.tar.gz of one. Every image is decoded the
+one way job/data/image.py gives (EXIF turn, HEIC, every mode to RGB); a file that cannot be decoded is skipped and
+named (data.json lists them all), or stops the run with data.skip_bad_samples false."""
 
 from __future__ import annotations
 
-import io
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
 
 from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_entries
-from job.errors import DataError, one_line
+from job.data.image import UnreadableImage, pixels
+from job.data.split import (
+    ROLES,
+    SUFFIXES,
+    Files,
+    HoldOut,
+    Inventory,
+    count,
+    is_image_name,
+    is_system_file,
+    sort_files,
+)
+from job.errors import ConfigError, DataError
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
-SPLITS = ("train", "test")
-SUFFIXES = "|".join(s.lstrip(".") for s in IMAGE_SUFFIXES)  # as the layout's messages name them: jpg|jpeg|png|webp
+LAYOUT = f"<class>/*.{SUFFIXES} or train/<class>/*.{SUFFIXES}"
+SHOWN = 3  # bad files named on the console (data.json lists every one)
+
+
+@dataclass
+class Listing:
+    """The files a reader was offered that are neither images nor system files, counted for one line."""
+
+    others: list[str] = field(default_factory=list)
+
+    def keep(self, name: str) -> bool:
+        if is_system_file(name):
+            return False
+        if is_image_name(name):
+            return True
+        self.others.append(name)
+        return False
+
+    def report(self, url: str, files: Files, log: Log) -> None:
+        if self.others:
+            log(f"data: {len(self.others)} files in {url} are not images ({SUFFIXES}), e.g. {self.others[0]}: ignored")
+        if files.outside:
+            where = "a train/, val/ or test/ class folder" if files.folders else "a class folder"
+            log(f"data: {len(files.outside)} images are in no {where}, e.g. {files.outside[0]}: ignored")
+
+
+def sorted_files(names: list[str], hold: HoldOut, url: str) -> Files:
+    """The images sorted into classes and splits; a layout with nothing to train or evaluate on is named."""
+    files = sort_files(names, hold)
+    if not files.roles["train"]:
+        raise DataError(f"{url}: no images in the {LAYOUT} layout")
+    if not files.roles["val"] and not files.roles["test"]:
+        raise ConfigError(
+            f"{url}: nothing to evaluate on: no val/ or test/ folder and data.val_split is 0; hold some images out "
+            "with data.val_split (and data.test_split)"
+        )
+    classes = files.classes()
+    for role in ("val", "test"):
+        unknown = sorted({c for _, c in files.roles[role]} - set(classes))
+        if unknown:
+            raise DataError(f"{url}: {role} classes without training images: {', '.join(unknown[:5])}")
+    if len(classes) < 2:
+        raise DataError(f"{url}: one class ({classes[0]}): a classifier needs images of two classes or more")
+    return files
 
 
 def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
-    """The train/ and test/ images at cfg.path; remote data are kept in the folder `cache` (None: no cache)."""
-    url = cfg.path
-    by_split: dict[str, list[tuple[str, str, bytes]]] = {s: [] for s in SPLITS}
-    for name, data in read_entries(url, layout_key, cache, log):
-        split, cls = layout_key(name)
-        by_split[split].append((cls, name, data))
-    if not by_split["train"]:
-        raise DataError(f"{url}: no images in the train/<class>/*.{SUFFIXES} layout")
-    classes = sorted({cls for cls, _, _ in by_split["train"]})
-    unknown = sorted({cls for cls, _, _ in by_split["test"]} - set(classes))
-    if unknown:
-        raise DataError(f"{url}: test classes without training images: {', '.join(unknown[:5])}")
+    """The images at cfg.path; remote data are kept in the folder `cache` (None: no cache)."""
+    url, listing = cfg.path, Listing()
+    entries = dict(read_entries(url, listing.keep, cache, log))
+    files = sorted_files(sorted(entries), HoldOut.of(cfg), url)
+    listing.report(url, files, log)
+    classes = files.classes()
     size, fit = cfg.resize_size or cfg.image_size, cfg.resize_size is not None
-    train = decode_split(sorted(by_split["train"]), classes, size, url, fit)
-    test = decode_split(sorted(by_split["test"]), classes, size, url, fit) if by_split["test"] else None
-    if test is None:
-        raise DataError(f"{url}: no images in the test/<class>/*.{SUFFIXES} layout")
-    if train.x.shape[1:] != test.x.shape[1:]:
-        raise DataError(
-            f"{url}: train images are {tuple(train.x.shape[2:])}, test images {tuple(test.x.shape[2:])}; "
-            "set data.image_size"
+    skipped: list[dict[str, str]] = []
+    splits = {
+        role: decode_split(
+            files.roles[role], entries.__getitem__, classes, size, url, fit, skipped, cfg.skip_bad_samples
         )
-    return Dataset(train, test, classes, f"folder {url}")
+        for role in ROLES
+    }
+    del entries
+    report_skipped(skipped, log)
+    shapes = {role: tuple(s.x.shape[1:]) for role, s in splits.items() if len(s)}
+    if len(set(shapes.values())) > 1:
+        shown = ", ".join(f"{role} images {shape[1:]}" for role, shape in shapes.items())
+        raise DataError(f"{url}: {shown}; set data.image_size")
+    if not len(splits["train"]):
+        raise DataError(f"{url}: no training image could be decoded")
+    bad = {s["path"] for s in skipped}
+    held_out = {role: [n for n in names if n not in bad] for role, names in files.held_out.items()}
+    counts = {role: count(s.y.tolist(), classes) for role, s in splits.items() if len(s)}
+    inventory = Inventory(classes, counts, held_out, skipped)
+    for line in inventory.lines():
+        log(line)
+    val, test = (splits[r] if len(splits[r]) else None for r in ("val", "test"))
+    if val is None and test is None:
+        raise DataError(f"{url}: no held-out image could be decoded")
+    return Dataset(splits["train"], test, classes, f"folder {url}", val=val, inventory=inventory)
 
 
-def layout_key(name: str) -> tuple[str, str] | None:
-    """(split, class) when a path ends in train|test/<class>/<image>, else None (hidden files skipped)."""
-    parts = name.replace("\\", "/").split("/")
-    if len(parts) < 3 or parts[-3] not in SPLITS or parts[-1].startswith("."):
-        return None
-    if not parts[-1].lower().endswith(IMAGE_SUFFIXES):
-        return None
-    return parts[-3], parts[-2]
+def report_skipped(skipped: list[dict[str, str]], log: Log) -> None:
+    for s in skipped[:SHOWN]:
+        log(f"data: skipped {s['path']}: {s['reason']}")
+    if len(skipped) > SHOWN:
+        log(f"data: skipped {len(skipped)} files that cannot be decoded in all (data.json lists them)")
 
 
 def decode_split(
-    items: list[tuple[str, str, bytes]], classes: list[str], size: int | None, url: str, fit: bool = False
+    items: list[tuple[str, str]],
+    content: Callable[[str], bytes],
+    classes: list[str],
+    size: int | None,
+    url: str,
+    fit: bool = False,
+    skipped: list[dict[str, str]] | None = None,
+    skip: bool = True,
 ) -> Split:
-    """Decode every image to uint8 3 x H x W, in threads (Pillow's decoders release the GIL); resized to size x size
-    when given (`fit`: the short side resized to it and the centre kept, as photos are held)."""
+    """Decode the images (name, class) to uint8 3 x H x W, in threads (Pillow's decoders release the GIL). A file
+    that cannot be decoded is appended to `skipped` (skip) or stops the reading in one line naming it."""
+
+    def one(name: str) -> torch.Tensor | UnreadableImage:
+        try:
+            return torch.from_numpy(pixels(content(name), name, size, fit).transpose(2, 0, 1).copy())
+        except UnreadableImage as e:
+            if not skip:
+                raise DataError(f"{url}: {e} (data.skip_bad_samples is false)") from None
+            return e
+
+    if not items:
+        return Split(torch.empty(0, 3, size or 0, size or 0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
     chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        decoded = pool.map(lambda c: [decode(n, b, size, url, fit) for _, n, b in c], chunks)
-        images = [img for chunk in decoded for img in chunk]
-    shapes = {img.shape for img in images}
+        decoded = [img for chunk in pool.map(lambda c: [one(n) for n, _ in c], chunks) for img in chunk]
+    good = [(img, cls, name) for img, (name, cls) in zip(decoded, items) if isinstance(img, torch.Tensor)]
+    for bad in decoded:
+        if isinstance(bad, UnreadableImage) and skipped is not None:
+            skipped.append({"path": bad.name, "reason": bad.reason})
+    shapes = {img.shape for img, _, _ in good}
     if len(shapes) > 1:
-        first = images[0].shape
-        odd = next(n for (_, n, _), img in zip(items, images) if img.shape != first)
+        first = good[0][0].shape
+        odd = next(name for img, _, name in good if img.shape != first)
         raise DataError(
             f"{url}: images differ in size ({tuple(first[1:])} and {tuple(shapes.difference({first}).pop()[1:])}, "
             f"e.g. {odd}); set data.image_size"
         )
-    y = torch.tensor([classes.index(cls) for cls, _, _ in items])
-    return Split(torch.stack(images), y)
-
-
-def decode(name: str, data: bytes, size: int | None, url: str, fit: bool = False) -> torch.Tensor:
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            rgb = img.convert("RGB")
-            if size is not None and rgb.size != (size, size):
-                if fit:
-                    rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BILINEAR)
-                else:
-                    rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-            pixels = np.asarray(rgb, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        raise DataError(f"{url}: cannot decode image {name}: {image_fault(data, e)}") from None
-    return torch.from_numpy(pixels.transpose(2, 0, 1).copy())
-
-
-def image_fault(data: bytes, e: Exception) -> str:
-    """Why Pillow could not read an image, in words (its own message for bytes names a BytesIO object)."""
-    if not data:
-        return "an empty file"
-    if isinstance(e, UnidentifiedImageError):
-        return f"not an image file ({SUFFIXES.replace('|', ', ')})"
-    return one_line(e)
+    if not good:
+        return Split(torch.empty(0, 3, size or 0, size or 0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
+    index = {c: i for i, c in enumerate(classes)}
+    return Split(torch.stack([img for img, _, _ in good]), torch.tensor([index[cls] for _, cls, _ in good]))

@@ -22,13 +22,15 @@ from pathlib import Path
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from tqdm import tqdm
 
 from job.cloud import describe_storage_error, filesystem
 from job.data.files import VERSION_KEYS, Log, is_archive, read_entries, resolve
-from job.data.folder import SUFFIXES, image_fault, layout_key
+from job.data.folder import Listing, report_skipped, sorted_files
+from job.data.image import UnreadableImage, image_size
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
+from job.data.split import SUFFIXES, HoldOut, Inventory, count, is_image_name, is_system_file
 from job.errors import ConfigError, DataError, StorageError, one_line
 
 SIZE_UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1}
@@ -48,37 +50,27 @@ def parse_size(text: str) -> int:
 
 
 class Spool:
-    """One split's images appended to a local file, with where each one lies, its class and extension."""
+    """Every image appended to one local file, with where each lies, its name and extension."""
 
-    def __init__(self, folder: Path, split: str) -> None:
-        self.path = folder / f"{split}.spool"
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / "images.spool"
         self.f = open(self.path, "wb")  # noqa: SIM115 (closed by spool() once every image is in)
-        self.offsets, self.sizes, self.labels = array("q"), array("q"), array("l")
-        self.exts: list[str] = []
-        self.class_ids: dict[str, int] = {}
+        self.offsets, self.sizes = array("q"), array("q")
+        self.names: list[str] = []
         self.end = 0
 
-    def add(self, cls: str, ext: str, data: bytes) -> None:
+    def add(self, name: str, data: bytes) -> None:
         self.offsets.append(self.end)
         self.sizes.append(len(data))
-        self.labels.append(self.class_ids.setdefault(cls, len(self.class_ids)))
-        self.exts.append(ext)
+        self.names.append(name)
         self.f.write(data)
         self.end += len(data)
 
+    def ext(self, i: int) -> str:
+        return self.names[i].rsplit(".", 1)[-1].lower()
+
     def __len__(self) -> int:
         return len(self.offsets)
-
-
-def check_image(name: str, data: bytes, src: str) -> tuple[int, int]:
-    """The image's (width, height), read from its header; a file that is not an image is named in one line."""
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            size = img.size
-            img.verify()
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
-        raise DataError(f"{src}: cannot read image {name}: {image_fault(data, e)}") from None
-    return size
 
 
 def pack(
@@ -90,9 +82,12 @@ def pack(
     shard_samples: int = 1000,
     seed: int = 0,
     min_shards: int = 1,
+    hold: HoldOut = HoldOut(),
 ) -> dict:
     """Pack SRC into shards at DST; returns DST's index. A DST already packed from SRC is left as it is. Each split
-    gets at least `min_shards` shards where it has that many samples (torchrun's processes each need some)."""
+    gets at least `min_shards` shards where it has that many samples (torchrun's processes each need some). `hold`:
+    the val and test shares held out of the training images where SRC has no val/ or test/ folder (by a hash of each
+    file's path: job/data/split.py), so a folder packed and the same folder read into memory split alike."""
     if shard_samples < 1:
         raise ConfigError(f"--samples-per-shard: expected a positive number, got {shard_samples}")
     out_fs, out_path = filesystem(dst)
@@ -101,8 +96,8 @@ def pack(
     if done is not None:
         if done.get("source") != src:
             raise ConfigError(f"{dst} holds shards packed from {done.get('source')}: choose another destination")
-        counts = {s: sum(e["nsamples"] for e in done["splits"][s]) for s in SPLITS}
-        log(f"shard: {dst} is already packed from {src} ({counts['train']} train / {counts['test']} test samples)")
+        counts = " / ".join(f"{sum(e['nsamples'] for e in done['splits'].get(s, []))} {s}" for s in SPLITS)
+        log(f"shard: {dst} is already packed from {src} ({counts} samples)")
         return done
     resolve(src)
     local = Path(out_path) if isinstance(out_fs, LocalFileSystem) else None
@@ -110,30 +105,43 @@ def pack(
     if local is not None:
         local.mkdir(parents=True, exist_ok=True)
     try:
-        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards)
+        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards, hold)
     except BaseException:
         if made and not any(local.iterdir()):  # a failed start leaves no empty folder behind
             local.rmdir()
         raise
-    n = {s: sum(e["nsamples"] for e in index["splits"][s]) for s in SPLITS}
-    k = {s: len(index["splits"][s]) for s in SPLITS}
-    log(
-        f"shard: {n['train']} train samples in {k['train']} shards, {n['test']} test samples in {k['test']} shards, "
-        f"{len(index['classes'])} classes, in {dst}"
+    made_splits = ", ".join(
+        f"{sum(e['nsamples'] for e in index['splits'][s])} {s} samples in {len(index['splits'][s])} shards"
+        for s in SPLITS
+        if index["splits"][s]
     )
+    log(f"shard: {made_splits}, {len(index['classes'])} classes, in {dst}")
     return index
 
 
 def pack_into(
-    src: str, dst: str, local: Path | None, log: Log, shard_bytes: int, shard_samples: int, seed: int, min_shards: int
+    src: str,
+    dst: str,
+    local: Path | None,
+    log: Log,
+    shard_bytes: int,
+    shard_samples: int,
+    seed: int,
+    min_shards: int,
+    hold: HoldOut,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix=".spool-", dir=local) as tmp:
-        spools, sizes = spool(src, Path(tmp), log)
-        classes = sorted(spools["train"].class_ids)
-        unknown = sorted(set(spools["test"].class_ids) - set(classes))
-        if unknown:
-            raise DataError(f"{src}: test classes without training images: {', '.join(unknown[:5])}")
+        sp, sizes, skipped = spool(src, Path(tmp), log)
+        files = sorted_files(list(sp.names), hold, src)
+        classes = files.classes()
+        at = {name: i for i, name in enumerate(sp.names)}
         rng = np.random.default_rng(seed)
+        inventory = Inventory(
+            classes,
+            {r: count([classes.index(c) for _, c in files.roles[r]], classes) for r in SPLITS if files.roles[r]},
+            files.held_out,
+            skipped,
+        )
         index = {
             "format": "webdataset",
             "source": src,
@@ -141,42 +149,47 @@ def pack_into(
             "classes": classes,
             "image_sizes": sorted(sizes)[:16],
             "splits": {},
+            "hold_out": {"val": hold.val, "test": hold.test, "split_seed": hold.seed},
+            "inventory": inventory.to_json(),
         }
         for split in SPLITS:
-            most = min(shard_samples, -(-len(spools[split]) // min_shards))
-            sp = spools[split]
-            index["splits"][split] = write_shards(sp, classes, rng, dst, split, Path(tmp), shard_bytes, most, log)
+            items = [(at[name], classes.index(c)) for name, c in files.roles[split]]
+            most = min(shard_samples, -(-len(items) // min_shards)) if items else shard_samples
+            index["splits"][split] = write_shards(sp, items, rng, dst, split, Path(tmp), shard_bytes, most, log)
         for rel, text in ((CLASSES, "".join(f"{c}\n" for c in classes)), (INDEX, json.dumps(index, indent=1))):
             (Path(tmp) / rel).write_text(text)
             put(Path(tmp) / rel, dst, rel)  # index.json last: its presence says DST is complete
     return index
 
 
-def spool(src: str, folder: Path, log: Log) -> tuple[dict[str, Spool], set[tuple[int, int]]]:
-    """Every image of SRC checked and appended to its split's spool; the image sizes seen (up to 17 of them)."""
-    spools = {s: Spool(folder, s) for s in SPLITS}
+def spool(src: str, folder: Path, log: Log) -> tuple[Spool, set[tuple[int, int]], list[dict[str, str]]]:
+    """Every image of SRC decoded once to check it (a truncated photo is found here, not mid-epoch) and appended
+    to the spool; the image sizes seen (up to 17 of them); the files that could not be decoded, skipped."""
+    sp, listing = Spool(folder), Listing()
     sizes: set[tuple[int, int]] = set()
+    skipped: list[dict[str, str]] = []
     log(f"shard: reading {src}")
     with tqdm(desc="reading", unit=" images", disable=None, mininterval=1) as bar:
-        for name, data in read_entries(src, layout_key, None, log):
-            split, cls = layout_key(name)
-            size = check_image(name, data, src)
+        for name, data in read_entries(src, listing.keep, None, log):
+            try:
+                size = image_size(data, name)
+            except UnreadableImage as e:
+                skipped.append({"path": name, "reason": e.reason})
+                continue
             if len(sizes) <= 16:
                 sizes.add(size)
-            spools[split].add(cls, name.rsplit(".", 1)[-1].lower(), data)
+            sp.add(name, data)
             bar.update()
-    for s in spools.values():
-        s.f.close()
-    if not len(spools["train"]):
-        raise DataError(f"{src}: no images in the train/<class>/*.{SUFFIXES} layout")
-    if not len(spools["test"]):
-        raise DataError(f"{src}: no images in the test/<class>/*.{SUFFIXES} layout")
-    return spools, sizes
+    sp.f.close()
+    if listing.others:
+        log(f"shard: {len(listing.others)} files are not images ({SUFFIXES}), e.g. {listing.others[0]}: ignored")
+    report_skipped(skipped, log)
+    return sp, sizes, skipped
 
 
 def write_shards(
     sp: Spool,
-    classes: list[str],
+    items: list[tuple[int, int]],
     rng: np.random.Generator,
     dst: str,
     split: str,
@@ -185,9 +198,9 @@ def write_shards(
     shard_samples: int,
     log: Log,
 ) -> list[dict]:
-    """The split's samples in a shuffled order, cut into shards, each written to DST/<split>/ when full."""
-    label_of = {i: classes.index(c) for c, i in sp.class_ids.items()}
-    order = rng.permutation(len(sp))
+    """The split's samples (spool index, label) in a shuffled order, cut into shards, each written to DST/<split>/
+    when full."""
+    order = rng.permutation(len(items))
     entries: list[dict] = []
     pending: list[int] = []
     pending_bytes = 0
@@ -196,17 +209,18 @@ def write_shards(
         name = f"{split}/{split}-{len(entries):06d}.tar"
         part = tmp / "shard.tar"
         with open(sp.path, "rb") as spooled, tarfile.open(part, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for i in pending:
+            for n in pending:
+                i, label = items[n]
                 spooled.seek(sp.offsets[i])
                 key = f"{split}{i:08d}"
-                add(tar, f"{key}.{sp.exts[i]}", spooled.read(sp.sizes[i]))
-                add(tar, f"{key}.cls", str(label_of[sp.labels[i]]).encode())
+                add(tar, f"{key}.{sp.ext(i)}", spooled.read(sp.sizes[i]))
+                add(tar, f"{key}.cls", str(label).encode())
         entries.append({"url": name, "nsamples": len(pending), "filesize": part.stat().st_size})
         put(part, dst, name)
 
-    with tqdm(total=len(sp), desc=f"writing {split}", unit=" samples", disable=None, mininterval=1) as bar:
+    with tqdm(total=len(items), desc=f"writing {split}", unit=" samples", disable=None, mininterval=1) as bar:
         for i in order.tolist():
-            size = sp.sizes[i] + 2048  # the image, its .cls, two headers and padding
+            size = sp.sizes[items[i][0]] + 2048  # the image, its .cls, two headers and padding
             if pending and (len(pending) >= shard_samples or pending_bytes + size > shard_bytes):
                 flush()
                 bar.update(len(pending))
@@ -242,7 +256,7 @@ def put(local: Path, dst: str, rel: str) -> None:
 STREAM_SHARDS = 16  # shards per split at least, for a folder packed to stream: enough to deal over 16 processes
 
 
-def packed_for_streaming(src: str, cache: Path, log: Log) -> str:
+def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut) -> str:
     """The shard folder an image folder or archive streams from (data.placement=stream): packed once into `cache`,
     keyed by SRC's URL and its listing (names, sizes, versions), so a later run, or a resumed one, reads the same
     shards, and a changed SRC is packed again (its old pack removed).
@@ -254,6 +268,7 @@ def packed_for_streaming(src: str, cache: Path, log: Log) -> str:
     packs it again and goes on where it stopped."""
     fs, path = resolve(src)
     version, size = fingerprint(fs, path, src)
+    version += f"-{hashlib.sha256(repr(hold).encode()).hexdigest()[:6]}"  # another split is another pack
     stem = hashlib.sha256(fs.unstrip_protocol(path).encode()).hexdigest()[:16]
     folder = cache / "shards"
     dst = folder / f"{stem}-{version}"
@@ -278,7 +293,7 @@ def packed_for_streaming(src: str, cache: Path, log: Log) -> str:
             for old in folder.glob(f"{stem}-*"):
                 if old != dst and old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)  # the pack of an earlier version of SRC
-            pack(src, str(dst), log, min_shards=STREAM_SHARDS)
+            pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold)
     return str(dst)
 
 
@@ -288,7 +303,8 @@ def listing(fs, path: str, url: str) -> dict[str, dict]:
         if is_archive(path):
             return {path: fs.info(path)}
         root = path.rstrip("/") + "/"
-        return {p: i for p, i in fs.find(path, detail=True).items() if layout_key(p[len(root) :])}
+        found = fs.find(path, detail=True).items()
+        return {p: i for p, i in found if is_image_name(p) and not is_system_file(p[len(root) :])}
     except Exception as e:  # the stores' clients raise many types
         raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
 

@@ -26,8 +26,10 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
         choice = folder_streaming(cfg, log, started)
         if choice.streamed:
             from job.data.pack import packed_for_streaming
+            from job.data.split import HoldOut
 
-            cfg = cfg.model_copy(update={"kind": "shards", "path": packed_for_streaming(cfg.path, cache, log)})
+            packed = packed_for_streaming(cfg.path, cache, log, HoldOut.of(cfg))
+            cfg = cfg.model_copy(update={"kind": "shards", "path": packed})
             cfg = cfg.model_copy(update={"placement": "stream"})
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
         from job.data.tabular import load_table
@@ -49,8 +51,8 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
         from job.data.folder import load_folder
 
         data = load_folder(cfg, kept, log)
-    for name, split in (("train", data.train), ("test", data.test)):
-        if len(split) == 0:
+    for name in ("train", "val", "test"):
+        if data.split(name) is not None and data.samples(name) == 0:
             raise DataError(f"{data.source}: the {name} split is empty")
     data.streaming = choice
     return data

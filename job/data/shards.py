@@ -2,8 +2,9 @@
 (class names, one a line) and index.json (samples per shard, written by `job shard`).
 
 A sample is the run of consecutive tar members sharing a key, the member's path up to the first dot of its file
-name: `<key>.jpg|jpeg|png|webp` holds the image and `<key>.cls` its class index as text. Shards written by other
-tools in this convention load; without an index, each shard's samples are counted once and the count is cached.
+name: `<key>.jpg|jpeg|png|webp|heic|...` (job/data/split.py's suffixes) holds the image and `<key>.cls` its class
+index as text. Shards written by other tools in this convention load; without an index, each shard's samples are
+counted once and the count is cached.
 
 Members are read by a small tar reader of our own: tarfile spends about 34 us a member (TarInfo objects,
 checksums), this one about 2 us, which for a CIFAR-size epoch is 0.2 s of the training process's time, not 3 s.
@@ -28,10 +29,11 @@ from pathlib import Path
 
 from job.cloud import describe_storage_error, filesystem
 from job.data.files import Log, resolve
+from job.data.split import IMAGE_SUFFIXES
 from job.errors import DataError, StorageError, one_line
 
-SPLITS = ("train", "test")
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+SPLITS = ("train", "val", "test")  # val optional, and test too where there is val
+IMAGE_EXTS = tuple(s.lstrip(".") for s in IMAGE_SUFFIXES)
 INDEX = "index.json"
 CLASSES = "classes.txt"
 BLOCK = 512
@@ -276,9 +278,10 @@ class ShardSet:
     splits: dict[str, list[Shard]]
     classes: list[str]
     image_sizes: list[tuple[int, int]]  # the (width, height) seen when packing; empty when unknown
+    inventory: dict | None = None  # `job shard`'s record of the split (data.json's content), when it packed them
 
     def samples(self, split: str) -> int:
-        return sum(s.samples for s in self.splits[split])
+        return sum(s.samples for s in self.splits.get(split, []))
 
 
 def open_shards(url: str, cache: Path | None, log: Log) -> ShardSet:
@@ -292,27 +295,29 @@ def open_shards(url: str, cache: Path | None, log: Log) -> ShardSet:
             splits = {
                 s: [
                     Shard(f"{root}/{e['url']}", int(e["nsamples"]), int(e.get("filesize", 0)))
-                    for e in index["splits"][s]
+                    for e in index["splits"].get(s, [])
                 ]
                 for s in SPLITS
             }
             classes = [str(c) for c in index.get("classes", [])]
             sizes = [tuple(s) for s in index.get("image_sizes", [])]
+            inventory = index.get("inventory")
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{url}/{INDEX}: not a shard index ({one_line(e)})") from None
-        check_listed(fs, splits["train"] + splits["test"], root)
+        check_listed(fs, [s for split in SPLITS for s in splits[split]], root)
     else:
         splits = {s: count_split(fs, path, root, s, cache, log) for s in SPLITS}
-        classes, sizes = [], []
-    for s in SPLITS:
-        if not splits[s]:
-            raise DataError(f"{url}: no {s}/*.tar shards")
+        classes, sizes, inventory = [], [], None
+    if not splits["train"]:
+        raise DataError(f"{url}: no train/*.tar shards")
+    if not splits["val"] and not splits["test"]:
+        raise DataError(f"{url}: no test/*.tar (or val/*.tar) shards")
     names = read_text(fs, f"{path.rstrip('/')}/{CLASSES}", url)
     if names is not None:
         classes = [line.strip() for line in names.splitlines() if line.strip()]
     if not classes:  # neither file names them: classes 0..the largest index seen
-        classes = [str(c) for c in range(1 + max(s.top_label for s in splits["train"] + splits["test"]))]
-    return ShardSet(url, splits, classes, sizes)
+        classes = [str(c) for c in range(1 + max(s.top_label for split in SPLITS for s in splits[split]))]
+    return ShardSet(url, splits, classes, sizes, inventory)
 
 
 def check_listed(fs, shards: list[Shard], root: str) -> None:

@@ -41,7 +41,8 @@ from job.data.dataset import Dataset, Split
 from job.data.decode import Decoder, DeviceDecoder, auto_workers, decode, decoded
 from job.data.placement import Streaming, decide_streaming
 from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved
-from job.data.shards import Sample, Shard, ShardFile, ShardSet, open_shards, samples
+from job.data.shards import SPLITS, Sample, Shard, ShardFile, ShardSet, open_shards, samples
+from job.data.split import Inventory
 from job.errors import CheckpointError, ConfigError, DataError
 
 
@@ -79,15 +80,19 @@ class StreamData:
     is_image: bool = True
     streamed = True
 
+    @property
+    def inventory(self) -> Inventory | None:
+        """The split as `job shard` recorded it in the index (none for shards from other tools)."""
+        saved = self.shards.inventory
+        return Inventory.from_json(saved) if saved is not None else None
+
     def samples(self, split: str) -> int:
         return self.shards.samples(split)
 
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.input_shape)
-        return (
-            f"{self.source}: {self.shards.samples('train')} train / {self.shards.samples('test')} test, "
-            f"{len(self.classes)} classes, inputs {shape}"
-        )
+        held = " / ".join(f"{self.samples(s)} {s}" for s in ("train", "val", "test") if self.samples(s))
+        return f"{self.source}: {held}, {len(self.classes)} classes, inputs {shape}"
 
 
 class StreamLoader:
@@ -336,14 +341,15 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
     shape = image_shape(cfg, shards)
 
     def decoded() -> int:
-        return (shards.samples("train") + shards.samples("test")) * int(np.prod(shape))
+        return sum(shards.samples(s) for s in SPLITS) * int(np.prod(shape))
 
     choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)
     if choice.streamed:
         return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
     decoder = held_decoder(cfg)
-    splits = [read_all(shards.splits[s], decoder) for s in ("train", "test")]
-    return Dataset(splits[0], splits[1], shards.classes, f"shards {cfg.path}", choice)
+    train, val, test = (read_all(shards.splits[s], decoder) if shards.splits[s] else None for s in SPLITS)
+    inventory = Inventory.from_json(shards.inventory) if shards.inventory is not None else None
+    return Dataset(train, test, shards.classes, f"shards {cfg.path}", choice, val=val, inventory=inventory)
 
 
 def held_decoder(cfg, device: torch.device | None = None) -> Decoder | DeviceDecoder:

@@ -13,9 +13,11 @@ import torch
 
 from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_bytes
+from job.data.split import held_out_role
 from job.errors import DataError, StorageError, one_line
 
 BUNDLED_IRIS = "bundled iris.csv"
+TEST_SHARE = 0.2  # data.test_split unset: the rows held out for testing
 
 
 def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
@@ -31,6 +33,7 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
     x, labels = columns(header, rows, cfg.target, name)
     classes = class_order(labels)
     y = torch.tensor([classes.index(v) for v in labels])
+    rows_of = torch.arange(len(y))  # each training row's number in the table: its val share is a hash of it
     if cfg.test_path:
         test_header, test_rows = read_csv(cfg.test_path, cache, log)
         if test_header != header:
@@ -41,16 +44,29 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
             raise DataError(f"{cfg.test_path}: labels not in the training table: {unknown[:5]}")
         train, test = Split(x, y), Split(tx, torch.tensor([classes.index(v) for v in tlabels]))
     else:
+        share = TEST_SHARE if cfg.test_split is None else cfg.test_split
         order = torch.from_numpy(np.random.RandomState(cfg.split_seed).permutation(len(y)))
-        n_test = math.ceil(len(y) * cfg.test_split)
+        n_test = math.ceil(len(y) * share)
         if n_test >= len(y):
-            raise DataError(f"{name}: {len(y)} rows are too few to hold out {cfg.test_split:.0%} for testing")
-        test_idx, train_idx = order[:n_test], order[n_test:]
-        train, test = Split(x[train_idx], y[train_idx]), Split(x[test_idx], y[test_idx])
+            raise DataError(f"{name}: {len(y)} rows are too few to hold out {share:.0%} for testing")
+        test_idx, rows_of = order[:n_test], order[n_test:]
+        train, test = Split(x[rows_of], y[rows_of]), Split(x[test_idx], y[test_idx]) if n_test else None
+    val = None
+    if cfg.val_split:
+        held = torch.tensor(
+            [held_out_role(f"row {int(i) + 1}", cfg.split_seed, cfg.val_split, 0) == "val" for i in rows_of]
+        )
+        if held.all() or not held.any():
+            raise DataError(f"{name}: {len(held)} training rows are too few to hold out {cfg.val_split:.0%} for val")
+        train, val = Split(train.x[~held], train.y[~held]), Split(train.x[held], train.y[held])
+    if test is None and val is None:
+        raise DataError(f"{name}: nothing to evaluate on: data.test_split and data.val_split are both 0")
     low, high = train.x.min(0).values, train.x.max(0).values
     span = torch.where(high > low, high - low, torch.ones_like(high))
-    train.x, test.x = (train.x - low) / span, (test.x - low) / span
-    return Dataset(train, test, classes, f"csv {name}")
+    for split in (train, val, test):
+        if split is not None:
+            split.x = (split.x - low) / span
+    return Dataset(train, test, classes, f"csv {name}", val=val)
 
 
 def read_csv(url: str, cache: Path | None, log: Log) -> tuple[list[str], list[list[str]]]:

@@ -1,0 +1,102 @@
+"""A photo file to the RGB pixels the model sees: the one decoding every host path uses (image folders held in
+memory, streamed shards, `job shard`'s check, and predict), so a photo is the same array whichever way it is read.
+
+- EXIF orientation is applied (a phone stores a portrait photo sideways with a tag saying how to turn it): the
+  model sees the photo as a person does, as any viewer shows it.
+- HEIC/HEIF (iPhones' default) through pillow-heif, AVIF where the installed Pillow reads it.
+- Every mode becomes 8-bit RGB: CMYK through Pillow's JPEG colour conversion, grey and palette images repeated
+  across the channels, alpha dropped (the colour under it kept, as Pillow's convert("RGB") and torchvision's RGB
+  mode do), 16-bit images scaled to 8 bits (v * 255 / 65535, rounded), never clipped or wrapped.
+
+Pillow does the work (it is the reader every other tool's preprocessing is written against); this module only
+decides the conversions above, in one place.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from job.data.split import SUFFIXES
+from job.errors import DataError, one_line
+
+try:  # iPhones' HEIC; pillow-heif is a requirement, but a reader without it still reads every other format
+    import pillow_heif
+
+    pillow_heif.register_heif_opener()
+    HEIF = True
+except ImportError:  # pragma: no cover - installed with the project
+    HEIF = False
+
+SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+class UnreadableImage(DataError):
+    """An image file that cannot be decoded; `reason` says why in words, without the file's name."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"cannot decode image {name}: {reason}")
+        self.name, self.reason = name, reason
+
+
+def open_rgb(data: bytes, name: str, draft: int | None = None) -> Image.Image:
+    """The photo upright in 8-bit RGB. `draft`: the smallest size (both sides) the caller will resize to; a large
+    JPEG is then decoded at a reduced scale no smaller than it (libjpeg's DCT scaling: a 12 MP photo held at 224
+    px decodes several times faster)."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            if draft is not None and img.format == "JPEG":
+                img.draft("RGB", (draft, draft))
+            img.load()
+            upright = ImageOps.exif_transpose(img)
+            return to_rgb(upright)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise UnreadableImage(name, image_fault(data, e)) from None
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode == "RGB":
+        return img
+    if img.mode in SIXTEEN_BIT:
+        wide = np.asarray(img, dtype=np.float64)
+        return Image.fromarray(np.clip(np.rint(wide * (255 / 65535)), 0, 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")  # Pillow asks for this step for palettes with transparency
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return img.convert("RGB")
+
+
+def pixels(data: bytes, name: str, size: int | None = None, fit: bool = False) -> np.ndarray:
+    """uint8 H x W x 3 of an image file, resized to size x size when a size is given (`fit`: the short side resized
+    to it and the centre kept, as photos are held; otherwise stretched to the square)."""
+    rgb = open_rgb(data, name, size)
+    if size is not None and rgb.size != (size, size):
+        if fit:
+            rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BILINEAR)
+        else:
+            rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+    return np.asarray(rgb, dtype=np.uint8)
+
+
+def image_size(data: bytes, name: str) -> tuple[int, int]:
+    """(width, height) of the photo as it is shown (after its EXIF turn), fully decoded: a truncated file is found
+    here, not in the middle of training."""
+    return open_rgb(data, name).size
+
+
+def image_fault(data: bytes, e: Exception) -> str:
+    """Why Pillow could not read an image, in words (its own message for bytes names a BytesIO object)."""
+    if not data:
+        return "an empty file"
+    if isinstance(e, UnidentifiedImageError):
+        heic = not HEIF and data[4:12] in (b"ftypheic", b"ftypheix", b"ftypmif1", b"ftypmsf1")
+        return (
+            "a HEIC photo: install pillow-heif to read it"
+            if heic
+            else f"not an image file ({SUFFIXES.replace('|', ', ')})"
+        )
+    return one_line(e)
