@@ -338,6 +338,8 @@ def build(
     amp = autocast(precision, device)
     smoothing = cfg.train.label_smoothing
     loss = functools.partial(F.cross_entropy, label_smoothing=smoothing) if smoothing else F.cross_entropy
+    if cfg.train.class_weights == "balanced":
+        loss = ClassWeightedLoss(balanced_weights(data).to(device), smoothing)
     return Recipe(
         model,
         device,
@@ -355,6 +357,37 @@ def build(
         loss,
         lookahead,
     )
+
+
+class ClassWeightedLoss:
+    """Cross-entropy with each sample's loss times its class's weight, averaged over the batch (Keras's class_weight;
+    torch's weight= divides by the batch's summed weights instead, which a batch split over processes would not
+    reproduce)."""
+
+    def __init__(self, weight: torch.Tensor, smoothing: float = 0.0) -> None:
+        self.weight, self.smoothing = weight, smoothing
+
+    def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        losses = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.smoothing)
+        return (losses * self.weight[y]).mean()
+
+
+def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:
+    """train.class_weights balanced: n_samples / (n_classes x the class's samples), as scikit-learn's
+    compute_class_weight('balanced'); 0 for a class with no training samples."""
+    k = len(data.classes)
+    if isinstance(data, StreamData):
+        if data.inventory is None:
+            raise ConfigError(
+                "train.class_weights=balanced: these shards do not record their class counts (shards packed by "
+                "`python -m job shard` do)"
+            )
+        per = data.inventory.counts["train"]
+        counts = torch.tensor([float(per.get(c, 0)) for c in data.classes])
+    else:
+        counts = torch.bincount(data.train.y.cpu(), minlength=k).double()
+    weights = torch.where(counts > 0, counts.sum() / (k * counts.clamp(min=1)), torch.zeros_like(counts))
+    return weights.float()
 
 
 def check_image_settings(cfg: Config, input_shape: tuple[int, ...], is_image: bool) -> None:

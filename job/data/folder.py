@@ -49,7 +49,9 @@ class Listing:
 
     def report(self, url: str, files: Files, log: Log) -> None:
         if self.others:
-            log(f"data: {len(self.others)} files in {url} are not images ({SUFFIXES}), e.g. {self.others[0]}: ignored")
+            n = len(self.others)
+            files = f"{n} files in {url} are not images" if n > 1 else f"1 file in {url} is not an image"
+            log(f"data: {files} ({SUFFIXES}), e.g. {self.others[0]}: ignored")
         if files.outside:
             where = "a train/, val/ or test/ class folder" if files.folders else "a class folder"
             log(f"data: {len(files.outside)} images are in no {where}, e.g. {files.outside[0]}: ignored")
@@ -58,6 +60,11 @@ class Listing:
 def sorted_files(names: list[str], hold: HoldOut, url: str) -> Files:
     """The images sorted into classes and splits; a layout with nothing to train or evaluate on is named."""
     files = sort_files(names, hold)
+    check_files(files, files.classes(), url)
+    return files
+
+
+def check_files(files: Files, classes: list[str], url: str) -> None:
     if not files.roles["train"]:
         raise DataError(f"{url}: no images in the {LAYOUT} layout")
     if not files.roles["val"] and not files.roles["test"]:
@@ -65,14 +72,12 @@ def sorted_files(names: list[str], hold: HoldOut, url: str) -> Files:
             f"{url}: nothing to evaluate on: no val/ or test/ folder and data.val_split is 0; hold some images out "
             "with data.val_split (and data.test_split)"
         )
-    classes = files.classes()
     for role in ("val", "test"):
         unknown = sorted({c for _, c in files.roles[role]} - set(classes))
         if unknown:
             raise DataError(f"{url}: {role} classes without training images: {', '.join(unknown[:5])}")
     if len(classes) < 2:
         raise DataError(f"{url}: one class ({classes[0]}): a classifier needs images of two classes or more")
-    return files
 
 
 def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
@@ -81,16 +86,27 @@ def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
     entries = dict(read_entries(url, listing.keep, cache, log))
     files = sorted_files(sorted(entries), HoldOut.of(cfg), url)
     listing.report(url, files, log)
-    classes = files.classes()
+    return held(files, entries.__getitem__, files.classes(), cfg, url, f"folder {url}", log)
+
+
+def held(
+    files: Files,
+    content: Callable[[str], bytes],
+    classes: list[str],
+    cfg,
+    url: str,
+    source: str,
+    log: Log,
+    skipped: list[dict[str, str]] | None = None,
+) -> Dataset:
+    """The files decoded into memory, each split's images in one tensor; `content`: a file's bytes by its name;
+    `skipped`: files already found missing, to which those that cannot be decoded are added."""
     size, fit = cfg.resize_size or cfg.image_size, cfg.resize_size is not None
-    skipped: list[dict[str, str]] = []
+    skipped = [] if skipped is None else skipped
     splits = {
-        role: decode_split(
-            files.roles[role], entries.__getitem__, classes, size, url, fit, skipped, cfg.skip_bad_samples
-        )
+        role: decode_split(files.roles[role], content, classes, size, url, fit, skipped, cfg.skip_bad_samples)
         for role in ROLES
     }
-    del entries
     report_skipped(skipped, log)
     shapes = {role: tuple(s.x.shape[1:]) for role, s in splits.items() if len(s)}
     if len(set(shapes.values())) > 1:
@@ -107,7 +123,7 @@ def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
     val, test = (splits[r] if len(splits[r]) else None for r in ("val", "test"))
     if val is None and test is None:
         raise DataError(f"{url}: no held-out image could be decoded")
-    return Dataset(splits["train"], test, classes, f"folder {url}", val=val, inventory=inventory)
+    return Dataset(splits["train"], test, classes, source, val=val, inventory=inventory)
 
 
 def report_skipped(skipped: list[dict[str, str]], log: Log) -> None:

@@ -94,9 +94,9 @@ def image_fault(data: bytes, e: Exception) -> str:
         return "an empty file"
     if isinstance(e, UnidentifiedImageError):
         heic = not HEIF and data[4:12] in (b"ftypheic", b"ftypheix", b"ftypmif1", b"ftypmsf1")
-        return (
-            "a HEIC photo: install pillow-heif to read it"
-            if heic
-            else f"not an image file ({SUFFIXES.replace('|', ', ')})"
-        )
+        if heic:
+            return "a HEIC photo: install pillow-heif to read it"
+        return f"not an image file ({SUFFIXES.replace('|', ', ')})"
+    if "truncated" in str(e).lower():
+        return "truncated: the file ends before the image does"
     return one_line(e)

@@ -16,10 +16,10 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
     section; remote data are kept in the folder `cache` (unless cfg.cache is off); `log` prints one line for the
     user; `started`: whether the run being resumed streamed (job/data/placement.py keeps it)."""
     kept = cache if cfg.cache else None
-    if cfg.placement == "stream" and cfg.kind in ("csv", "cifar10"):
+    if cfg.placement == "stream" and cfg.kind in ("csv", "cifar10", "manifest"):
         raise ConfigError(
             f"data.placement=stream: streams image folders, archives of one and shards; {cfg.kind} data are read "
-            "into memory (data.placement auto)"
+            "into memory (data.placement auto; pack a large manifest's images into class folders to stream them)"
         )
     choice = HELD
     if cfg.kind == "folder":
@@ -35,6 +35,10 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
         from job.data.tabular import load_table
 
         data = load_table(cfg, kept, log)
+    elif cfg.kind == "manifest":
+        from job.data.manifest import load_manifest
+
+        data = load_manifest(cfg, kept, log)
     elif cfg.kind == "cifar10":
         from job.data.cifar10 import load_cifar10
 
