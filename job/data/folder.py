@@ -50,8 +50,8 @@ class Listing:
     def report(self, url: str, files: Files, log: Log) -> None:
         if self.others:
             n = len(self.others)
-            files = f"{n} files in {url} are not images" if n > 1 else f"1 file in {url} is not an image"
-            log(f"data: {files} ({SUFFIXES}), e.g. {self.others[0]}: ignored")
+            which = f"{n} files in {url} are not images" if n > 1 else f"1 file in {url} is not an image"
+            log(f"data: {which} ({SUFFIXES}), e.g. {self.others[0]}: ignored")
         if files.outside:
             where = "a train/, val/ or test/ class folder" if files.folders else "a class folder"
             log(f"data: {len(files.outside)} images are in no {where}, e.g. {files.outside[0]}: ignored")

@@ -1,0 +1,295 @@
+"""Photos as people hold them: real files (EXIF-turned JPEGs, HEIC written by pillow-heif, CMYK, 16-bit PNG, palette
+and alpha), class folders with no split, nested folders, system files, bad files; the val split and what the run
+chooses on it; manifests; class weights."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pillow_heif
+import pytest
+import torch
+from conftest import assert_same_run, invoke, metrics, sets, weights
+from PIL import Image
+
+from job.config import DataConfig
+from job.data.decode import decode as stream_decode
+from job.data.folder import load_folder
+from job.data.image import open_rgb, pixels
+from job.data.split import HoldOut, is_system_file, sort_files
+from job.errors import DataError
+
+pillow_heif.register_heif_opener()
+
+ORIENT_TAG = 0x0112
+# EXIF orientation -> the transpose that stores an upright picture that way (the inverse of what a viewer applies)
+STORE = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_90, 8: Image.Transpose.ROTATE_270}
+
+
+def arrow(w: int = 40, h: int = 24) -> Image.Image:
+    """A picture that is not the same turned: a bright left half, a dark right half, a red top row."""
+    px = np.zeros((h, w, 3), np.uint8)
+    px[:, : w // 2] = 220
+    px[:2, :, 0] = 255
+    return Image.fromarray(px, "RGB")
+
+
+def turned_jpeg(img: Image.Image, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[ORIENT_TAG] = orientation
+    buf = io.BytesIO()
+    img.transpose(STORE[orientation]).save(buf, "JPEG", quality=95, exif=exif.tobytes())
+    return buf.getvalue()
+
+
+def saved(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def close(a: np.ndarray, b: np.ndarray, tol: float = 6) -> bool:
+    return a.shape == b.shape and float(np.abs(a.astype(np.int16) - b.astype(np.int16)).mean()) < tol
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+def test_exif_orientation_is_applied_on_every_host_path(orientation):
+    upright = np.asarray(arrow())
+    data = turned_jpeg(arrow(), orientation)
+    assert np.asarray(Image.open(io.BytesIO(data))).shape != upright.shape or orientation == 3  # stored turned
+    assert close(pixels(data, "p.jpg"), upright)
+    streamed = stream_decode([("p", "jpg", data)], None)[0].transpose(1, 2, 0)
+    assert close(streamed, upright)
+    assert np.array_equal(streamed, pixels(data, "p.jpg"))  # one decoding: the same array
+
+
+def test_heic_written_by_pillow_heif_is_read():
+    data = saved(arrow(), "HEIF", quality=95)
+    assert data[4:8] == b"ftyp"
+    assert close(pixels(data, "IMG_0001.HEIC"), np.asarray(arrow()), tol=10)
+
+
+def test_modes_become_the_same_rgb():
+    img = arrow()
+    rgb = np.asarray(img)
+    assert close(pixels(saved(img.convert("CMYK"), "JPEG", quality=95), "c.jpg"), rgb)
+    rgba = img.convert("RGBA")
+    rgba.putalpha(128)
+    assert np.array_equal(pixels(saved(rgba, "PNG"), "a.png"), rgb)  # alpha dropped, the colour kept
+    palette = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
+    palette.info["transparency"] = 0
+    assert close(pixels(saved(palette, "PNG", transparency=0), "p.png"), rgb)
+    grey = pixels(saved(img.convert("L"), "PNG"), "g.png")
+    assert grey.shape == rgb.shape and np.array_equal(grey[..., 0], grey[..., 2])
+
+
+def test_sixteen_bit_png_is_scaled_not_clipped_or_wrapped():
+    levels = np.array([[0, 257 * 100, 65535, 300]], dtype=np.uint16)  # 300: wraps to 44 modulo 256, clips to 255
+    data = saved(Image.fromarray(levels), "PNG")
+    assert Image.open(io.BytesIO(data)).mode.startswith("I")
+    want = [0, 100, 255, 1]
+    assert pixels(data, "deep.png")[0, :, 0].tolist() == want
+    assert stream_decode([("deep", "png", data)], None)[0, 0, 0].tolist() == want
+
+
+def test_bad_files_are_named_in_words():
+    good = saved(arrow(), "JPEG")
+    for data, words in ((b"", "empty"), (good[:200], "truncated"), (b"not a picture", "not an image file")):
+        with pytest.raises(DataError, match=words) as e:
+            open_rgb(data, "IMG_1.jpg")
+        assert "IMG_1.jpg" in str(e.value) and "BytesIO" not in str(e.value)
+
+
+def test_split_is_stable_stratified_and_ignores_system_files():
+    names = [f"{c}/{'DCIM/100APPLE/' if i % 7 == 0 else ''}IMG_{i:04d}.JPG" for c in ("cat", "dog") for i in range(400)]
+    files = sort_files(names, HoldOut(val=0.2, test=0.1, seed=3))
+    assert files.classes() == ["cat", "dog"] and not files.outside
+    for c in ("cat", "dog"):
+        val = sum(1 for _, k in files.roles["val"] if k == c)
+        test = sum(1 for _, k in files.roles["test"] if k == c)
+        assert 50 <= val <= 110 and 20 <= test <= 65, (c, val, test)
+    assert sum(len(r) for r in files.roles.values()) == 800  # nested photos count for their class
+    more = sort_files(names + [f"cat/new_{i}.jpg" for i in range(100)], HoldOut(val=0.2, test=0.1, seed=3))
+    assert set(files.held_out["val"]) <= set(more.held_out["val"])
+    assert set(files.held_out["test"]) <= set(more.held_out["test"])
+    other = sort_files(names, HoldOut(val=0.2, test=0.1, seed=4))
+    assert set(other.held_out["val"]) != set(files.held_out["val"])
+    for name in (".DS_Store", "cat/._IMG_1.JPG", "cat/Thumbs.db", "desktop.ini", "cat/@eaDir/IMG_1.JPG/x.jpg"):
+        assert is_system_file(name)
+    assert not is_system_file("cat/IMG_1.JPG")
+
+
+def test_split_folders_and_an_archive_of_one_top_folder():
+    names = ["photos/train/a/1.jpg", "photos/train/b/2.jpg", "photos/valid/a/3.jpg", "photos/test/b/4.png"]
+    files = sort_files(names, HoldOut(val=0.5))
+    assert files.folders == ("train", "val", "test")
+    assert files.roles["val"] == [("photos/valid/a/3.jpg", "a")] and not files.held_out["val"]  # val/ given: none held
+
+
+def photo_folder(root: Path, per_class: int = 30) -> Path:
+    """Three classes, half their JPEGs stored turned with an EXIF tag, nested folders, system files, two bad files."""
+    rng = np.random.default_rng(0)
+    for k, name in enumerate(("cats", "dogs", "owls")):
+        for i in range(per_class):
+            px = np.full((24, 24, 3), 40, np.uint8)
+            px[:, :, k] = 200 + rng.integers(0, 40)
+            px[: 6 + k * 6] = 255  # a bright band from the top, as wide as the class says
+            img = Image.fromarray(px)
+            nest = "2024/summer/" if i % 5 == 0 else ""
+            path = root / name / f"{nest}IMG_{i:03d}.{'JPG' if i % 3 else 'jpeg'}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(turned_jpeg(img, 6) if i % 2 else saved(img, "JPEG", quality=95))
+        (root / name / ".DS_Store").write_bytes(b"\0\1")
+        (root / name / f"._IMG_{k}.JPG").write_bytes(b"\0\5\26\7")
+    (root / "cats" / "IMG_900.jpg").write_bytes(b"")
+    (root / "dogs" / "IMG_901.jpg").write_bytes(b"<html>not found</html>")
+    (root / "notes.txt").write_text("labels by hand\n")
+    return root
+
+
+def test_class_folders_with_no_split_bad_files_skipped_and_named(tmp_path):
+    root = photo_folder(tmp_path / "photos")
+    lines: list[str] = []
+    cfg = DataConfig(kind="folder", path=str(root), val_split=0.25, image_size=24)
+    data = load_folder(cfg, None, lines.append)
+    inv = data.inventory
+    assert data.classes == ["cats", "dogs", "owls"]
+    assert len(data.train) + len(data.val) == 90 and data.test is None
+    assert sorted(s["path"] for s in inv.skipped) == ["cats/IMG_900.jpg", "dogs/IMG_901.jpg"]
+    assert any("skipped cats/IMG_900.jpg: an empty file" in line for line in lines)
+    assert any("1 file" in line and "notes.txt" in line for line in lines)
+    assert len(inv.held_out["val"]) == len(data.val)
+    # every turned photo reads upright: the band is at the top of every image
+    x = torch.cat([data.train.x, data.val.x]).float()
+    assert (x[:, :, :4].mean((1, 2, 3)) > x[:, :, -4:].mean((1, 2, 3)) + 50).all()
+    with pytest.raises(DataError, match="IMG_90[01].jpg.*skip_bad_samples"):
+        load_folder(cfg.model_copy(update={"skip_bad_samples": False}), None, lines.append)
+
+
+def test_a_run_on_class_folders_chooses_on_val_and_writes_data_json(tmp_path):
+    root = photo_folder(tmp_path / "photos")
+    out = tmp_path / "run"
+    base = ["train", "--device", "cpu", "--config", "cifar10", "--output", str(out)]
+    over = sets(
+        "data.kind=folder",
+        f"data.path={root}",
+        "data.image_size=32",
+        "data.val_split=0.2",
+        "data.test_split=0.2",
+        "optim.name=adamw",
+        "optim.lr=0.003",
+        "train.epochs=3",
+        "data.batch_size=16",
+    )
+    code, err = invoke([*base, *over])
+    assert code == 0, err
+    d = json.loads((out / "data.json").read_text())
+    assert d["classes"] == ["cats", "dogs", "owls"]
+    counted = sum(s["images"] for s in d["splits"].values())
+    assert counted == 90 and len(d["skipped"]) == 2
+    assert set(d["held_out"]) == {"val", "test"} and d["held_out"]["test"]
+    rows = metrics(str(out))
+    assert all("val_accuracy" in r and "test_accuracy" not in r for r in rows[:-1])
+    last = rows[-1]  # the test split, once, on the model chosen on val
+    assert last["chosen_epoch"] >= 1 and "test_accuracy" in last and "train_loss" not in last
+    assert "test accuracy" in err and "best val accuracy" in err
+
+
+def test_early_stopping_ends_the_run_with_the_best_weights_and_resumes_exactly(tmp_path):
+    root = photo_folder(tmp_path / "photos")
+    over = sets(
+        "data.kind=folder",
+        f"data.path={root}",
+        "data.image_size=32",
+        "data.val_split=0.3",
+        "optim.lr=1e-9",
+        "train.epochs=30",
+        "train.early_stopping_patience=2",
+        "train.early_stopping_min_delta=0.01",
+        "train.log_every_steps=1",
+        "data.batch_size=16",
+    )
+    run = ["train", "--device", "cpu", "--config", "cifar10"]
+    out = tmp_path / "a"
+    code, err = invoke([*run, "--output", str(out), *over])
+    assert code == 0, err
+    rows = metrics(str(out))
+    assert len(rows) == 3 and "early stopping" in err  # the first evaluation, then two without a gain of 0.01
+    best = max(range(3), key=lambda i: (rows[i]["val_accuracy"], -i))
+    assert f"(epoch {best + 1})" in err
+    # stopped after 2 epochs and continued: the same evaluations, the same stop, the same weights
+    cut = tmp_path / "b"
+    assert invoke([*run, "--output", str(cut), *over, *sets("train.epochs=2")])[0] == 0
+    code, err = invoke([*run, "--output", str(cut), *over])
+    assert code == 0, err
+    assert_same_run(str(out), str(cut))
+    code, err = invoke([*run, "--output", str(out), *over])  # a finished run is left alone
+    assert code == 0 and "complete" in err
+
+
+def test_a_manifest_of_paths_and_labels(tmp_path):
+    root = photo_folder(tmp_path / "photos")
+    table = tmp_path / "labels.csv"
+    with open(table, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["file", "kind", "split"])
+        for k, name in enumerate(("cats", "dogs", "owls")):
+            for p in sorted((root / name).rglob("IMG_0*")):
+                w.writerow([p.relative_to(tmp_path).as_posix(), k, "test" if p.stem.endswith("7") else ""])
+        w.writerow(["photos/cats/gone.jpg", 0, ""])
+    jsonl = tmp_path / "labels.jsonl"
+    rows = list(csv.DictReader(open(table)))
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for path in (table, jsonl):
+        cfg = DataConfig(
+            kind="manifest", path=str(path), path_column="file", label_column="kind", val_split=0.2, image_size=24
+        )
+        from job.data.manifest import load_manifest
+
+        data = load_manifest(cfg, None, lambda _: None)
+        assert data.classes == ["0", "1", "2"]
+        assert len(data.test) == 9  # IMG_007, 017, 027 of each class
+        assert len(data.train) + len(data.val) + len(data.test) == 90
+        assert [s["path"] for s in data.inventory.skipped] == ["photos/cats/gone.jpg"]
+
+
+def test_balanced_class_weights(tmp_path):
+    from job.data.dataset import Dataset, Split
+    from job.recipe import ClassWeightedLoss, balanced_weights
+
+    y = torch.tensor([0] * 90 + [1] * 10)
+    data = Dataset(Split(torch.zeros(100, 4), y), None, ["a", "b"], "t")
+    w = balanced_weights(data)
+    assert torch.allclose(w, torch.tensor([100 / (2 * 90), 100 / (2 * 10)]))
+    logits = torch.randn(6, 2)
+    labels = torch.tensor([0, 1, 1, 0, 0, 1])
+    per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    assert torch.allclose(ClassWeightedLoss(w)(logits, labels), (per * w[labels]).mean())
+
+
+def test_weights_of_the_chosen_epoch_are_in_model_pt(tmp_path):
+    root = photo_folder(tmp_path / "photos")
+    out = tmp_path / "run"
+    over = sets(
+        "data.kind=folder",
+        f"data.path={root}",
+        "data.image_size=32",
+        "data.val_split=0.3",
+        "optim.name=adamw",
+        "optim.lr=0.05",  # large enough that val accuracy moves between epochs
+        "train.epochs=4",
+        "train.keep_last=10",
+        "data.batch_size=16",
+    )
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
+    assert code == 0, err
+    rows = [r for r in metrics(str(out)) if "train_loss" in r]
+    best = rows.index(max(rows, key=lambda r: r["val_accuracy"]))  # the first of the best: later ties do not win
+    ckpt = next((out / "checkpoints").glob(f"e{best + 1:05d}-*.pt"))
+    saved_best = torch.load(ckpt, weights_only=True)["model"]
+    final = weights(str(out))
+    assert all(torch.equal(final[k], saved_best[k]) for k in final)
