@@ -213,8 +213,8 @@ class ModelConfig(Section):
     hidden: list[int] = Field([10], description="mlp: hidden layer sizes (ReLU between layers).")
     small_stem: bool | None = Field(
         None,
-        description="resnet18: 3x3 stride-1 stem without max-pool, for small images; default: on, off with "
-        "model.weights (pretrained weights have the 7x7 stem).",
+        description="resnet18: 3x3 stride-1 stem without max-pool, for small images; default: on for images of 64 "
+        "px or less, off for larger ones and with model.weights (pretrained weights have the 7x7 stem).",
     )
     kwargs: dict[str, Any] = Field(
         {}, description=f"{USER_MODEL_HINT}, torchvision models and cifar_fast: keyword arguments of the constructor."

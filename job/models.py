@@ -146,15 +146,32 @@ def resnet18(num_classes: int, in_channels: int, small_stem: bool) -> nn.Module:
     return model
 
 
-def small_stem(cfg) -> bool:
-    """resnet18's stem: small unless asked otherwise, or unless pretrained weights (made with the 7x7 stem) load."""
-    return cfg.small_stem if cfg.small_stem is not None else not cfg.weights
+SMALL_IMAGES = 64  # resnet18 takes the small stem for images this size or smaller (CIFAR's 32 px, not photos' 96)
+
+
+def small_stem(cfg, shape: tuple[int, ...]) -> bool:
+    """resnet18's stem: as model.small_stem says; otherwise the small one for small images (a 32 px image would
+    shrink to 1x1 through the 7x7 stride-2 stem and max-pool), the 7x7 one for larger images (the small stem would
+    keep a 96 px photo at full size through the first stage: several times the work) and for pretrained weights,
+    which were made with it."""
+    if cfg.small_stem is not None:
+        return cfg.small_stem
+    return not cfg.weights and max(shape[1:], default=0) <= SMALL_IMAGES
+
+
+def describe(cfg, shape: tuple[int, ...]) -> str:
+    """What the start-up line says of a choice made for the data, or ''."""
+    if cfg.name != "resnet18":
+        return ""
+    if small_stem(cfg, shape):
+        return " with the small stem (3x3 stride 1, no max-pool: for small images)"
+    return " with the 7x7 stride-2 stem"
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
     "mlp": lambda cfg, shape, n: mlp(shape, cfg.hidden, n),
     "cifar_cnn": lambda cfg, shape, n: CifarCNN(n, shape[0]),
-    "resnet18": lambda cfg, shape, n: resnet18(n, shape[0], small_stem(cfg)),
+    "resnet18": lambda cfg, shape, n: resnet18(n, shape[0], small_stem(cfg, shape)),
     "cifar_fast": lambda cfg, shape, n: own_kwargs(CifarFast, cfg, num_classes=n, in_channels=shape[0]),
 }
 

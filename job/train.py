@@ -25,6 +25,7 @@ from job.env import describe_device, pick_device, seed_everything
 from job.errors import Cancelled, ConfigError, Interrupted, StorageError, exit_code
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
+from job.models import describe as describe_model
 from job.models import own_class
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
@@ -144,7 +145,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
     chooser = Chooser(cfg, r.evaluated_on)
-    say(f"model {cfg.model.name}: {sum(p.numel() for p in r.model.parameters()):,} parameters; output {run_dir.url}")
+    params, stem = sum(p.numel() for p in r.model.parameters()), describe_model(cfg.model, r.input_shape)
+    say(f"model {cfg.model.name}{stem}: {params:,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
         state = restore(found, r, log, state.run_id, cfg.seed)

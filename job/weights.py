@@ -123,7 +123,11 @@ def download(w: Weights, cache: Path) -> Path:
     except RuntimeError as e:  # the hash check
         raise StorageError(f"model.weights: {w.url}: {one_line(e)}") from None
     except OSError as e:  # urllib's URLError and HTTPError are OSErrors
-        raise StorageError(f"model.weights: cannot download {w.url}: {one_line(e)}") from None
+        raise StorageError(
+            f"model.weights: cannot download {w.url} ({one_line(e)}; offline, or behind a firewall?): put that file "
+            f'at {path}, or set model.weights to a copy of it (a local path or gs:// URL), or model.weights="" to '
+            "train from scratch"
+        ) from None
     return path
 
 

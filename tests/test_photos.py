@@ -242,7 +242,8 @@ def test_a_manifest_of_paths_and_labels(tmp_path):
                 w.writerow([p.relative_to(tmp_path).as_posix(), k, "test" if p.stem.endswith("7") else ""])
         w.writerow(["photos/cats/gone.jpg", 0, ""])
     jsonl = tmp_path / "labels.jsonl"
-    rows = list(csv.DictReader(open(table)))
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for path in (table, jsonl):
         cfg = DataConfig(
@@ -293,3 +294,32 @@ def test_weights_of_the_chosen_epoch_are_in_model_pt(tmp_path):
     saved_best = torch.load(ckpt, weights_only=True)["model"]
     final = weights(str(out))
     assert all(torch.equal(final[k], saved_best[k]) for k in final)
+
+
+def test_resnet18_takes_its_stem_from_the_image_size():
+    from job.config import ModelConfig
+    from job.models import build_model, describe
+
+    cfg = ModelConfig(name="resnet18")
+    small, photo = build_model(cfg, (3, 32, 32), 4), build_model(cfg, (3, 96, 96), 4)
+    assert small.conv1.kernel_size == (3, 3) and isinstance(small.maxpool, torch.nn.Identity)
+    assert photo.conv1.kernel_size == (7, 7) and isinstance(photo.maxpool, torch.nn.MaxPool2d)
+    assert "small stem" in describe(cfg, (3, 32, 32)) and "7x7" in describe(cfg, (3, 96, 96))
+    forced = ModelConfig(name="resnet18", small_stem=True)
+    assert build_model(forced, (3, 96, 96), 4).conv1.kernel_size == (3, 3)
+
+
+def test_weights_that_cannot_be_downloaded_name_the_ways_on(tmp_path):
+    import socket
+
+    from job.errors import StorageError
+    from job.weights import Weights, cache_path, download
+
+    with socket.socket() as s:  # a port nothing listens on: what an offline machine or a firewall gives
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    w = Weights("DEFAULT", f"http://127.0.0.1:{port}/resnet18-f37072fd.pth", "ResNet18_Weights.IMAGENET1K_V1")
+    with pytest.raises(StorageError) as e:
+        download(w, tmp_path)
+    text = str(e.value)
+    assert str(cache_path(w, tmp_path)) in text and 'model.weights=""' in text and "gs://" in text
