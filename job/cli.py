@@ -184,21 +184,34 @@ def bench(
 @app.command()
 def shard(
     src: str = typer.Argument(
-        ..., help="An image folder (train/<class>/*, test/<class>/*) or a .tar/.tar.gz of one, at any URL."
+        ...,
+        help="An image folder (class folders, or train/ val/ test/ folders of them) or a .tar/.tar.gz of one, at any "
+        "URL.",
     ),
     dst: str = typer.Argument(
-        ..., help="The shard folder to write, at any URL (train/*.tar, test/*.tar, classes.txt)."
+        ..., help="The shard folder to write, at any URL (train/*.tar, val/*.tar, test/*.tar, classes.txt)."
     ),
     shard_size: str = typer.Option("256MB", "--shard-size", help="Largest shard, e.g. 256MB or 1GB."),
     samples_per_shard: int = typer.Option(1000, "--samples-per-shard", help="Most samples in one shard."),
     seed: int = typer.Option(0, "--seed", help="Seed of the shuffle across shards."),
+    val_split: float = typer.Option(
+        0.1, "--val-split", min=0, max=0.99, help="Share of each class held out for val where SRC has no val/."
+    ),
+    test_split: float = typer.Option(
+        0.0, "--test-split", min=0, max=0.99, help="Share of each class held out for test where SRC has no test/."
+    ),
+    split_seed: int = typer.Option(42, "--split-seed", help="Seed of the held-out files (a hash of each path)."),
 ) -> None:
-    """Pack an image folder into WebDataset-style tar shards, shuffled, for streaming (data.kind=shards)."""
+    """Pack an image folder into WebDataset-style tar shards, shuffled, for streaming (data.kind=shards); files that
+    cannot be decoded are skipped and listed in index.json."""
     with user_errors():
         from job.data.pack import pack, parse_size
+        from job.data.split import HoldOut
         from job.report import say
 
-        pack(src, dst, say, shard_bytes=parse_size(shard_size), shard_samples=samples_per_shard, seed=seed)
+        hold = HoldOut(val_split, test_split, split_seed)
+        size = parse_size(shard_size)
+        pack(src, dst, say, shard_bytes=size, shard_samples=samples_per_shard, seed=seed, hold=hold)
 
 
 @app.command("find-batch-size")

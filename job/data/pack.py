@@ -30,7 +30,7 @@ from job.data.files import VERSION_KEYS, Log, is_archive, read_entries, resolve
 from job.data.folder import Listing, report_skipped, sorted_files
 from job.data.image import UnreadableImage, image_size
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
-from job.data.split import SUFFIXES, HoldOut, Inventory, count, is_image_name, is_system_file
+from job.data.split import HoldOut, Inventory, count, is_image_name, is_system_file
 from job.errors import ConfigError, DataError, StorageError, one_line
 
 SIZE_UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1}
@@ -131,8 +131,9 @@ def pack_into(
     hold: HoldOut,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix=".spool-", dir=local) as tmp:
-        sp, sizes, skipped = spool(src, Path(tmp), log)
+        sp, sizes, skipped, listing = spool(src, Path(tmp), log)
         files = sorted_files(list(sp.names), hold, src)
+        listing.report(src, files, log)
         classes = files.classes()
         at = {name: i for i, name in enumerate(sp.names)}
         rng = np.random.default_rng(seed)
@@ -162,9 +163,10 @@ def pack_into(
     return index
 
 
-def spool(src: str, folder: Path, log: Log) -> tuple[Spool, set[tuple[int, int]], list[dict[str, str]]]:
+def spool(src: str, folder: Path, log: Log) -> tuple[Spool, set[tuple[int, int]], list[dict[str, str]], Listing]:
     """Every image of SRC decoded once to check it (a truncated photo is found here, not mid-epoch) and appended
-    to the spool; the image sizes seen (up to 17 of them); the files that could not be decoded, skipped."""
+    to the spool; the image sizes seen (up to 17 of them); the files that could not be decoded, skipped; the
+    files that are not images."""
     sp, listing = Spool(folder), Listing()
     sizes: set[tuple[int, int]] = set()
     skipped: list[dict[str, str]] = []
@@ -181,10 +183,8 @@ def spool(src: str, folder: Path, log: Log) -> tuple[Spool, set[tuple[int, int]]
             sp.add(name, data)
             bar.update()
     sp.f.close()
-    if listing.others:
-        log(f"shard: {len(listing.others)} files are not images ({SUFFIXES}), e.g. {listing.others[0]}: ignored")
     report_skipped(skipped, log)
-    return sp, sizes, skipped
+    return sp, sizes, skipped, listing
 
 
 def write_shards(
