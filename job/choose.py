@@ -120,8 +120,8 @@ def evaluate_split(loop: Loop, split: str, extra: torch.Tensor | None = None) ->
     loader, r = loop.r.held_out[split], loop.r
     with memory_guard(f"data.eval_batch_size={loader.batch_size}", r.device), loop.clock.testing():
         sums = test_sums(r.model, loader, r.amp, loop.cfg.train.test_time_augmentation)
-    loss, correct, *rest = distributed.totals(sums, sums[:0] if extra is None else extra).tolist()
-    return [loss / loader.n, correct / loader.n, *rest]
+    loss, correct, counted, *rest = distributed.totals(sums, sums[:0] if extra is None else extra).tolist()
+    return [loss / max(counted, 1), correct / max(counted, 1), *rest]
 
 
 def final_test(loop: Loop) -> dict:

@@ -10,7 +10,7 @@ from job import checkpoint, recipe
 from job.attempts import RUN_JSON, attempts_in
 from job.cloud import filesystem
 from job.config import apply_override, load_config, validate
-from job.data.batches import Loader
+from job.data.batches import IGNORED, Loader
 from job.data.placement import restored
 from job.env import pick_device
 from job.errors import CheckpointError
@@ -18,11 +18,12 @@ from job.errors import CheckpointError
 
 @torch.no_grad()
 def test_sums(model, loader: Loader, amp, augmentation: str = "none") -> torch.Tensor:
-    """[summed loss, correct predictions] over this process's samples of the split, left on the device; padding
-    (a batch with no samples of this process's own) is never counted. `augmentation`: train.test_time_augmentation,
-    the logits averaged over views of each image."""
+    """[summed loss, correct predictions, samples counted] over this process's samples of the split, left on the
+    device; padding (a batch with no samples of this process's own) and streamed samples that could not be decoded
+    (labelled IGNORED) are never counted. `augmentation`: train.test_time_augmentation, the logits averaged over
+    views of each image."""
     model.eval()
-    sums = torch.zeros(2, device=loader.device)
+    sums = torch.zeros(3, device=loader.device)
     for batch in loader.batches():
         if not batch.own:
             continue
@@ -30,6 +31,7 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none") -> torch.T
             out = logits(model, batch.x, augmentation)
         sums[0] += F.cross_entropy(out.float(), batch.y, reduction="sum")
         sums[1] += (out.argmax(1) == batch.y).sum()
+        sums[2] += (batch.y != IGNORED).sum()
     model.train()
     return sums
 
@@ -76,16 +78,16 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
     split = "test" if "test" in r.held_out else "val"  # class folders held out for val alone: val
     loader = r.held_out[split]
-    loss_sum, correct = test_sums(r.model, loader, r.amp, cfg.train.test_time_augmentation).tolist()
+    loss_sum, correct, counted = test_sums(r.model, loader, r.amp, cfg.train.test_time_augmentation).tolist()
     progress = payload.get("progress", {})
     return {
         "checkpoint": url,
         "epoch": progress.get("epoch"),
         "step": progress.get("step"),
         "split": split,
-        f"{split}_loss": loss_sum / loader.n,
-        f"{split}_accuracy": correct / loader.n,
-        "samples": loader.n,
+        f"{split}_loss": loss_sum / max(counted, 1),
+        f"{split}_accuracy": correct / max(counted, 1),
+        "samples": int(counted),
         "device": str(device),
     } | run_record(url)
 

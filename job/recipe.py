@@ -181,7 +181,7 @@ class Feed:
     def streamed(self, split: str, batch: int, rank: int, world: int, **how) -> StreamLoader:
         d = self.cfg.data
         return StreamLoader(
-            self.stream.shards.splits[split],
+            self.stream.shards.splits.get(split, []),
             batch,
             self.device,
             self.decoder,
@@ -193,6 +193,7 @@ class Feed:
             channels_last=self.channels_last,
             buffer=d.shuffle_buffer,
             view=self.view,
+            log=say,
             **how,
         )
 
@@ -369,7 +370,8 @@ class ClassWeightedLoss:
 
     def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         losses = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.smoothing)
-        return (losses * self.weight[y]).mean()
+        counted = y >= 0  # a streamed sample that could not be decoded is labelled -100: left out, as by torch
+        return (losses * self.weight[y.clamp(min=0)] * counted).sum() / counted.sum().clamp(min=1)
 
 
 def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:

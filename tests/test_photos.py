@@ -323,3 +323,48 @@ def test_weights_that_cannot_be_downloaded_name_the_ways_on(tmp_path):
         download(w, tmp_path)
     text = str(e.value)
     assert str(cache_path(w, tmp_path)) in text and 'model.weights=""' in text and "gs://" in text
+
+
+def test_streamed_shards_from_another_tool_skip_a_bad_sample(tmp_path):
+    """A corrupt image in shards written by the webdataset package: its label is ignored (the batch keeps its
+    shape, the epoch its order), it is named once, evaluations do not count it; skip_bad_samples=false stops."""
+    wds = pytest.importorskip("webdataset", reason="the webdataset package writes the other tool's shards")
+    from conftest import encode, pattern_images
+
+    from job import evaluate
+    from job.data.batches import IGNORED
+    from job.data.shards import open_shards
+    from job.data.stream import Decoder, StreamLoader
+
+    root = tmp_path / "shards"
+    for split, n in (("train", 24), ("test", 12)):
+        images, labels = pattern_images(3, n // 3, 32, 0)
+        (root / split).mkdir(parents=True)
+        with wds.TarWriter(str(root / split / "part-000.tar")) as sink:
+            for i in range(n):
+                data = encode(images[i]) if i != 5 else encode(images[i])[:60]  # cut short: not decodable
+                sink.write({"__key__": f"s{i:04d}", "png": data, "cls": str(labels[i])})
+    shards = open_shards(str(root), None, lambda _: None)
+    said: list[str] = []
+    loader = StreamLoader(shards.splits["test"], 4, torch.device("cpu"), Decoder(0, None), log=said.append)
+    ys = torch.cat([b.y for b in loader.batches()])
+    assert ys.tolist().count(IGNORED) == 1 and ys[5] == IGNORED and len(ys) == 12
+    assert len(said) == 1 and "s0005" in said[0]
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 3))
+    loss, correct, counted = evaluate.test_sums(model, loader, torch.no_grad).tolist()
+    assert counted == 11
+    over = sets(
+        "data.kind=shards",
+        f"data.path={root}",
+        "data.placement=stream",
+        "train.epochs=2",
+        "data.batch_size=8",
+    )
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "run"), *over])
+    assert code == 0, err
+    assert "skipped a sample" in err and "s0005" in err
+    code, err = invoke(
+        ["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "strict"), *over]
+        + sets("data.skip_bad_samples=false")
+    )
+    assert code == 3 and "s0005" in err and "Traceback" not in err

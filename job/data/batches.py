@@ -14,6 +14,10 @@ from typing import Protocol
 
 import torch
 
+# The label of a streamed sample that could not be decoded (its image is zeros): cross-entropy's ignore_index, so
+# the loss leaves it out, and evaluations never count it. The batch keeps its shape and the epoch its order.
+IGNORED = -100
+
 
 @dataclass(frozen=True)
 class Batch:

@@ -10,29 +10,54 @@ import signal
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from job.data.image import pixels
+from job.data.batches import IGNORED
+from job.data.image import UnreadableImage, pixels
 from job.errors import DataError
 
 JPEG = ("jpg", "jpeg")
 
 
-def decode(items: list[tuple[str, str, bytes]], size: int | None, fit: bool = False) -> np.ndarray:
+class Decoded(NamedTuple):
+    """A batch decoded: its images (zeros where one could not be decoded), and those samples (index, why)."""
+
+    images: np.ndarray | torch.Tensor
+    bad: list[tuple[int, str]]
+
+
+def decode(items: list[tuple[str, str, bytes]], size: int | None, fit: bool = False, skip: bool = False) -> np.ndarray:
     """Images (name, extension, bytes) decoded to one uint8 N x 3 x H x W array the one way every host path decodes
     (job/data/image.py: EXIF turn, HEIC, every mode to RGB), each resized to size x size when a size is given
-    (`fit`: the short side resized to it and the centre kept, as photos are held). Runs in a worker process."""
-    out = None
+    (`fit`: the short side resized to it and the centre kept, as photos are held)."""
+    return decode_batch(items, size, fit, skip).images
+
+
+def decode_batch(items: list[tuple[str, str, bytes]], size: int | None, fit: bool, skip: bool) -> Decoded:
+    """decode(), with an image that cannot be decoded left as zeros and named (skip), or stopping it (not skip).
+    Runs in a worker process."""
+    out, bad = None, []
     for n, (name, _, data) in enumerate(items):
-        img = pixels(data, name, size, fit).transpose(2, 0, 1)
+        try:
+            img = pixels(data, name, size, fit).transpose(2, 0, 1)
+        except UnreadableImage as e:
+            if not skip:
+                raise
+            bad.append((n, str(e)))
+            continue
         if out is None:
-            out = np.empty((len(items), *img.shape), dtype=np.uint8)
+            out = np.zeros((len(items), *img.shape), dtype=np.uint8)
         elif img.shape != out.shape[1:]:
             raise different_sizes(out.shape[1:], img.shape, name)
         out[n] = img
-    return out
+    if out is None:  # not one image of the batch: its size is what it would be held at, if any
+        if size is None:
+            raise DataError(f"no image of the batch of samples {items[0][0]} to {items[-1][0]} could be decoded")
+        out = np.zeros((len(items), 3, size, size), dtype=np.uint8)
+    return Decoded(out, bad)
 
 
 def sized(img: torch.Tensor, size: int | None, fit: bool) -> torch.Tensor:
@@ -63,19 +88,20 @@ def start_worker() -> None:
 class Decoder:
     """Batches of images decoded in `workers` processes (0: in the calling thread), in submission order."""
 
-    def __init__(self, workers: int, size: int | None, fit: bool = False) -> None:
-        self.size, self.fit, self.workers = size, fit, workers
+    def __init__(self, workers: int, size: int | None, fit: bool = False, skip: bool = True) -> None:
+        self.size, self.fit, self.workers, self.skip = size, fit, workers, skip
         self.pool = shared_pool(workers) if workers else None
 
     def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
+        """A future of the items' Decoded batch."""
         if self.pool is None:
             f: Future = Future()
             try:
-                f.set_result(decode(items, self.size, self.fit))
+                f.set_result(decode_batch(items, self.size, self.fit, self.skip))
             except DataError as e:
                 f.set_exception(e)
             return f
-        return self.pool.submit(decode, items, self.size, self.fit)
+        return self.pool.submit(decode_batch, items, self.size, self.fit, self.skip)
 
 
 POOLS: dict[int, ProcessPoolExecutor] = {}
@@ -97,11 +123,19 @@ def close_pools() -> None:
         POOLS.popitem()[1].shutdown(wait=True, cancel_futures=True)
 
 
-def decoded(future: Future, names: tuple[str, str]) -> torch.Tensor:
+def decoded(
+    future: Future, names: tuple[str, str], labels: torch.Tensor | None = None, skipped: list | None = None
+) -> torch.Tensor:
     """A batch's images, on the host or on the decoding device; a decoder process that died on it (a native
-    decoder's abort on a corrupt image) is named."""
+    decoder's abort on a corrupt image) is named. A sample that could not be decoded gets the label IGNORED in
+    `labels` (its image is zeros) and its message appended to `skipped`."""
     try:
-        images = future.result()
+        images, bad = future.result()
+        for i, why in bad:
+            if labels is not None:
+                labels[i] = IGNORED
+            if skipped is not None:
+                skipped.append(why)
         return torch.from_numpy(images) if isinstance(images, np.ndarray) else images
     except BrokenProcessPool:
         raise DataError(
@@ -133,17 +167,18 @@ class DeviceDecoder:
 
     workers = 0  # no decoding processes
 
-    def __init__(self, device: torch.device, size: int | None, fit: bool = False) -> None:
+    def __init__(self, device: torch.device, size: int | None, fit: bool = False, skip: bool = True) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device, self.size, self.fit = torch.device("cuda", index), size, fit
+        self.device, self.size, self.fit, self.skip = torch.device("cuda", index), size, fit, skip
         self.thread, self.stream = device_thread(self.device)
 
     def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
         return self.thread.submit(self.decode, items)
 
-    def decode(self, items: list[tuple[str, str, bytes]]) -> torch.Tensor:
+    def decode(self, items: list[tuple[str, str, bytes]]) -> Decoded:
         jpeg = [i for i, (_, ext, _) in enumerate(items) if ext in JPEG]
         images: list[torch.Tensor | None] = [None] * len(items)
+        bad: list[tuple[int, str]] = []
         with torch.cuda.stream(self.stream), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torchvision's notice that its decoders move to another package
             for start in range(0, len(jpeg), DEVICE_GROUP):
@@ -152,13 +187,15 @@ class DeviceDecoder:
                     images[i] = sized(img, self.size, self.fit)
             for i, item in enumerate(items):
                 if images[i] is None:
-                    images[i] = torch.from_numpy(decode([item], self.size, self.fit)[0]).to(self.device)
+                    one = decode_batch([item], self.size, self.fit, self.skip)
+                    bad += [(i, why) for _, why in one.bad]
+                    images[i] = torch.from_numpy(one.images[0]).to(self.device)
             for img, (name, _, _) in zip(images, items):
                 if img.shape != images[0].shape:
                     raise different_sizes(images[0].shape, img.shape, name)
             out = torch.stack(images)
         self.stream.synchronize()  # this thread waits; the training thread never does
-        return out
+        return Decoded(out, bad)
 
     def decode_jpegs(self, data: list[bytes]) -> list[torch.Tensor | None]:
         """The images on the device; None for each when nvJPEG refuses the group (the host decodes those)."""

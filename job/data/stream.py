@@ -28,7 +28,7 @@ import contextlib
 import hashlib
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -38,7 +38,7 @@ import torch
 from job.data.augment import View, crop_flip, draws, epoch_seed, to_float
 from job.data.batches import Batch, move
 from job.data.dataset import Dataset, Split
-from job.data.decode import Decoder, DeviceDecoder, auto_workers, decode, decoded
+from job.data.decode import IGNORED, Decoder, DeviceDecoder, auto_workers, decode, decoded
 from job.data.placement import Streaming, decide_streaming
 from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved
 from job.data.shards import SPLITS, Sample, Shard, ShardFile, ShardSet, open_shards, samples
@@ -122,8 +122,10 @@ class StreamLoader:
         view: View | None = None,
         resized_crops: bool = False,
         keep_bytes: int = 0,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         self.device, self.decoder = device, decoder
+        self.skipped = Skipped(log)  # samples that could not be decoded: their label IGNORED, named once each
         # A split read the same way every pass (no shuffle, no augmentation: the test split) whose decoded images
         # take at most keep_bytes is kept decoded after its first whole pass, and replayed from memory.
         self.keep_bytes = keep_bytes if not (shuffle or crop_padding or hflip or resized_crops) else 0
@@ -240,7 +242,8 @@ class StreamLoader:
                 f"the checkpoint's place in epoch {epoch + 1} is not one this version reads"
             ) from None
         b, last = self.local[self.rank], None
-        with contextlib.closing(decoded_ahead(stream, urls, b, self.decoder, self.ahead, self.drop_last)) as groups:
+        ahead = decoded_ahead(stream, urls, b, self.decoder, self.ahead, self.drop_last, self.skipped)
+        with contextlib.closing(ahead) as groups:
             for i in range(start, len(self)):
                 got = next(groups, None)
                 if got is not None:
@@ -278,7 +281,7 @@ class StreamLoader:
                 "cannot continue from: resume from an epoch's end (--resume with that epoch's checkpoint)"
             )
         future, names, labels = submitted(group, urls, self.decoder)
-        return self.make(decoded(future, names), labels, epoch, step, group)
+        return self.make(self.skipped.decoded(future, names, labels), labels, epoch, step, group)
 
     def augment(
         self, x: torch.Tensor, epoch: int, i: int, group: list[Sample]
@@ -310,8 +313,37 @@ def submitted(group: list[Sample], urls: list[str], decoder: Decoder) -> tuple[F
     return decoder.submit(items), (items[0][0], items[-1][0]), torch.tensor([s.label() for s in group])
 
 
+class Skipped:
+    """The samples of a stream that could not be decoded: each named once (the first few) and counted, through
+    `log`; their label is IGNORED, so the loss and the evaluation's counts leave them out, and a batch keeps its
+    shape and its place in the epoch (a resumed run reads the same stream)."""
+
+    SHOWN = 3
+
+    def __init__(self, log: Callable[[str], None] | None) -> None:
+        self.log, self.names = log, set()
+
+    def decoded(self, future, names: tuple[str, str], labels: torch.Tensor) -> torch.Tensor:
+        found: list[str] = []
+        images = decoded(future, names, labels, found)
+        for why in found:
+            if why not in self.names:
+                self.names.add(why)
+                if self.log is not None and len(self.names) <= self.SHOWN:
+                    self.log(f"data: skipped a sample: {why}")
+                elif self.log is not None and len(self.names) in (self.SHOWN + 1, 100, 1000):
+                    self.log(f"data: {len(self.names)} samples that cannot be decoded skipped so far")
+        return images
+
+
 def decoded_ahead(
-    stream: SampleStream, urls: list[str], size: int, decoder: Decoder, ahead: int, whole_only: bool
+    stream: SampleStream,
+    urls: list[str],
+    size: int,
+    decoder: Decoder,
+    ahead: int,
+    whole_only: bool,
+    skipped: Skipped | None = None,
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple, list[Sample]]]:
     """The stream's samples in groups of `size`, decoded: (images, labels, the stream's position after the group,
     the group), each submitted to the decoder `ahead` groups before it is used; `whole_only`: a last, short group
@@ -327,7 +359,7 @@ def decoded_ahead(
             if not pending:
                 return
             future, names, labels, place, group = pending.popleft()
-            yield decoded(future, names), labels, place, group
+            yield (skipped or Skipped(None)).decoded(future, names, labels), labels, place, group
     finally:
         for future, *_ in pending:
             future.cancel()
@@ -359,8 +391,9 @@ def held_decoder(cfg, device: torch.device | None = None) -> Decoder | DeviceDec
     if cfg.decode == "device" and device is not None:
         if device.type != "cuda":
             raise ConfigError(f"data.decode: device decodes on a CUDA device; this run trains on {device.type}")
-        return DeviceDecoder(device, held_size(cfg), fit)
-    return Decoder(auto_workers(cfg.workers, device.type if device is not None else None), held_size(cfg), fit)
+        return DeviceDecoder(device, held_size(cfg), fit, cfg.skip_bad_samples)
+    workers = auto_workers(cfg.workers, device.type if device is not None else None)
+    return Decoder(workers, held_size(cfg), fit, cfg.skip_bad_samples)
 
 
 def held_size(cfg) -> int | None:
@@ -401,8 +434,10 @@ def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
         names = [f"{shards[s.shard].url}:{s.key}" for s in group]
         futures.append((decoder.submit([(name, *s.image()) for name, s in zip(names, group)]), (names[0], names[-1])))
         labels.extend(s.label() for s in group)
-    x = torch.cat([decoded(f, names) for f, names in futures])
-    return Split(x, torch.tensor(labels))
+    y = torch.tensor(labels)
+    x = torch.cat([decoded(f, names, y[i * batch : (i + 1) * batch]) for i, (f, names) in enumerate(futures)])
+    good = y != IGNORED  # held in memory: a sample that cannot be decoded is left out, as a folder's file is
+    return Split(x[good], y[good])
 
 
 def sample_images(shards: list[Shard], decoder: Decoder, n: int, seed: int) -> torch.Tensor:
@@ -421,4 +456,6 @@ def sample_images(shards: list[Shard], decoder: Decoder, n: int, seed: int) -> t
     picked = set(torch.randperm(total, generator=g)[:n].tolist())  # drawn before reading: only n kept in memory
     stream = SampleStream([Part(s.url, s.samples) for s in chosen], 0, (0,))
     group = [sample for k, sample in enumerate(stream) if k in picked]
-    return decoded(decoder.submit([(s.key, *s.image()) for s in group]), (group[0].key, group[-1].key))
+    marks = torch.zeros(len(group), dtype=torch.int64)
+    images = decoded(decoder.submit([(s.key, *s.image()) for s in group]), (group[0].key, group[-1].key), marks)
+    return images[marks != IGNORED]
