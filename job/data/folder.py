@@ -16,17 +16,7 @@ import torch
 from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_entries
 from job.data.image import UnreadableImage, pixels
-from job.data.split import (
-    ROLES,
-    SUFFIXES,
-    Files,
-    HoldOut,
-    Inventory,
-    count,
-    is_image_name,
-    is_system_file,
-    sort_files,
-)
+from job.data.split import ROLES, SUFFIXES, Files, HoldOut, Inventory, count, kind_of, sort_files
 from job.errors import ConfigError, DataError
 
 LAYOUT = f"<class>/*.{SUFFIXES} or train/<class>/*.{SUFFIXES}"
@@ -40,12 +30,10 @@ class Listing:
     others: list[str] = field(default_factory=list)
 
     def keep(self, name: str) -> bool:
-        if is_system_file(name):
-            return False
-        if is_image_name(name):
-            return True
-        self.others.append(name)
-        return False
+        kind = kind_of(name)
+        if kind == "other":
+            self.others.append(name)
+        return kind == "image"
 
     def report(self, url: str, files: Files, log: Log) -> None:
         if self.others:

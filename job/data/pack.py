@@ -30,7 +30,7 @@ from job.data.files import VERSION_KEYS, Log, is_archive, read_entries, resolve
 from job.data.folder import Listing, report_skipped, sorted_files
 from job.data.image import UnreadableImage, image_size
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
-from job.data.split import HoldOut, Inventory, count, is_image_name, is_system_file
+from job.data.split import HoldOut, Inventory, count, kind_of
 from job.errors import ConfigError, DataError, StorageError, one_line
 
 SIZE_UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1}
@@ -304,7 +304,7 @@ def listing(fs, path: str, url: str) -> dict[str, dict]:
             return {path: fs.info(path)}
         root = path.rstrip("/") + "/"
         found = fs.find(path, detail=True).items()
-        return {p: i for p, i in found if is_image_name(p) and not is_system_file(p[len(root) :])}
+        return {p: i for p, i in found if kind_of(p[len(root) :]) == "image"}
     except Exception as e:  # the stores' clients raise many types
         raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
 

@@ -16,6 +16,7 @@ are not images are counted for one line.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from collections import Counter
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".heic", ".heif", ".avif", ".bmp", ".tif", ".tiff", ".gif")
 SUFFIXES = "|".join(s.lstrip(".") for s in IMAGE_SUFFIXES)  # as messages name them: jpg|jpeg|png|...
 SYSTEM_FILES = {".ds_store", "thumbs.db", "desktop.ini", "ehthumbs.db", "icon\r"}
-SYSTEM_FOLDERS = {"@eadir", "__macosx", "$recycle.bin", "system volume information"}
 SPLIT_FOLDERS = {"train": "train", "val": "val", "valid": "val", "validation": "val", "test": "test"}
 ROLES = ("train", "val", "test")
 IMBALANCE = 10  # a warning when the largest class has this many times the smallest's images
@@ -38,10 +38,17 @@ def is_image_name(name: str) -> bool:
 def is_system_file(name: str) -> bool:
     """Files an operating system or a NAS leaves beside photos: hidden files (.DS_Store, macOS's ._ twins),
     Thumbs.db, desktop.ini, and anything in @eaDir/ or __MACOSX/."""
-    parts = name.replace("\\", "/").split("/")
-    if parts[-1].lower() in SYSTEM_FILES:
-        return True
-    return any(p.startswith(".") or p.lower() in SYSTEM_FOLDERS for p in parts if p)
+    return kind_of(name) == "system"
+
+
+def kind_of(name: str) -> str:
+    """system (see is_system_file), image (by suffix, in any case), or other."""
+    path = "/" + name.replace("\\", "/").lower()
+    if "/." in path or path[path.rfind("/") + 1 :] in SYSTEM_FILES:
+        return "system"
+    if "/@eadir/" in path or "/__macosx/" in path or "/$recycle.bin/" in path or "/system volume information/" in path:
+        return "system"
+    return "image" if path.endswith(IMAGE_SUFFIXES) else "other"
 
 
 @dataclass(frozen=True)
@@ -59,15 +66,30 @@ class HoldOut:
 
 
 def share(key: str, seed: int) -> float:
-    """A number in [0, 1) that is a function of the key and the seed alone, uniform over keys."""
+    """A number in [0, 1) that is a function of the key and the seed alone, uniform over keys: the first 8 bytes
+    of BLAKE2b of "<seed>\\0<key>", read big-endian, over 2^64."""
     digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
 
 def held_out_role(key: str, seed: int, val: float, test: float) -> str:
     """train, val or test for a sample with no split of its own."""
-    u = share(key, seed)
-    return "val" if u < val else "test" if u < val + test else "train"
+    return Roles(seed, val, test)(key)
+
+
+class Roles:
+    """held_out_role for many keys of one seed and shares: the seed's part of the hash computed once, and the key's
+    hash compared with integer thresholds (a million names take about half a second)."""
+
+    def __init__(self, seed: int, val: float, test: float) -> None:
+        self.seeded = hashlib.blake2b(f"{seed}\0".encode(), digest_size=8)
+        self.val, self.test = int(val * 2**64), int((val + test) * 2**64)
+
+    def __call__(self, key: str) -> str:
+        h = self.seeded.copy()
+        h.update(key.encode())
+        u = int.from_bytes(h.digest(), "big")
+        return "val" if u < self.val else "test" if u < self.test else "train"
 
 
 @dataclass
@@ -88,36 +110,60 @@ class Files:
 
 def sort_files(names: list[str], hold: HoldOut) -> Files:
     """Image names (relative to the data folder or archive) sorted into classes and roles; see the module's doc."""
-    split = [n.replace("\\", "/").split("/") for n in names]
-    depth = 0  # an archive of one top folder: read from inside it
-    while (
-        split
-        and all(len(p) >= depth + 3 for p in split)
-        and len({p[depth] for p in split}) == 1
-        and split[0][depth].lower() not in SPLIT_FOLDERS
-    ):
-        depth += 1
-    files = Files()
-    folders = {p[depth].lower() for p in split if len(p) > depth + 2 and p[depth].lower() in SPLIT_FOLDERS}
-    files.folders = tuple(r for r in ROLES if r in {SPLIT_FOLDERS[f] for f in folders})
+    ordered = sorted(names)
+    prefix = ""  # an archive of one top folder: read from inside it
+    while ordered:
+        heads = first_folders(ordered, len(prefix))
+        if len(heads) != 1 or heads[0].lower() in SPLIT_FOLDERS:
+            break
+        inside = f"{prefix}{heads[0]}/"
+        if not all(n.startswith(inside) and n.count("/", len(inside)) >= 1 for n in ordered):
+            break  # images directly in the folder: it is the class folder, not a wrapper around them
+        prefix = inside
+    cut, files = len(prefix), Files()
+    tops = {h.lower() for h in first_folders(ordered, cut, deep=True)}
+    files.folders = tuple(r for r in ROLES if r in {SPLIT_FOLDERS[t] for t in tops if t in SPLIT_FOLDERS})
     carve_val = hold.val if "val" not in files.folders else 0.0
     carve_test = hold.test if "test" not in files.folders else 0.0
-    for name, parts in zip(names, split):
-        rest = parts[depth:]
-        if files.folders:
-            role = SPLIT_FOLDERS.get(rest[0].lower()) if len(rest) >= 3 else None
-            cls = rest[1] if role else None
+    carve = Roles(hold.seed, carve_val, carve_test) if carve_val or carve_test else None
+    roles, held_out, outside, split_folders = files.roles, files.held_out, files.outside, bool(files.folders)
+    seeded, to_int = (carve.seeded, int.from_bytes) if carve is not None else (None, None)
+    for name in names:
+        head, _, tail = name[cut:].partition("/")
+        if split_folders:
+            cls, _, image = tail.partition("/")
+            role = SPLIT_FOLDERS.get(head.lower()) if image else None
         else:
-            role, cls = ("train", rest[0]) if len(rest) >= 2 else (None, None)
+            role, cls = ("train", head) if tail else (None, None)
         if role is None:
-            files.outside.append(name)
+            outside.append(name)
             continue
-        if role == "train" and (carve_val or carve_test):
-            role = held_out_role(name, hold.seed, carve_val, carve_test)
+        if role == "train" and carve is not None:  # Roles.__call__, inlined: this loop may see millions of names
+            h = seeded.copy()
+            h.update(name.encode())
+            u = to_int(h.digest(), "big")
+            role = "val" if u < carve.val else "test" if u < carve.test else "train"
             if role != "train":
-                files.held_out[role].append(name)
-        files.roles[role].append((name, cls))
+                held_out[role].append(name)
+        roles[role].append((name, cls))
     return files
+
+
+def first_folders(ordered: list[str], cut: int, deep: bool = False) -> list[str]:
+    """The distinct first folders of sorted names from position `cut` on (with `deep`: of names at least two
+    folders deep there), found by jumping over each folder's names (a bisection each, not a pass over all)."""
+    found, i = [], 0
+    while i < len(ordered):
+        head, sep, _ = ordered[i][cut:].partition("/")
+        if not sep:
+            i += 1
+            continue
+        end = bisect.bisect_left(ordered, ordered[i][:cut] + head + "0", i + 1)  # head/... sorts before head0
+        inner = cut + len(head) + 1
+        if not deep or any("/" in n[inner:] for n in ordered[i:end]):
+            found.append(head)
+        i = end
+    return found
 
 
 @dataclass
