@@ -368,3 +368,36 @@ def test_streamed_shards_from_another_tool_skip_a_bad_sample(tmp_path):
         + sets("data.skip_bad_samples=false")
     )
     assert code == 3 and "s0005" in err and "Traceback" not in err
+
+
+def test_a_resumed_run_refuses_a_changed_split(tmp_path):
+    root = photo_folder(tmp_path / "photos")
+    over = sets("data.kind=folder", f"data.path={root}", "data.image_size=32", "data.val_split=0.3", "train.epochs=1")
+    run = ["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "run")]
+    assert invoke([*run, *over])[0] == 0
+    (root / "cats" / "IMG_new.jpg").write_bytes(saved(arrow(24, 24), "JPEG"))
+    code, err = invoke([*run, *over, *sets("train.epochs=2")])
+    assert code == 3 and "differ from those the run started with" in err, err
+
+
+def test_imbalanced_classes_are_named_at_the_start():
+    from job.data.split import Inventory
+
+    lines = Inventory(["a", "b"], {"train": {"a": 200, "b": 12}}, {"val": [], "test": []}, []).lines()
+    assert any("imbalanced" in line and "class_weights=balanced" in line for line in lines)
+    assert not any("imbalanced" in line for line in Inventory(["a", "b"], {"train": {"a": 50, "b": 12}}, {}, []).lines())
+
+
+def test_job_shard_packs_class_folders_with_the_same_split_as_a_run_in_memory(tmp_path):
+    from job.data.pack import pack
+    from job.data.split import HoldOut
+
+    root = photo_folder(tmp_path / "photos")
+    index = pack(str(root), str(tmp_path / "shards"), lambda _: None, hold=HoldOut(val=0.3, seed=7))
+    cfg = DataConfig(kind="folder", path=str(root), val_split=0.3, split_seed=7, image_size=24)
+    held = load_folder(cfg, None, lambda _: None)
+    packed = index["inventory"]
+    assert packed["held_out"] == held.inventory.to_json()["held_out"]
+    assert packed["splits"] == held.inventory.to_json()["splits"]
+    assert sorted(s["path"] for s in packed["skipped"]) == ["cats/IMG_900.jpg", "dogs/IMG_901.jpg"]
+    assert sum(e["nsamples"] for e in index["splits"]["val"]) == len(held.val)
