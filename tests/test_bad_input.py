@@ -215,12 +215,14 @@ CASES = [
         3,
         "not a CIFAR-10 batch",
     ),
-    ("folder empty", lambda t, r: folder(write(t / "e/train/x.txt", "").parent.parent), 3, "no images in the train"),
+    ("folder empty", lambda t, r: folder(write(t / "e/train/x.txt", "").parent.parent), 3, "no images in the"),
     (
-        "folder corrupt image",
-        lambda t, r: folder(images_with(t, "train/class0/bad.png", b"\x89PNG\r\n\x1a\n??")),
+        "folder corrupt image, not skipped",
+        lambda t, r: folder(
+            images_with(t, "train/class0/bad.png", b"\x89PNG\r\n\x1a\n??"), "data.skip_bad_samples=false"
+        ),
         3,
-        "cannot decode image",
+        "cannot decode image train/class0/bad.png",
     ),
     (
         "folder mixed sizes",
@@ -229,10 +231,10 @@ CASES = [
         "set data.image_size",
     ),
     (
-        "folder no test split",
+        "folder nothing to evaluate on",
         lambda t, r: folder(shutil.rmtree(p := write_image_folder(t / "i") / "test") or p.parent),
-        3,
-        "no images in the test",
+        2,
+        "nothing to evaluate on",
     ),
     (
         "folder truncated archive",

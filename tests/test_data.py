@@ -181,11 +181,14 @@ def test_image_folder_sizes_resize_and_errors(tmp_path, load):
     resized = load(folder_cfg(root, "data.image_size=8"))
     assert resized.train.x.shape[1:] == (3, 8, 8)
     (root / "train" / "class1" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
-    with pytest.raises(DataError, match="cannot decode image .*broken.png"):
-        load(folder_cfg(root, "data.image_size=8"))
+    skipped = load(folder_cfg(root, "data.image_size=8"))
+    assert [s["path"] for s in skipped.inventory.skipped] == ["train/class1/broken.png"]
+    assert len(skipped.train) == len(resized.train)
+    with pytest.raises(DataError, match="cannot decode image train/class1/broken.png"):
+        load(folder_cfg(root, "data.image_size=8", "data.skip_bad_samples=false"))
     empty = tmp_path / "empty"
     (empty / "train").mkdir(parents=True)
-    with pytest.raises(DataError, match="no images in the train"):
+    with pytest.raises(DataError, match="no images in the"):
         load(folder_cfg(empty))
     with pytest.raises(DataError, match="no such file or folder"):
         load(folder_cfg(tmp_path / "missing"))
@@ -214,9 +217,10 @@ def test_remote_data_is_cached_in_the_given_folder_and_logged_to_the_callable(
     first = load_data(folder_cfg(images), cache, lines.append)
     assert torch.equal(first.train.x, direct.train.x) and torch.equal(first.test.y, direct.test.y)
     (tar,) = cache.glob("*/files.tar")  # one uncompressed tar of the folder's files, in the folder given
-    assert lines[-1].startswith(f"data: fetched 24 files of {images} (") and lines[-1].endswith(" s, cached")
+    fetched = next(line for line in lines if line.startswith("data: fetched"))
+    assert fetched.startswith(f"data: fetched 24 files of {images} (") and fetched.endswith(" s, cached")
     again = load_data(folder_cfg(images), cache, lines.append)
-    assert lines[-1] == f"data: 24 files of {images} from the local cache ({tar.parent})"
+    assert f"data: 24 files of {images} from the local cache ({tar.parent})" in lines
     assert torch.equal(again.train.x, first.train.x) and list(cache.glob("*/files.tar")) == [tar]
 
     load_data(data_cfg(f"data.path={table}").data, cache, lines.append)
@@ -224,13 +228,14 @@ def test_remote_data_is_cached_in_the_given_folder_and_logged_to_the_callable(
     assert lines[-1].startswith(f"data: downloaded {table} (") and lines[-1].endswith(" s, cached")
     load_data(data_cfg(f"data.path={table}").data, cache, lines.append)
     assert lines[-1] == f"data: {table} from the local cache ({csv.parent})"
-    assert len(lines) == 4
+    cached = [line for line in lines if "cache" in line]
+    assert len(cached) == 4
     for key in (tar.parent.name, csv.parent.name):  # not in $JOB_CACHE_DIR, where the job's own default is
         assert not (job_cache / "data" / key).exists()
 
     off = tmp_path / "cache-off"
     load_data(folder_cfg(images, "data.cache=false"), off, lines.append)
-    assert not off.exists() and len(lines) == 4  # data.cache false: nothing kept, nothing to say
+    assert not off.exists() and len([line for line in lines if "cache" in line]) == 4  # off: nothing kept or said
     assert capsys.readouterr() == ("", "")  # every line went to the callable, none to the console
 
 
@@ -294,12 +299,11 @@ def test_an_empty_image_file_is_named_in_plain_words_and_the_layout_names_every_
 
     root = write_image_folder(tmp_path / "imgs", n_classes=2, per_class=3, test_per_class=1)
     (root / "train" / "class0" / "empty.jpg").write_bytes(b"")
-    code, err = invoke(
-        ["train", "--device", "cpu", "--config", "cifar10", *sets("data.kind=folder", f"data.path={root}")]
-    )
+    strict = sets("data.kind=folder", f"data.path={root}", "data.skip_bad_samples=false", "data.image_size=32")
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", *strict])
     assert code == 3 and "empty.jpg" in err and "an empty file" in err and "BytesIO" not in err, err
     (tmp_path / "flat").mkdir()
     code, err = invoke(
         ["train", "--device", "cpu", "--config", "cifar10", *sets("data.kind=folder", f"data.path={tmp_path / 'flat'}")]
     )
-    assert code == 3 and "*.jpg|jpeg|png|webp layout" in err, err
+    assert code == 3 and "*.jpg|jpeg|png|webp|heic|heif|avif|bmp|tif|tiff|gif layout" in err, err

@@ -294,20 +294,20 @@ def test_photos_train_end_to_end_from_a_folder_and_from_shards(tmp_path):
 def test_photos_are_held_square_by_their_short_side_and_centre():
     from conftest import encode
 
-    from job.data.folder import decode as decode_file
+    from job.data.image import pixels
     from job.data.stream import decode as decode_stream
 
     img = torch.zeros(3, 24, 48, dtype=torch.uint8)
     img[:, :, 12:36] = 200  # a bright centre square in a wide photo
     data = encode(img.numpy())
     for held in (
-        decode_file("w.png", data, 12, "photos", fit=True),
+        torch.from_numpy(pixels(data, "w.png", 12, fit=True).transpose(2, 0, 1).copy()),
         torch.from_numpy(decode_stream([("w", "png", data)], 12, fit=True)[0]),
     ):
         assert tuple(held.shape) == (3, 12, 12)
         assert held.float().mean() > 190  # only the centre: the dark sides are cut, not squeezed in
-    squeezed = decode_file("w.png", data, 12, "photos")
-    assert squeezed.float().mean() < 150
+    squeezed = pixels(data, "w.png", 12)
+    assert squeezed.astype(float).mean() < 150
 
 
 def test_the_finetune_preset_trains_a_photo_folder_from_the_cached_weights(tmp_path, job_cache):

@@ -46,7 +46,7 @@ def packed(tmp_path_factory) -> Path:
     """60 train / 15 test 16x16 PNG images in 3 classes, packed 8 samples a shard."""
     root = tmp_path_factory.mktemp("packed")
     src = write_image_folder(root / "images", per_class=20, test_per_class=5)
-    code, err = invoke(["shard", str(src), str(root / "shards"), "--samples-per-shard", "8"])
+    code, err = invoke(["shard", str(src), str(root / "shards"), "--samples-per-shard", "8", "--val-split", "0"])
     assert code == 0, err
     return root / "shards"
 
@@ -81,17 +81,21 @@ def test_shard_again_is_a_no_op_and_another_source_is_refused(packed, tmp_path):
     assert code == 2 and "packed from" in err and "Traceback" not in err
 
 
-def test_shard_from_a_tar_gz_and_a_bad_image_named(tmp_path):
+def test_shard_from_a_tar_gz_and_a_bad_image_named_and_skipped(tmp_path):
     src = write_image_folder(tmp_path / "images")
     archive = tar_folder(src, tmp_path / "images.tar.gz", "images")
     code, err = invoke(["shard", str(archive), str(tmp_path / "a")])
     assert code == 0, err
     assert len(shard_names(tmp_path / "a", "train")) == 1
     (src / "train" / "class1" / "0013.png").write_bytes(b"not an image")
-    code, err = invoke(["shard", str(src), str(tmp_path / "b")])
-    assert code == 3 and "0013.png" in err and "not an image" in err and err.count("error:") == 1
-    assert "Traceback" not in err
-    assert not (tmp_path / "b").exists()  # a failed start leaves no folder behind
+    code, err = invoke(["shard", str(src), str(tmp_path / "b"), "--val-split", "0"])
+    assert code == 0 and "skipped train/class1/0013.png: not an image file" in err and "Traceback" not in err
+    index = json.loads((tmp_path / "b" / "index.json").read_text())
+    assert [s["path"] for s in index["inventory"]["skipped"]] == ["train/class1/0013.png"]
+    assert sum(e["nsamples"] for e in index["splits"]["train"]) == 35  # 36 images, one skipped
+    code, err = invoke(["shard", str(tmp_path / "missing"), str(tmp_path / "c")])
+    assert code == 3 and err.count("error:") == 1 and "Traceback" not in err
+    assert not (tmp_path / "c").exists()  # a failed start leaves no folder behind
 
 
 def plain_shards(root: Path, n_train: int = 40, n_test: int = 12, per_shard: int = 10) -> Path:
@@ -225,7 +229,9 @@ def test_sigterm_mid_epoch_of_a_stream_commits_and_resumes_exactly(packed, recor
 
 def test_torchrun_processes_see_disjoint_samples_covering_the_epoch(tmp_path, recorder):
     src = write_image_folder(tmp_path / "images", per_class=20, test_per_class=4)
-    code, err = invoke(["shard", str(src), str(tmp_path / "sh"), "--samples-per-shard", "10"])  # 6 shards
+    code, err = invoke(
+        ["shard", str(src), str(tmp_path / "sh"), "--samples-per-shard", "10", "--val-split", "0"]
+    )  # 6 shards
     assert code == 0, err
     record = tmp_path / "seen"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "job", "train"]
@@ -245,10 +251,10 @@ def test_streaming_from_gcs_through_a_store_failing_mid_shard(tmp_path, bucket, 
     """Shards on the GCS emulator read through a proxy that resets connections and answers 503: downloads in 4 KB
     requests, so each shard takes many and some fail mid-shard; the run ends as the one from local disk does."""
     src = write_image_folder(tmp_path / "images", per_class=20, test_per_class=4)
-    code, err = invoke(["shard", str(src), bucket.url("sh"), "--samples-per-shard", "10"])
+    code, err = invoke(["shard", str(src), bucket.url("sh"), "--samples-per-shard", "10", "--val-split", "0"])
     assert code == 0, err
     assert sorted(n.rsplit("/", 1)[-1] for n in bucket.names("sh/train")) == [f"train-{i:06d}.tar" for i in range(6)]
-    code, err = invoke(["shard", str(src), str(tmp_path / "local"), "--samples-per-shard", "10"])
+    code, err = invoke(["shard", str(src), str(tmp_path / "local"), "--samples-per-shard", "10", "--val-split", "0"])
     assert code == 0, err
     args = [
         *STREAM,
@@ -293,6 +299,10 @@ def test_a_corrupt_shard_is_named_in_one_line(packed, tmp_path, damage):
         data[512 + 40 : 512 + size - 20] = bytes(range(256)) * ((size - 60) // 256) + bytes((size - 60) % 256)
     victim.write_bytes(bytes(data))
     args = [*STREAM, *sets(f"data.path={bad}", "model.name=mlp", "train.epochs=1")]
+    if damage == "image":  # a sample whose image cannot be decoded is skipped and named, or stops the run
+        code, err = invoke(["train", *args, "--output", str(tmp_path / "s")])
+        assert code == 0 and f"skipped a sample: cannot decode image {victim}" in err, err
+        args += sets("data.skip_bad_samples=false")
     code, err = invoke(["train", *args, "--output", str(tmp_path / "r")])
     assert code == 3 and victim.name in err and "Traceback" not in err, err
 
@@ -301,7 +311,7 @@ def test_memory_of_a_stream_does_not_grow_with_the_data(tmp_path):
     """The same 64x64 shards listed once and ten times over (copies): 10x the data (9,000 images, 110 MB decoded),
     the same peak memory of the process and its decoders."""
     src = write_image_folder(tmp_path / "images", per_class=300, size=64, test_per_class=10)
-    code, err = invoke(["shard", str(src), str(tmp_path / "x1"), "--samples-per-shard", "100"])
+    code, err = invoke(["shard", str(src), str(tmp_path / "x1"), "--samples-per-shard", "100", "--val-split", "0"])
     assert code == 0, err
     x10 = tmp_path / "x10"
     shutil.copytree(tmp_path / "x1" / "test", x10 / "test")
