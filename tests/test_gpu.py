@@ -8,6 +8,7 @@ from conftest import encode, pattern_images, run_job, write_cifar_batches, write
 
 from job import recipe
 from job.attempts import Attempt
+from job.choose import Chooser
 from job.config import load_config
 from job.data.loader import BatchLoader
 from job.data.read import load_data
@@ -52,7 +53,8 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
     run_dir = RunDir(str(tmp_path / "run"))
     report = Report(run_dir, {}, 2, len(r.train), 0)
     with StopRequest(20) as stop:
-        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, TrainClock(CUDA), 0.0, 0.0, Attempt(None))
+        clock, chooser = TrainClock(CUDA), Chooser(cfg, r.evaluated_on)
+        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, 0.0, 0.0, Attempt(None), chooser)
         for _ in range(2):  # warm-up: cuDNN picks its kernels, then each batch shape is captured
             train_epoch(loop, 0)
         torch.cuda.synchronize()
@@ -175,7 +177,8 @@ def test_the_fast_preset_on_cuda_never_waits_in_an_epoch_and_captures_as_it_runs
     run_dir = RunDir(str(tmp_path / "run"))
     with StopRequest(20) as stop:
         report = Report(run_dir, {}, 2, len(r.train), 0)
-        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, TrainClock(CUDA), 0.0, 0.0, Attempt(None))
+        clock, chooser = TrainClock(CUDA), Chooser(cfg, r.evaluated_on)
+        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, 0.0, 0.0, Attempt(None), chooser)
         train_epoch(loop, 0)  # warm-up and capture
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -209,6 +212,30 @@ def test_jpeg_batches_decoded_on_the_device_match_the_host_decoder(tmp_path):
         assert device.is_cuda and device.shape == host.shape and device.dtype == torch.uint8
         diff = (device.cpu().int() - host.int()).abs().float()
         assert diff.mean() < 1.5 and diff.max() <= 48, (size, diff.mean(), diff.max())
+
+
+def test_exif_turned_jpegs_decoded_on_the_device_are_upright_as_on_the_host():
+    """nvJPEG ignores EXIF orientation: the device decoder turns each image by its tag, as the host's Pillow does."""
+    import io
+
+    from PIL import Image
+
+    from job.data.decode import Decoder, DeviceDecoder, decoded
+
+    images, _ = pattern_images(2, 4, 48, 0)
+    items = []
+    for i, img in enumerate(images):
+        pil = Image.fromarray(img.transpose(1, 2, 0)[:, :32])  # 48 x 32: not square, so a turn shows
+        exif = Image.Exif()
+        exif[0x0112] = (3, 6, 8, 2)[i % 4]
+        buf = io.BytesIO()
+        pil.save(buf, "JPEG", quality=95, exif=exif.tobytes())
+        items.append((f"img{i}", "jpg", buf.getvalue()))
+    for item in items:  # shapes differ by the turn: one at a time
+        host = decoded(Decoder(0, None).submit([item]), ("a", "b"))
+        device = decoded(DeviceDecoder(CUDA, None).submit([item]), ("a", "b"))
+        assert device.shape == host.shape, item[0]
+        assert (device.cpu().int() - host.int()).abs().float().mean() < 1.5, item[0]
 
 
 def test_a_stream_decoded_on_the_device_trains_end_to_end(tmp_path):

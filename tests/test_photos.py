@@ -402,3 +402,34 @@ def test_job_shard_packs_class_folders_with_the_same_split_as_a_run_in_memory(tm
     assert packed["splits"] == held.inventory.to_json()["splits"]
     assert sorted(s["path"] for s in packed["skipped"]) == ["cats/IMG_900.jpg", "dogs/IMG_901.jpg"]
     assert sum(e["nsamples"] for e in index["splits"]["val"]) == len(held.val)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_the_device_decoders_turn_matches_pillows(orientation):
+    """nvJPEG does not apply EXIF orientation; the device decoder reads the tag from the header and turns the image
+    itself (job/data/decode.py orient). Checked here on the CPU against Pillow's exif_transpose, with torchvision's
+    own JPEG decoder standing in for nvJPEG's (the GPU test compares nvJPEG with the host pixel for pixel)."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from job.data.decode import orient
+    from job.data.image import exif_orientation
+
+    inverse = {
+        2: Image.Transpose.FLIP_LEFT_RIGHT,
+        3: Image.Transpose.ROTATE_180,
+        4: Image.Transpose.FLIP_TOP_BOTTOM,
+        5: Image.Transpose.TRANSPOSE,
+        6: Image.Transpose.ROTATE_90,
+        7: Image.Transpose.TRANSVERSE,
+        8: Image.Transpose.ROTATE_270,
+    }
+    img = arrow(40, 24)
+    exif = Image.Exif()
+    exif[ORIENT_TAG] = orientation
+    stored = img.transpose(inverse[orientation]) if orientation > 1 else img
+    data = saved(stored, "JPEG", quality=95, exif=exif.tobytes())
+    assert exif_orientation(data) == orientation
+    raw = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    turned = orient(raw, exif_orientation(data)).permute(1, 2, 0).numpy()
+    assert close(turned, pixels(data, "p.jpg")) and close(turned, np.asarray(img))
+    assert exif_orientation(saved(img, "PNG")) == 1 and exif_orientation(b"") == 1

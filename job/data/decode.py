@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from job.data.batches import IGNORED
-from job.data.image import UnreadableImage, pixels
+from job.data.image import UnreadableImage, exif_orientation, pixels
 from job.errors import DataError
 
 JPEG = ("jpg", "jpeg")
@@ -69,6 +69,26 @@ def sized(img: torch.Tensor, size: int | None, fit: bool) -> torch.Tensor:
     if fit:
         return center_crop(resize(img, size, antialias=True), [size, size])
     return resize(img, [size, size], antialias=True)
+
+
+def orient(img: torch.Tensor, orientation: int) -> torch.Tensor:
+    """A C x H x W image turned as its EXIF orientation says (what Pillow's exif_transpose does), on its device."""
+    h, w = -2, -1
+    if orientation == 2:
+        return img.flip(w)
+    if orientation == 3:
+        return img.flip(h).flip(w)
+    if orientation == 4:
+        return img.flip(h)
+    if orientation == 5:
+        return img.transpose(h, w)
+    if orientation == 6:
+        return torch.rot90(img, -1, (h, w))
+    if orientation == 7:
+        return img.transpose(h, w).flip(h).flip(w)
+    if orientation == 8:
+        return torch.rot90(img, 1, (h, w))
+    return img
 
 
 def different_sizes(first: tuple, other: tuple, name: str) -> DataError:
@@ -184,7 +204,8 @@ class DeviceDecoder:
             for start in range(0, len(jpeg), DEVICE_GROUP):
                 group = jpeg[start : start + DEVICE_GROUP]
                 for i, img in zip(group, self.decode_jpegs([items[i][2] for i in group])):
-                    images[i] = sized(img, self.size, self.fit)
+                    if img is not None:  # nvJPEG does not apply EXIF orientation: done here, as the host does
+                        images[i] = sized(orient(img, exif_orientation(items[i][2])), self.size, self.fit)
             for i, item in enumerate(items):
                 if images[i] is None:
                     one = decode_batch([item], self.size, self.fit, self.skip)
@@ -203,7 +224,7 @@ class DeviceDecoder:
 
         try:
             tensors = [torch.frombuffer(d, dtype=torch.uint8) for d in data]
-            return decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device, apply_exif_orientation=True)
+            return decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device)
         except RuntimeError:
             return [None] * len(data)
 

@@ -88,6 +88,22 @@ def image_size(data: bytes, name: str) -> tuple[int, int]:
     return open_rgb(data, name).size
 
 
+ORIENTATION = 0x0112  # the EXIF tag
+
+
+def exif_orientation(data: bytes) -> int:
+    """A JPEG's EXIF orientation (1: upright, 2 to 8: how to turn it), from its header alone; 1 where it has none or
+    it cannot be read (the decoder then names the file). For decoders that do not apply it (nvJPEG)."""
+    if b"Exif\x00\x00" not in data[:65536]:  # EXIF lives in APP1, at the start of the file
+        return 1
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            value = img.getexif().get(ORIENTATION, 1)
+    except Exception:  # Pillow raises many types on a damaged header; decoding names the file
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
 def image_fault(data: bytes, e: Exception) -> str:
     """Why Pillow could not read an image, in words (its own message for bytes names a BytesIO object)."""
     if not data:

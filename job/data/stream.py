@@ -376,6 +376,11 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
         return sum(shards.samples(s) for s in SPLITS) * int(np.prod(shape))
 
     choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)
+    if cfg.val_split and not shards.splits["val"] and shards.inventory is None:
+        log(
+            f"data: {cfg.path} has no val/ shards: evaluations report test (data.val_split holds val out when a "
+            "folder is packed: `python -m job shard`, or data.placement=stream on the folder)"
+        )
     if choice.streamed:
         return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
     decoder = held_decoder(cfg)
