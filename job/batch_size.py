@@ -51,7 +51,8 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
                 step(first.x, first.y)
             r.model.eval()
             with torch.no_grad(), r.amp():
-                r.model(next(r.feed.test(batch, split=r.evaluated_on).batches()).x)
+                held_out = "val" if r.feed.has("val") else "test"  # built without loaders: ask the data
+                r.model(next(r.feed.test(batch, split=held_out).batches()).x)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             ok = True

@@ -175,6 +175,13 @@ class DataConfig(Section):
     def _batch_size(cls, v: Any) -> Any:
         return positive_int_or("full", v)
 
+    @field_validator("test_split")
+    @classmethod
+    def _shares(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is not None and v + info.data.get("val_split", 0) >= 1:
+            raise ValueError("data.val_split and data.test_split together hold out everything: leave some to train on")
+        return v
+
     @field_validator("crop_scale", "crop_ratio")
     @classmethod
     def _range(cls, v: tuple[float, float], info: ValidationInfo) -> tuple[float, float]:

@@ -340,7 +340,9 @@ def build(
     smoothing = cfg.train.label_smoothing
     loss = functools.partial(F.cross_entropy, label_smoothing=smoothing) if smoothing else F.cross_entropy
     if cfg.train.class_weights == "balanced":
-        loss = ClassWeightedLoss(balanced_weights(data).to(device), smoothing)
+        loss = CountedLoss(balanced_weights(data).to(device), smoothing)
+    elif data.streamed and cfg.data.skip_bad_samples:  # a batch may hold undecodable samples, labelled IGNORED
+        loss = CountedLoss(None, smoothing)
     return Recipe(
         model,
         device,
@@ -360,18 +362,21 @@ def build(
     )
 
 
-class ClassWeightedLoss:
-    """Cross-entropy with each sample's loss times its class's weight, averaged over the batch (Keras's class_weight;
-    torch's weight= divides by the batch's summed weights instead, which a batch split over processes would not
-    reproduce)."""
+class CountedLoss:
+    """Cross-entropy averaged over the batch's samples that count: a streamed sample that could not be decoded is
+    labelled IGNORED and left out, and a batch of none of them gives 0, not torch's NaN. `weight`: each class's
+    weight on its samples' losses (Keras's class_weight; torch's weight= divides by the batch's summed weights
+    instead, which a batch split over processes would not reproduce)."""
 
-    def __init__(self, weight: torch.Tensor, smoothing: float = 0.0) -> None:
+    def __init__(self, weight: torch.Tensor | None, smoothing: float = 0.0) -> None:
         self.weight, self.smoothing = weight, smoothing
 
     def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         losses = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.smoothing)
-        counted = y >= 0  # a streamed sample that could not be decoded is labelled -100: left out, as by torch
-        return (losses * self.weight[y.clamp(min=0)] * counted).sum() / counted.sum().clamp(min=1)
+        counted = y >= 0
+        if self.weight is not None:
+            losses = losses * self.weight[y.clamp(min=0)]
+        return (losses * counted).sum() / counted.sum().clamp(min=1)
 
 
 def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:

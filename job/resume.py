@@ -160,6 +160,11 @@ def check_split(started: dict | None, inventory: Inventory | None) -> None:
     """A resumed run learns from, chooses on and tests on the files it started with: files added, removed or
     unreadable since would change its split (and its results) in the middle of it."""
     saved = (started or {}).get("split")
+    if started is not None and saved is None and inventory is not None and any(inventory.held_out.values()):
+        raise ConfigError(
+            "cannot resume: the checkpoint was written by an earlier version, which held no val split out of the "
+            "training images; continue it with data.val_split=0 (its split), or start a new run"
+        )
     if saved is None or inventory is None or saved == inventory.digest():
         return
     raise DataError(
@@ -192,22 +197,25 @@ def has_results(run_dir: RunDir) -> bool:
 def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
     """The run in the folder has done train.epochs (or more) already: it is left exactly as it is."""
     progress, manifest = found[0]["progress"], found[1]
-    done = progress["epoch"]
-    why = f"{done} of {done} epochs done"
-    if done > cfg.train.epochs:
-        why = f"{done} epochs done, more than train.epochs={cfg.train.epochs}"
+    done, stopped = progress["epoch"], progress.get("stopped_early")
+    why = f"{done} of {done} epochs done; nothing to do (a larger train.epochs trains it longer)"
+    if stopped:
+        why = f"{stopped}; nothing to do (another --output, or --overwrite, trains it again)"
+    elif done > cfg.train.epochs:
+        why = f"{done} epochs done, more than train.epochs={cfg.train.epochs}; nothing to do"
     if distributed.is_writer():
         run_dir.finish()  # nothing was queued: this only stops the uploader
-    say(f"{cfg.name} in {run_dir.url} is complete: {why}; nothing to do (a larger train.epochs trains it longer)")
+    say(f"{cfg.name} in {run_dir.url} is complete: {why}")
     metrics = manifest.get("metrics") or {}
+    on = "val" if "val_loss" in metrics else "test"  # what its evaluations reported, as the run's summary says
     return {
         "complete": True,
         "epochs": done,
         "steps": progress["step"],
         "best_accuracy": progress.get("best_accuracy"),
         "best_epoch": progress.get("best_epoch"),
-        "final_accuracy": metrics.get("val_accuracy", metrics.get("test_accuracy")),
-        "final_test_loss": metrics.get("test_loss"),
+        "final_accuracy": metrics.get(f"{on}_accuracy"),
+        f"final_{on}_loss": metrics.get(f"{on}_loss"),
         "epochs_run": 0,
         "output": run_dir.url,
-    }
+    } | ({"stopped_early": stopped} if stopped else {})

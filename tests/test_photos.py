@@ -227,8 +227,8 @@ def test_early_stopping_ends_the_run_with_the_best_weights_and_resumes_exactly(t
     code, err = invoke([*run, "--output", str(cut), *over])
     assert code == 0, err
     assert_same_run(str(out), str(cut))
-    code, err = invoke([*run, "--output", str(out), *over])  # a finished run is left alone
-    assert code == 0 and "complete" in err
+    code, err = invoke([*run, "--output", str(out), *over, *sets("train.epochs=40")])  # a finished run is left alone
+    assert code == 0 and "complete: early stopping" in err and "another --output" in err
 
 
 def test_a_manifest_of_paths_and_labels(tmp_path):
@@ -260,7 +260,7 @@ def test_a_manifest_of_paths_and_labels(tmp_path):
 
 def test_balanced_class_weights(tmp_path):
     from job.data.dataset import Dataset, Split
-    from job.recipe import ClassWeightedLoss, balanced_weights
+    from job.recipe import CountedLoss, balanced_weights
 
     y = torch.tensor([0] * 90 + [1] * 10)
     data = Dataset(Split(torch.zeros(100, 4), y), None, ["a", "b"], "t")
@@ -269,7 +269,7 @@ def test_balanced_class_weights(tmp_path):
     logits = torch.randn(6, 2)
     labels = torch.tensor([0, 1, 1, 0, 0, 1])
     per = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
-    assert torch.allclose(ClassWeightedLoss(w)(logits, labels), (per * w[labels]).mean())
+    assert torch.allclose(CountedLoss(w)(logits, labels), (per * w[labels]).mean())
 
 
 def test_weights_of_the_chosen_epoch_are_in_model_pt(tmp_path):
@@ -433,3 +433,39 @@ def test_the_device_decoders_turn_matches_pillows(orientation):
     turned = orient(raw, exif_orientation(data)).permute(1, 2, 0).numpy()
     assert close(turned, pixels(data, "p.jpg")) and close(turned, np.asarray(img))
     assert exif_orientation(saved(img, "PNG")) == 1 and exif_orientation(b"") == 1
+
+
+def test_an_archive_splits_as_its_folder_and_names_starting_with_dot_slash_are_read(tmp_path):
+    import pickle
+    import tarfile
+
+    from job.data.image import UnreadableImage
+    from job.data.split import kind_of
+
+    root = photo_folder(tmp_path / "photos")
+    cfg = DataConfig(kind="folder", path=str(root), val_split=0.3, image_size=24)
+    folder = load_folder(cfg, None, lambda _: None)
+    for arcname, archive in (("photos", tmp_path / "a.tar.gz"), (".", tmp_path / "b.tar")):  # tar -C photos .
+        with tarfile.open(archive, "w:gz" if archive.suffix == ".gz" else "w") as tar:
+            tar.add(root, arcname=arcname)
+        data = load_folder(cfg.model_copy(update={"path": str(archive)}), None, lambda _: None)
+        assert len(data.val) == len(folder.val) and torch.equal(data.val.y, folder.val.y), arcname
+        assert torch.equal(data.train.x, folder.train.x)
+    assert kind_of("./cats/IMG_1.JPG") == "image" and kind_of("./cats/.DS_Store") == "system"
+    e = pickle.loads(pickle.dumps(UnreadableImage("cats/x.jpg", "an empty file")))  # sent back by a decoding process
+    assert e.name == "cats/x.jpg" and "cats/x.jpg" in str(e)
+
+
+def test_a_jsonl_manifest_with_integer_labels(tmp_path):
+    from job.data.manifest import load_manifest
+
+    root = photo_folder(tmp_path / "photos", per_class=6)
+    rows = [
+        {"path": p.relative_to(tmp_path).as_posix(), "label": k, "split": "val" if p.stem.endswith("5") else None}
+        for k, name in enumerate(("cats", "dogs", "owls"))
+        for p in sorted((root / name).rglob("IMG_0*"))
+    ]
+    table = tmp_path / "labels.jsonl"
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_manifest(DataConfig(kind="manifest", path=str(table), val_split=0, image_size=24), None, print)
+    assert data.classes == ["0", "1", "2"] and len(data.val) == 3 and len(data.train) == 15

@@ -73,9 +73,12 @@ def test_shard_writes_the_webdataset_layout_with_an_index(packed):
 
 def test_shard_again_is_a_no_op_and_another_source_is_refused(packed, tmp_path):
     before = {p: p.stat().st_mtime_ns for p in packed.rglob("*")}
-    code, err = invoke(["shard", json.loads((packed / "index.json").read_text())["source"], str(packed)])
+    source = json.loads((packed / "index.json").read_text())["source"]
+    code, err = invoke(["shard", source, str(packed), "--val-split", "0"])
     assert code == 0 and "already packed" in err
     assert {p: p.stat().st_mtime_ns for p in packed.rglob("*")} == before
+    code, err = invoke(["shard", source, str(packed), "--val-split", "0.2"])  # another split: not this pack
+    assert code == 2 and "--val-split 0.0" in err and "Traceback" not in err
     other = write_image_folder(tmp_path / "other")
     code, err = invoke(["shard", str(other), str(packed)])
     assert code == 2 and "packed from" in err and "Traceback" not in err

@@ -208,9 +208,16 @@ class DeviceDecoder:
                         images[i] = sized(orient(img, exif_orientation(items[i][2])), self.size, self.fit)
             for i, item in enumerate(items):
                 if images[i] is None:
-                    one = decode_batch([item], self.size, self.fit, self.skip)
-                    bad += [(i, why) for _, why in one.bad]
-                    images[i] = torch.from_numpy(one.images[0]).to(self.device)
+                    try:
+                        images[i] = torch.from_numpy(decode([item], self.size, self.fit)[0]).to(self.device)
+                    except UnreadableImage as e:
+                        if not self.skip:
+                            raise
+                        bad.append((i, str(e)))
+            good = next((img for img in images if img is not None), None)
+            if good is None:
+                raise DataError(f"no image of the batch of samples {items[0][0]} to {items[-1][0]} could be decoded")
+            images = [img if img is not None else torch.zeros_like(good) for img in images]  # a bad one: zeros
             for img, (name, _, _) in zip(images, items):
                 if img.shape != images[0].shape:
                     raise different_sizes(images[0].shape, img.shape, name)

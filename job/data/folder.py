@@ -56,9 +56,10 @@ def check_files(files: Files, classes: list[str], url: str) -> None:
     if not files.roles["train"]:
         raise DataError(f"{url}: no images in the {LAYOUT} layout")
     if not files.roles["val"] and not files.roles["test"]:
+        n = len(files.roles["train"])
         raise ConfigError(
-            f"{url}: nothing to evaluate on: no val/ or test/ folder and data.val_split is 0; hold some images out "
-            "with data.val_split (and data.test_split)"
+            f"{url}: nothing to evaluate on: no val/ or test/ folder, and none of its {n} images fell in a held-out "
+            "share: raise data.val_split (or data.test_split), or add a val/ folder"
         )
     for role in ("val", "test"):
         unknown = sorted({c for _, c in files.roles[role]} - set(classes))

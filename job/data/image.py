@@ -41,6 +41,9 @@ class UnreadableImage(DataError):
         super().__init__(f"cannot decode image {name}: {reason}")
         self.name, self.reason = name, reason
 
+    def __reduce__(self):  # raised in a decoding process and sent back whole: the file stays named
+        return (UnreadableImage, (self.name, self.reason))
+
 
 def open_rgb(data: bytes, name: str, draft: int | None = None) -> Image.Image:
     """The photo upright in 8-bit RGB. `draft`: the smallest size (both sides) the caller will resize to; a large

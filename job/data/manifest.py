@@ -39,11 +39,10 @@ def load_manifest(cfg, cache: Path | None, log: Log) -> Dataset:
     files, labels = Files(), []
     hold = HoldOut.of(cfg)
     for n, row in enumerate(rows, start=1):
-        path, label = str(row.get(cfg.path_column) or "").strip(), str(row.get(cfg.label_column) or "").strip()
-        path = path.removeprefix("./")
+        path, label = cell(row, cfg.path_column).removeprefix("./"), cell(row, cfg.label_column)
         if not path or not label:
             raise DataError(f"{url} row {n}: no {cfg.path_column if not path else cfg.label_column}")
-        written = str(row.get(cfg.split_column) or "").strip().lower()
+        written = cell(row, cfg.split_column).lower()
         role = SPLIT_FOLDERS.get(written) if written else "train"
         if role is None:
             raise DataError(f"{url} row {n}: split '{written}': expected train, val or test")
@@ -59,6 +58,12 @@ def load_manifest(cfg, cache: Path | None, log: Log) -> Dataset:
     for role in files.roles:  # a file that is not there is skipped and named, like one that cannot be decoded
         files.roles[role] = [(p, c) for p, c in files.roles[role] if p in content]
     return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped)
+
+
+def cell(row: dict, column: str) -> str:
+    """A row's value as text ('' when absent; a JSON 0 is "0", not absent)."""
+    value = row.get(column)
+    return "" if value is None else str(value).strip()
 
 
 def read_rows(url: str, raw: bytes) -> list[dict]:

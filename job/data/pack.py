@@ -96,6 +96,12 @@ def pack(
     if done is not None:
         if done.get("source") != src:
             raise ConfigError(f"{dst} holds shards packed from {done.get('source')}: choose another destination")
+        was = done.get("hold_out", {"val": 0.0, "test": 0.0, "split_seed": hold.seed})
+        if (was["val"], was["test"], was["split_seed"]) != (hold.val, hold.test, hold.seed):
+            raise ConfigError(
+                f"{dst} was packed with --val-split {was['val']} --test-split {was['test']} --split-seed "
+                f"{was['split_seed']}: pack into another destination for another split"
+            )
         counts = " / ".join(f"{sum(e['nsamples'] for e in done['splits'].get(s, []))} {s}" for s in SPLITS)
         log(f"shard: {dst} is already packed from {src} ({counts} samples)")
         return done

@@ -43,7 +43,7 @@ def is_system_file(name: str) -> bool:
 
 def kind_of(name: str) -> str:
     """system (see is_system_file), image (by suffix, in any case), or other."""
-    path = "/" + name.replace("\\", "/").lower()
+    path = "/" + name.replace("\\", "/").lower().replace("/./", "/").removeprefix("./")
     if "/." in path or path[path.rfind("/") + 1 :] in SYSTEM_FILES:
         return "system"
     if "/@eadir/" in path or "/__macosx/" in path or "/$recycle.bin/" in path or "/system volume information/" in path:
@@ -140,7 +140,7 @@ def sort_files(names: list[str], hold: HoldOut) -> Files:
             continue
         if role == "train" and carve is not None:  # Roles.__call__, inlined: this loop may see millions of names
             h = seeded.copy()
-            h.update(name.encode())
+            h.update(name[cut:].encode())  # the path inside the data: an archive and its unpacked folder split alike
             u = to_int(h.digest(), "big")
             role = "val" if u < carve.val else "test" if u < carve.test else "train"
             if role != "train":
