@@ -43,10 +43,14 @@ def is_system_file(name: str) -> bool:
 
 def kind_of(name: str) -> str:
     """system (see is_system_file), image (by suffix, in any case), or other."""
-    path = "/" + name.replace("\\", "/").lower().replace("/./", "/").removeprefix("./")
-    if "/." in path or path[path.rfind("/") + 1 :] in SYSTEM_FILES:
+    path = name.lower()
+    if "\\" in path:
+        path = path.replace("\\", "/")
+    if "./" in path:  # tar -C folder . names every member ./...: not hidden
+        path = path.removeprefix("./").replace("/./", "/")
+    if path.startswith(".") or "/." in path or path[path.rfind("/") + 1 :] in SYSTEM_FILES:
         return "system"
-    if "/@eadir/" in path or "/__macosx/" in path or "/$recycle.bin/" in path or "/system volume information/" in path:
+    if "@eadir/" in path or "__macosx/" in path or "$recycle.bin/" in path or "system volume information/" in path:
         return "system"
     return "image" if path.endswith(IMAGE_SUFFIXES) else "other"
 
