@@ -128,6 +128,7 @@ class Feed:
         self.is_image = data.is_image
         self.streaming_choice = data.streaming  # streamed or held, and why: checkpoints record it
         self.inventory = data.inventory  # which files are in which split: checkpoints record its digest
+        self.features = data.features  # a table's columns and scaler: model.json records them
         self.stream = data if isinstance(data, StreamData) else None
         if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
             self.held_on = None
@@ -155,6 +156,12 @@ class Feed:
             x = self.train_split.x[pick.to(self.train_split.x.device)]
         layout = torch.channels_last if self.channels_last else torch.contiguous_format
         return to_float(x.to(self.device), layout, *self.stats(), self.view)
+
+    def stats_cpu(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The normalisation's mean and std per channel on the host (None, None: none)."""
+        if self.mean is None:
+            return None, None
+        return self.mean.detach().cpu().flatten(), self.std.detach().cpu().flatten()
 
     def stats(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.mean is None:
@@ -280,6 +287,7 @@ class Recipe:
     train: Loader | None  # at the config's batch size (None when built without loaders)
     held_out: dict[str, Loader]  # val and test, those the data has (none when built without loaders)
     input_shape: tuple[int, ...]  # what the model takes: the data's, or its view's
+    classes: list[str]  # in index order
     accumulate: int = 1  # batches per optimizer step
     loss: Callable[..., torch.Tensor] = F.cross_entropy  # the training loss of (logits, labels)
     lookahead: Lookahead | None = None  # stepped after each optimizer step, when optim.lookahead_every is set
@@ -356,6 +364,7 @@ def build(
         train,
         held_out,
         input_shape,
+        data.classes,
         accumulate,
         loss,
         lookahead,

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from job import checkpoint, distributed, recipe, schedule
+from job import bundle, checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
 from job.choose import Chooser, final_test, outcome, test_and_report
 from job.config import Config, flat_items, to_yaml
@@ -320,6 +320,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     payload |= loop.chooser.saved(state)
     payload |= {"placement": r.feed.streaming_choice.saved()}
     payload |= {"split": r.feed.inventory.digest()} if r.feed.inventory is not None else {}
+    payload |= {"model_json": model_json(loop, metrics)}  # any checkpoint describes its model as model.json does
     if r.feed.mean is not None:
         payload |= {"normalization": {"mean": r.feed.mean.tolist(), "std": r.feed.std.tolist()}}
     t = cfg.train
@@ -336,8 +337,15 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     loop.run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
 
 
+def model_json(loop: Loop, metrics: dict) -> dict:
+    r = loop.r
+    return bundle.describe(loop.cfg, r.classes, r.input_shape, r.feed.stats_cpu(), r.feed.features, metrics)
+
+
 def write_results(loop: Loop, final: dict) -> None:
     loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.model))
+    described = json.dumps(model_json(loop, final), indent=1, ensure_ascii=False)
+    loop.run_dir.write(bundle.MODEL_JSON, described.encode())
     loop.report.close(final)
     loop.attempt.end(0)
 

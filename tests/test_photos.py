@@ -469,3 +469,60 @@ def test_a_jsonl_manifest_with_integer_labels(tmp_path):
     table.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = load_manifest(DataConfig(kind="manifest", path=str(table), val_split=0, image_size=24), None, print)
     assert data.classes == ["0", "1", "2"] and len(data.val) == 3 and len(data.train) == 15
+
+
+def reproduce(data: bytes, pre: dict) -> np.ndarray:
+    """The model's input for an image file from model.json's preprocessing, with Pillow and numpy alone, as a
+    person serving the model would write it."""
+    from PIL import ImageOps
+
+    img = Image.open(io.BytesIO(data))
+    img = ImageOps.exif_transpose(img) if pre["exif_orientation"] else img
+    img = img.convert(pre["mode"])
+    if pre["resize"] and "short_side" in pre["resize"]:
+        s, (w, h) = pre["resize"]["short_side"], img.size
+        img = img.resize((s, round(h * s / w)) if w <= h else (round(w * s / h), s), Image.Resampling.BILINEAR)
+    elif pre["resize"]:
+        h, w = pre["resize"]["size"]
+        img = img.resize((w, h), Image.Resampling.BILINEAR)
+    if pre["crop"]:
+        (ch, cw), (w, h) = pre["crop"]["center"], img.size
+        left, top = round((w - cw) / 2), round((h - ch) / 2)
+        img = img.crop((left, top, left + cw, top + ch))
+    x = np.asarray(img, np.float32) * pre["scale"]
+    if pre["mean"] is not None:
+        x = (x - np.asarray(pre["mean"], np.float32)) / np.asarray(pre["std"], np.float32)
+    return x.transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize("sizes", [("data.image_size=24", "data.resize_size=28"), ("data.image_size=20",)])
+def test_model_json_describes_the_model_and_reproduces_its_input(tmp_path, sizes):
+    from job import recipe
+    from job.config import load_config
+    from job.data.augment import to_float
+
+    root = photo_folder(tmp_path / "photos", per_class=8)
+    out = tmp_path / "run"
+    over = ["data.kind=folder", f"data.path={root}", *sizes, "data.normalize=true", "model.name=mlp", "train.epochs=1"]
+    over += ["data.val_split=0.3"]
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *sets(*over)])
+    assert code == 0, err
+    card = json.loads((out / "model.json").read_text())
+    assert card["classes"] == ["cats", "dogs", "owls"] and card["model"]["num_classes"] == 3
+    assert card["model"]["name"] == "mlp" and "best_accuracy" in card["metrics"]
+    pre = card["preprocessing"]
+    ckpt = torch.load(next((out / "checkpoints").glob("*.pt")), weights_only=True)
+    assert ckpt["model_json"]["preprocessing"] == pre  # any checkpoint describes its model the same way
+    cfg = recipe.resolved(load_config("cifar10", over))
+    data = recipe.read_data(cfg)
+    r = recipe.build(cfg, torch.device("cpu"), data, pretrained=False, started=ckpt)
+    files = sorted(root.rglob("IMG_00*"))[:6]
+    held = torch.stack(
+        [torch.from_numpy(pixels(p.read_bytes(), p.name, cfg.data.resize_size or cfg.data.image_size,
+                                 cfg.data.resize_size is not None).transpose(2, 0, 1).copy()) for p in files]
+    )  # fmt: skip
+    mean, std = r.feed.stats()
+    job_input = to_float(held, torch.contiguous_format, mean, std, r.feed.view).numpy()
+    theirs = np.stack([reproduce(p.read_bytes(), pre) for p in files])
+    assert theirs.shape == job_input.shape
+    assert np.abs(theirs - job_input).mean() < 0.05 * float(np.abs(job_input).mean() + 1)

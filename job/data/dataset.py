@@ -36,6 +36,7 @@ class Dataset:
     streaming: Streaming = HELD  # held in memory, and why (a StreamData is read as the run trains)
     val: Split | None = None
     inventory: Inventory | None = None  # the run's data.json: counts, held-out files, skipped files
+    features: dict | None = None  # a table's feature columns, in order, and its scaler (model.json records them)
     streamed = False
 
     def split(self, name: str) -> Split | None:

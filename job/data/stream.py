@@ -79,6 +79,7 @@ class StreamData:
     streaming: Streaming
     is_image: bool = True
     streamed = True
+    features = None  # images
 
     @property
     def inventory(self) -> Inventory | None:

@@ -66,7 +66,13 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
     for split in (train, val, test):
         if split is not None:
             split.x = (split.x - low) / span
-    return Dataset(train, test, classes, f"csv {name}", val=val)
+    features = {
+        "columns": [h for h in header if h != cfg.target],  # in the order the model takes them
+        "target": cfg.target,
+        "min": low.tolist(),
+        "span": span.tolist(),  # x' = (x - min) / span, fitted on the training rows
+    }
+    return Dataset(train, test, classes, f"csv {name}", val=val, features=features)
 
 
 def read_csv(url: str, cache: Path | None, log: Log) -> tuple[list[str], list[list[str]]]:
