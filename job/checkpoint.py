@@ -282,7 +282,8 @@ def load_url(url: str, weights: bool = False) -> tuple[dict, dict | None]:
         return found
     manifest = None
     try:
-        if path.endswith(".pt") and fs.exists(path[: -len(".pt")] + ".json"):
+        committed = NAME.match(path.rsplit("/", 1)[-1])  # e<epoch>-s<step>.pt, not model.pt (whose model.json
+        if committed and path.endswith(".pt") and fs.exists(path[: -len(".pt")] + ".json"):  # describes, not checks)
             manifest = read_manifest(fs.cat_file(path[: -len(".pt")] + ".json"), url)
         data = fs.cat_file(path)
     except CheckpointError:

@@ -152,6 +152,27 @@ def evaluate(
 
 
 @app.command()
+def predict(
+    inputs: list[str] = typer.Argument(
+        ..., help="Images: files, folders (recursive), glob patterns, .tar/.tar.gz archives, at any URL."
+    ),
+    model: str = typer.Option(..., "--model", "-m", help="A run folder, its model.pt, or a checkpoint, at any URL."),
+    output: str = typer.Option("", "--output", "-o", help="A .csv or .jsonl file at any URL; default: CSV on stdout."),
+    top_k: int = typer.Option(1, "--top-k", min=1, help="Labels and probabilities per image."),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="Images per batch."),
+    device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
+) -> None:
+    """Labels and probabilities for new images from a trained model, preprocessed as its evaluation was; a file that
+    cannot be read gets a row with its error (exit 3 when none could be read)."""
+    with user_errors():
+        from job.env import pick_device
+        from job.predict import predict as run_predict
+        from job.report import say
+
+        run_predict(model, inputs, output or None, top_k, batch_size, pick_device(device), log=say)
+
+
+@app.command()
 def info(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
     """The machine as training sees it: torch, CUDA, cuDNN, GPUs and their memory, CPU cores, /dev/shm."""
     from job.env import format_info

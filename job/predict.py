@@ -1,0 +1,303 @@
+"""`job predict`: labels and probabilities for new images from a trained model, at any URL in and out.
+
+The model comes from a run folder (model.pt, the chosen weights, with model.json and config.yaml beside it), its
+model.pt, or any checkpoint (which carries its config and model.json): nothing of the training data is read. Each
+image is made into the model's input exactly as the run's evaluation made it: the same decoding
+(job/data/image.py: EXIF turn, HEIC, every mode to RGB), the same held size, the same centre view and
+normalisation (job/data/augment.py's to_float), so `predict` on the run's own test files gives `evaluate`'s logits.
+
+Inputs: image files, folders (recursive), glob patterns, and .tar/.tar.gz archives, local or at any URL. They are
+listed first, then read, decoded and predicted a batch at a time, decoding a few batches ahead of the model (in
+data.workers processes, as streamed training decodes), so memory stays flat in the number of inputs. A file that
+cannot be read gets a row with its error and the rest go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+
+from job import bundle, checkpoint
+from job.cloud import describe_storage_error, filesystem
+from job.config import validate
+from job.data.augment import to_float
+from job.data.decode import Decoder, auto_workers
+from job.data.files import fetch, is_archive, iter_archive
+from job.data.split import kind_of
+from job.errors import CheckpointError, ConfigError, DataError, StorageError
+from job.models import build_model
+
+AHEAD = 3  # batches decoded ahead of the model
+
+
+@dataclass
+class Predictor:
+    """A trained model and what makes its inputs."""
+
+    model: torch.nn.Module
+    classes: list[str]
+    size: int | None  # the square size images are held at (None: as they are)
+    fit: bool  # held by the short side and centre (photos), else stretched
+    view: object  # the centre view of evaluation, or None
+    mean: torch.Tensor | None
+    std: torch.Tensor | None
+    device: torch.device
+
+    @torch.no_grad()
+    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
+        x = to_float(images.to(self.device), torch.contiguous_format, self.mean, self.std, self.view)
+        return torch.softmax(self.model(x).float(), dim=1).cpu()
+
+
+def load_predictor(url: str, device: torch.device) -> Predictor:
+    """The model at `url` (a run folder, its model.pt, or a checkpoint) on `device`, in evaluation mode."""
+    from job.recipe import model_input, resolved
+
+    payload, card, raw_config = model_files(url)
+    cfg = resolved(validate(raw_config))
+    pre = card.get("preprocessing")
+    if pre is None:
+        raise ConfigError(f"{url}: a model of a table (csv): predict reads images; tables are not supported yet")
+    shape = tuple(card["input_shape"])
+    d = cfg.data
+    size = d.resize_size or d.image_size
+    held = (3, size, size) if size is not None else shape
+    _, view = model_input(cfg, held, True)
+    model = build_model(cfg.model, shape, len(card["classes"]))
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
+    model.to(device).eval()
+    stats = [
+        None if pre["mean"] is None else torch.tensor(pre[k]).view(1, -1, 1, 1).to(device) for k in ("mean", "std")
+    ]
+    return Predictor(model, list(card["classes"]), size, d.resize_size is not None, view, *stats, device)
+
+
+def model_files(url: str) -> tuple[dict, dict, dict]:
+    """(weights payload, model.json's content, config) of a run folder, its model.pt, or a checkpoint."""
+    fs, path = filesystem(url)
+    try:
+        folder = fs.isdir(path)
+        chosen = folder and fs.exists(f"{path.rstrip('/')}/model.pt")
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the model: {describe_storage_error(url, e)}") from None
+    weights_url = f"{url.rstrip('/')}/model.pt" if chosen else url
+    payload, _ = checkpoint.load_url(weights_url, weights=True)
+    if "model_json" in payload and "config" in payload:
+        return payload, payload["model_json"], payload["config"]
+    beside = weights_url.rsplit("/", 1)[0] if "/" in weights_url else "."
+    card, config = read_json(f"{beside}/{bundle.MODEL_JSON}"), read_yaml(f"{beside}/config.yaml")
+    if card is None or config is None:
+        raise CheckpointError(
+            f"{url}: weights with no model.json and config.yaml beside them (runs of earlier versions wrote none): "
+            "pass the run's checkpoint instead (--model RUN/checkpoints/<name>.pt)"
+        )
+    return payload, card, config
+
+
+def read_json(url: str) -> dict | None:
+    fs, path = filesystem(url)
+    try:
+        return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+    except ValueError:
+        raise CheckpointError(f"{url}: not JSON") from None
+
+
+def read_yaml(url: str) -> dict | None:
+    import yaml
+
+    fs, path = filesystem(url)
+    return yaml.safe_load(fs.cat_file(path)) if fs.exists(path) else None
+
+
+def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
+    """(name, url) of every image an input names: a file, a folder's images (recursive), a glob's; (archive, None)
+    for an archive, read as it is iterated. Names are as given, or folder-relative under a folder."""
+    found: list[tuple[str, str | None]] = []
+    for item in inputs:
+        fs, path = filesystem(item)
+        try:
+            if any(c in path for c in "*?["):
+                matches = sorted(fs.glob(path))
+                found += [(fs.unstrip_protocol(p), fs.unstrip_protocol(p)) for p in matches if not fs.isdir(p)]
+                if not matches:
+                    raise DataError(f"{item}: no file matches")
+            elif fs.isdir(path):
+                root = path.rstrip("/") + "/"
+                for p in sorted(fs.find(path)):
+                    if kind_of(p[len(root) :]) == "image":
+                        found.append((f"{item.rstrip('/')}/{p[len(root) :]}", fs.unstrip_protocol(p)))
+            elif is_archive(path):
+                found.append((item, None))
+            elif fs.exists(path):
+                found.append((item, item))
+            else:
+                raise DataError(f"{item}: no such file or folder")
+        except (DataError, StorageError):
+            raise
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(f"cannot list {item}: {describe_storage_error(item, e)}") from None
+    return found
+
+
+def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[tuple[str, bytes]]]:
+    """The inputs' bytes, `chunk` files at a time (fetched concurrently from a store); an archive's images as its
+    members come."""
+    pending: list[tuple[str, str]] = []
+
+    def flush() -> Iterator[list[tuple[str, bytes]]]:
+        by_fs: dict[int, list[tuple[str, str]]] = {}
+        for name, url in pending:
+            by_fs.setdefault(id(filesystem(url)[0]), []).append((name, url))
+        for group in by_fs.values():
+            fs = filesystem(group[0][1])[0]
+            yield list(zip([n for n, _ in group], fetch(fs, [filesystem(u)[1] for _, u in group], group[0][1])))
+        pending.clear()
+
+    for name, url in found:
+        if url is None:
+            batch = []
+            for member, data in iter_archive(name):
+                if kind_of(member) == "image":
+                    batch.append((f"{name}:{member}", data))
+                    if len(batch) == chunk:
+                        yield batch
+                        batch = []
+            if batch:
+                yield batch
+            continue
+        pending.append((name, url))
+        if len(pending) == chunk:
+            yield from flush()
+    if pending:
+        yield from flush()
+
+
+def predict(
+    model_url: str,
+    inputs: list[str],
+    output: str | None,
+    top_k: int,
+    batch_size: int,
+    device: torch.device,
+    workers: int | str = "auto",
+    log=print,
+) -> dict:
+    """Predict every input image; rows written to `output` (.csv or .jsonl, any URL; None: CSV on standard
+    output). Returns the counts."""
+    if output is not None and not output.lower().endswith((".csv", ".jsonl")):
+        raise ConfigError(f"--output: a .csv or .jsonl file, got {output}")
+    p = load_predictor(model_url, device)
+    k = max(1, min(top_k, len(p.classes)))
+    found = listed(inputs)
+    decoder = Decoder(auto_workers(workers, device.type), p.size, p.fit, skip=True)
+    rows = Rows(output, k)
+    t0, done, failed = time.perf_counter(), 0, 0
+    from tqdm import tqdm
+
+    with tqdm(total=len(found), unit=" images", disable=None, file=sys.stderr, mininterval=1) as bar:
+        queue: deque = deque()
+        for batch in read(found, batch_size):
+            queue.append((batch, decoder.submit([(n, n.rsplit(".", 1)[-1].lower(), b) for n, b in batch])))
+            if len(queue) > AHEAD:
+                done, failed = rows.emit(p, *queue.popleft(), done, failed)
+                bar.update(len(batch))
+        while queue:
+            batch, future = queue.popleft()
+            done, failed = rows.emit(p, batch, future, done, failed)
+            bar.update(len(batch))
+    rows.close()
+    seconds = time.perf_counter() - t0
+    rate = done / max(seconds, 1e-9)
+    log(f"predict: {done} images labelled, {failed} could not be read, in {seconds:.1f} s ({rate:.0f} images/s)")
+    if done == 0 and failed:
+        raise DataError(f"no input could be read ({failed} tried): see the error column")
+    return {"labelled": done, "errors": failed}
+
+
+class Rows:
+    """The output file: CSV (path, label, probability, label_2, probability_2, ..., error) or JSONL."""
+
+    def __init__(self, output: str | None, k: int) -> None:
+        self.output, self.k = output, k
+        self.jsonl = output is not None and output.lower().endswith(".jsonl")
+        # Rows go to a local file as they come (memory stays flat), copied to a remote URL at the end.
+        part = None if output is None else tempfile.NamedTemporaryFile("w", suffix=".part", delete=False)  # noqa: SIM115
+        self.local = part  # closed by close()
+        self.buf = self.local if self.local is not None else sys.stdout
+        self.csv = None if self.jsonl else csv.writer(self.buf)
+        if self.csv is not None:
+            head = ["path", "label", "probability"]
+            for i in range(2, k + 1):
+                head += [f"label_{i}", f"probability_{i}"]
+            self.csv.writerow([*head, "error"])
+
+    def emit(self, p: Predictor, batch: list, future, done: int, failed: int) -> tuple[int, int]:
+        from job.data.decode import IGNORED, decoded
+
+        marks = torch.zeros(len(batch), dtype=torch.int64)
+        errors: list[str] = []
+        try:
+            images = decoded(future, (batch[0][0], batch[-1][0]), marks, errors)
+        except DataError as e:  # not one image of the batch could be decoded
+            for name, _ in batch:
+                self.row(name, [], str(e))
+            return done, failed + len(batch)
+        good = (marks != IGNORED).nonzero().flatten()
+        probs = p.probabilities(images[good]) if len(good) else torch.empty(0, len(p.classes))
+        top = probs.topk(self.k, dim=1) if len(good) else None
+        why = iter(errors)
+        at = {int(i): j for j, i in enumerate(good)}
+        for i, (name, _) in enumerate(batch):
+            if i in at:
+                j = at[i]
+                pairs = [(p.classes[int(c)], float(v)) for v, c in zip(top.values[j], top.indices[j])]
+                self.row(name, pairs, "")
+                done += 1
+            else:
+                self.row(name, [], next(why, "cannot decode"))
+                failed += 1
+        return done, failed
+
+    def row(self, name: str, pairs: list[tuple[str, float]], error: str) -> None:
+        if self.jsonl:
+            first = pairs[0] if pairs else (None, None)
+            entry = {"path": name, "label": first[0], "probability": first[1], "top_k": pairs, "error": error or None}
+            self.buf.write(json.dumps(entry, ensure_ascii=False) + "\n")
+            return
+        cells = [name]
+        for i in range(self.k):
+            cells += [pairs[i][0], f"{pairs[i][1]:.6f}"] if i < len(pairs) else ["", ""]
+        self.csv.writerow([*cells, error])
+
+    def close(self) -> None:
+        if self.local is None:
+            sys.stdout.flush()
+            return
+        self.local.close()
+        fs, path = filesystem(self.output)
+        try:
+            if isinstance(fs, LocalFileSystem):
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                shutil.move(self.local.name, path)
+            else:
+                fs.put_file(self.local.name, path)
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(f"cannot write {self.output}: {describe_storage_error(self.output, e)}") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.local.name)

@@ -1,0 +1,127 @@
+"""`job predict`: a trained run's model labels new photos (real files: EXIF-turned JPEGs, PNG, a broken file and an
+empty one) to CSV, JSONL and standard output, from and to gs:// (the GCS server on loopback), with the logits of the
+run's own evaluation."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import invoke, sets
+from PIL import Image, ImageOps
+from test_photos import photo_folder, saved, turned_jpeg
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """(run folder, folder of new photos: 6 per class, half of them turned by EXIF, plus a broken and an empty file)."""
+    root = tmp_path_factory.mktemp("predict")
+    photos = photo_folder(root / "photos")
+    over = sets(
+        "data.kind=folder",
+        f"data.path={photos}",
+        "data.image_size=32",
+        "data.val_split=0.3",
+        "optim.name=adamw",
+        "optim.lr=0.003",
+        "train.epochs=4",
+        "data.batch_size=16",
+    )
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(root / "run"), *over])
+    assert code == 0, err
+    new = root / "new"
+    new.mkdir()
+    for name in ("cats", "dogs", "owls"):
+        for i, p in enumerate(sorted((photos / name).rglob("IMG_0*"))[:6]):
+            img = ImageOps.exif_transpose(Image.open(p)).convert("RGB") if i % 2 else None  # upright, stored turned
+            data = turned_jpeg(img, 8) if img is not None else p.read_bytes()
+            (new / f"{name}_{i}.jpg").write_bytes(data)
+    (new / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut")
+    (new / "empty.png").write_bytes(b"")
+    return root / "run", new
+
+
+def rows_of(path: Path) -> dict[str, dict]:
+    if path.suffix == ".jsonl":
+        return {Path(r["path"]).name: r for r in map(json.loads, path.read_text().splitlines())}
+    with open(path, newline="") as f:
+        return {Path(r["path"]).name: r for r in csv.DictReader(f)}
+
+
+def test_predict_labels_new_photos_to_csv_and_jsonl_with_an_error_row_per_bad_file(trained, tmp_path):
+    run, new = trained
+    code, err = invoke(
+        ["predict", "--model", str(run), str(new), "--device", "cpu", "--output", str(tmp_path / "p.csv")]
+    )
+    assert code == 0, err
+    rows = rows_of(tmp_path / "p.csv")
+    assert len(rows) == 20 and "18 images labelled, 2 could not be read" in err
+    assert (
+        rows["broken.jpg"]["error"]
+        and rows["empty.png"]["error"] == f"cannot decode image {new}/empty.png: an empty file"
+    )
+    right = sum(1 for n, r in rows.items() if not r["error"] and r["label"] == n.split("_")[0])
+    assert right >= 16, rows  # turned photos included: read upright
+    code, err = invoke(
+        ["predict", "-m", str(run), f"{new}/*.jpg", "--device", "cpu", "--top-k", "3", "-o", str(tmp_path / "p.jsonl")]
+    )
+    assert code == 0, err
+    lines = rows_of(tmp_path / "p.jsonl")
+    assert len(lines) == 19 and all(len(r["top_k"]) == 3 for r in lines.values() if not r["error"])
+    top = lines["cats_0.jpg"]["top_k"]
+    assert top[0][0] == lines["cats_0.jpg"]["label"] and top[0][1] >= top[1][1] >= top[2][1]
+    assert abs(sum(p for _, p in top) - 1) < 1e-4  # three classes: all of the probability
+
+
+def test_predict_gives_the_evaluations_probabilities(trained, tmp_path):
+    """predict on the run's own val files: the same probabilities as the run's evaluation pipeline gives them."""
+    from job import recipe
+    from job.config import Config
+    from job.data.folder import load_folder
+    from job.data.loader import BatchLoader
+
+    run, _ = trained
+    ckpt = torch.load(run / "model.pt", weights_only=True)
+    cfg = recipe.resolved(Config.model_validate(__import__("yaml").safe_load((run / "config.yaml").read_text())))
+    data = load_folder(cfg.data, None, lambda _: None)
+    val_files = json.loads((run / "data.json").read_text())["held_out"]["val"]
+    r = recipe.build(cfg, torch.device("cpu"), data, pretrained=False, loaders=False)
+    r.model.load_state_dict(ckpt)
+    r.model.eval()
+    loader = BatchLoader(data.val, 64, torch.device("cpu"), torch.device("cpu"), mean=r.feed.mean, std=r.feed.std)
+    with torch.no_grad():
+        expected = torch.softmax(torch.cat([r.model(b.x) for b in loader.batches()]), 1)
+    root = Path(cfg.data.path)
+    code, err = invoke(
+        ["predict", "-m", str(run), *[str(root / f) for f in sorted(val_files)], "--device", "cpu", "--top-k", "3"]
+        + ["-o", str(tmp_path / "v.jsonl")]
+    )
+    assert code == 0, err
+    got = [json.loads(line) for line in (tmp_path / "v.jsonl").read_text().splitlines()]
+    classes = data.classes
+    for row, want in zip(got, expected):
+        probs = dict(row["top_k"])
+        assert torch.allclose(torch.tensor([probs[c] for c in classes]), want, atol=1e-5)
+
+
+def test_predict_from_and_to_a_bucket_and_nothing_readable_exits_3(trained, tmp_path, bucket):
+    run, new = trained
+    bucket.put_tree(new, "new")
+    out = bucket.url("out/p.csv")
+    code, err = invoke(["predict", "-m", str(run), bucket.url("new"), "--device", "cpu", "-o", out])
+    assert code == 0, err
+    local = tmp_path / "p.csv"
+    bucket.fs.get(out.removeprefix("gs://"), str(local))
+    assert len(rows_of(local)) == 20
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "a.jpg").write_bytes(b"")
+    (bad / "b.png").write_bytes(saved(Image.new("RGB", (4, 4)), "PNG")[:30])
+    code, err = invoke(["predict", "-m", str(run), str(bad), "--device", "cpu", "-o", str(tmp_path / "b.csv")])
+    assert code == 3 and "no input could be read" in err and "Traceback" not in err
+    assert len(rows_of(tmp_path / "b.csv")) == 2  # the rows are written all the same
+    code, err = invoke(["predict", "-m", str(tmp_path / "nothing"), str(bad), "--device", "cpu"])
+    assert code != 0 and "Traceback" not in err
