@@ -173,6 +173,24 @@ def predict(
 
 
 @app.command()
+def export(
+    model: str = typer.Option(..., "--model", "-m", help="A run folder, its model.pt, or a checkpoint, at any URL."),
+    fmt: str = typer.Option(..., "--format", "-f", help="onnx or pt2."),
+    output: str = typer.Option("", "--output", "-o", help="The file to write; default: model.<format> in the run."),
+    check_images: list[str] = typer.Option(
+        [], "--check-images", help="Images to check the export on; default: the run's val (or test) images."
+    ),
+) -> None:
+    """The model as an ONNX or torch.export (pt2) file, with its class names and preprocessing, run with its own
+    runtime on real images and compared with the model before it is called done (<output>.check.json)."""
+    with user_errors():
+        from job.export import export as run_export
+        from job.report import say
+
+        run_export(model, fmt, output or None, check_images, log=say)
+
+
+@app.command()
 def info(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
     """The machine as training sees it: torch, CUDA, cuDNN, GPUs and their memory, CPU cores, /dev/shm."""
     from job.env import format_info

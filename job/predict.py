@@ -229,6 +229,26 @@ def predict(
     return {"labelled": done, "errors": failed}
 
 
+def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> torch.Tensor | None:
+    """Up to `limit` of the inputs' images as the model's inputs (float, on the predictor's device), those that can
+    be read; None when none can."""
+    from job.data.decode import IGNORED, decoded
+
+    decoder, kept, n = Decoder(0, p.size, p.fit, skip=True), [], 0
+    for batch in read(listed(inputs), limit):
+        marks = torch.zeros(len(batch), dtype=torch.int64)
+        try:
+            images = decoded(decoder.submit([(name, "", data) for name, data in batch]), ("", ""), marks)
+        except DataError:
+            continue
+        good = images[marks != IGNORED][: limit - n]
+        kept.append(to_float(good.to(p.device), torch.contiguous_format, p.mean, p.std, p.view))
+        n += len(good)
+        if n >= limit:
+            break
+    return torch.cat(kept) if kept else None
+
+
 class Rows:
     """The output file: CSV (path, label, probability, label_2, probability_2, ..., error) or JSONL."""
 

@@ -125,3 +125,37 @@ def test_predict_from_and_to_a_bucket_and_nothing_readable_exits_3(trained, tmp_
     assert len(rows_of(tmp_path / "b.csv")) == 2  # the rows are written all the same
     code, err = invoke(["predict", "-m", str(tmp_path / "nothing"), str(bad), "--device", "cpu"])
     assert code != 0 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "pt2"])
+def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime(trained, tmp_path, fmt):
+    import numpy as np
+
+    run, new = trained
+    out = tmp_path / f"m.{fmt}"
+    code, err = invoke(["export", "--model", str(run), "--format", fmt, "--output", str(out)])
+    assert code == 0, err
+    check = json.loads(Path(f"{out}.check.json").read_text())
+    assert check["labels_agree"] and check["max_abs_logit_diff"] <= 1e-3 and check["images"] > 0
+    card = json.loads((run / "model.json").read_text())
+    x = np.random.default_rng(0).normal(size=(5, *card["input_shape"])).astype(np.float32)  # any batch size
+    if fmt == "onnx":
+        import onnxruntime as ort
+
+        session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        meta = session.get_modelmeta().custom_metadata_map
+        assert json.loads(meta["labels"]) == card["classes"]
+        assert json.loads(meta["preprocessing"]) == card["preprocessing"]
+        logits = session.run(None, {session.get_inputs()[0].name: x})[0]
+    else:
+        extra = {"labels.json": "", "preprocessing.json": ""}
+        program = torch.export.load(str(out), extra_files=extra)
+        assert json.loads(extra["labels.json"]) == card["classes"]
+        assert json.loads(extra["preprocessing.json"]) == card["preprocessing"]
+        logits = program.module()(torch.from_numpy(x)).detach().numpy()
+    from job.predict import load_predictor
+
+    model = load_predictor(str(run), torch.device("cpu")).model
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).numpy()
+    assert logits.shape == (5, len(card["classes"])) and np.abs(logits - want).max() < 1e-3
