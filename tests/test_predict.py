@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import invoke, sets
 from PIL import Image, ImageOps
 from test_photos import photo_folder, saved, turned_jpeg
@@ -159,3 +160,37 @@ def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
     assert logits.shape == (5, len(card["classes"])) and np.abs(logits - want).max() < 1e-3
+
+
+DRIFTING = """
+import torch
+from torch import nn
+
+
+class Drift(nn.Module):
+    \"\"\"Adds how many times it was called to its logits: an export traces one call, eager calls go on counting.\"\"\"
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.net(x) + self.calls
+"""
+
+
+def test_an_export_that_differs_from_the_model_is_refused_and_not_written(trained, tmp_path, monkeypatch):
+    run, new = trained
+    (tmp_path / "drifting.py").write_text(DRIFTING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    photos = yaml.safe_load((run / "config.yaml").read_text())["data"]["path"]
+    over = sets("data.kind=folder", f"data.path={photos}", "data.image_size=32", "model.name=drifting:Drift")
+    over += sets("train.epochs=1", "data.val_split=0.3")
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "d"), *over])
+    assert code == 0, err
+    out = tmp_path / "d.pt2"
+    code, err = invoke(["export", "-m", str(tmp_path / "d"), "-f", "pt2", "-o", str(out), "--check-images", str(new)])
+    assert code == 1 and "differs from the model" in err and "not written" in err and "Traceback" not in err
+    assert not out.exists() and not Path(f"{out}.check.json").exists()
