@@ -161,15 +161,22 @@ def predict(
     top_k: int = typer.Option(1, "--top-k", min=1, help="Labels and probabilities per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Images per batch."),
     device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
+    nproc_per_node: int = typer.Option(
+        1, "--nproc-per-node", min=1, help="Processes on this machine, each predicting its part (<output>.part-i-of-n)."
+    ),
 ) -> None:
     """Labels and probabilities for new images from a trained model, preprocessed as its evaluation was; a file that
-    cannot be read gets a row with its error (exit 3 when none could be read)."""
+    cannot be read gets a row with its error (exit 3 when none could be read). In a Cloud Batch task array each task
+    predicts its part (BATCH_TASK_INDEX of BATCH_TASK_COUNT) into <output>.part-<i>-of-<n>."""
     with user_errors():
-        from job.env import pick_device
+        from job.predict import PART, part_device, spread
+
+        if nproc_per_node > 1 and PART not in os.environ:
+            raise typer.Exit(spread(sys.argv[1:], nproc_per_node))
         from job.predict import predict as run_predict
         from job.report import say
 
-        run_predict(model, inputs, output or None, top_k, batch_size, pick_device(device), log=say)
+        run_predict(model, inputs, output or None, top_k, batch_size, part_device(device), log=say)
 
 
 @app.command()

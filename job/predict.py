@@ -201,11 +201,17 @@ def predict(
     output). Returns the counts."""
     if output is not None and not output.lower().endswith((".csv", ".jsonl")):
         raise ConfigError(f"--output: a .csv or .jsonl file, got {output}")
+    index, count = part()
+    jsonl = output is not None and output.lower().endswith(".jsonl")  # by the name asked for, not its part's
+    if count > 1:
+        if output is None:
+            raise ConfigError("predict split over tasks or processes: each writes a part; give --output")
+        output = f"{output}.part-{index}-of-{count}"
     p = load_predictor(model_url, device)
     k = max(1, min(top_k, len(p.classes)))
-    found = listed(inputs)
+    found = listed(inputs)[index::count]  # every count-th input from this part's own: none read twice
     decoder = Decoder(auto_workers(workers, device.type), p.size, p.fit, skip=True)
-    rows = Rows(output, k)
+    rows = Rows(output, k, jsonl)
     t0, done, failed = time.perf_counter(), 0, 0
     from tqdm import tqdm
 
@@ -249,12 +255,47 @@ def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> torch.Tensor |
     return torch.cat(kept) if kept else None
 
 
+PART = "JOB_PREDICT_PART"  # "i/n": the part of the inputs one of --nproc-per-node's processes takes
+
+
+def part() -> tuple[int, int]:
+    """(index, count) of the inputs' parts this process predicts: a Cloud Batch task array's task
+    (BATCH_TASK_INDEX of BATCH_TASK_COUNT), times --nproc-per-node's processes on each; (0, 1): all of them."""
+    task, tasks = int(os.environ.get("BATCH_TASK_INDEX", 0)), int(os.environ.get("BATCH_TASK_COUNT", 1))
+    local, per_task = (int(v) for v in os.environ.get(PART, "0/1").split("/"))
+    if not (0 <= task < tasks and 0 <= local < per_task):
+        raise ConfigError(f"predict: task {task} of {tasks}, process {local} of {per_task}: not a part")
+    return task * per_task + local, tasks * per_task
+
+
+def spread(argv: list[str], nproc: int) -> int:
+    """--nproc-per-node: this command again in `nproc` processes, each predicting its part (the option is read
+    only where PART is unset); the worst exit code."""
+    import subprocess
+
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "job", *argv], env={**os.environ, PART: f"{i}/{nproc}"})
+        for i in range(nproc)
+    ]
+    return max(proc.wait() for proc in procs)
+
+
+def part_device(name: str) -> torch.device:
+    """The device a part predicts on: as asked; with auto, one of --nproc-per-node's processes takes the GPU of its
+    own index (of those there are)."""
+    from job.env import pick_device
+
+    local = int(os.environ.get(PART, "0/1").split("/")[0])
+    if name == "auto" and PART in os.environ and torch.cuda.is_available():
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return pick_device(name)
+
+
 class Rows:
     """The output file: CSV (path, label, probability, label_2, probability_2, ..., error) or JSONL."""
 
-    def __init__(self, output: str | None, k: int) -> None:
-        self.output, self.k = output, k
-        self.jsonl = output is not None and output.lower().endswith(".jsonl")
+    def __init__(self, output: str | None, k: int, jsonl: bool) -> None:
+        self.output, self.k, self.jsonl = output, k, jsonl
         # Rows go to a local file as they come (memory stays flat), copied to a remote URL at the end.
         part = None if output is None else tempfile.NamedTemporaryFile("w", suffix=".part", delete=False)  # noqa: SIM115
         self.local = part  # closed by close()

@@ -194,3 +194,35 @@ def test_an_export_that_differs_from_the_model_is_refused_and_not_written(traine
     code, err = invoke(["export", "-m", str(tmp_path / "d"), "-f", "pt2", "-o", str(out), "--check-images", str(new)])
     assert code == 1 and "differs from the model" in err and "not written" in err and "Traceback" not in err
     assert not out.exists() and not Path(f"{out}.check.json").exists()
+
+
+def test_predict_split_over_processes_and_task_array_tasks_reads_each_file_once(trained, tmp_path):
+    from conftest import run_job
+
+    run, new = trained
+    every = {p.name for p in new.iterdir()}
+
+    def names(paths: list[Path]) -> list[str]:
+        return [n for p in paths for n in rows_of_part(p)]
+
+    done = run_job(
+        "predict", "-m", str(run), str(new), "--device", "cpu", "--nproc-per-node", "2", "-o", str(tmp_path / "p.csv")
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    parts = sorted(tmp_path.glob("p.csv.part-*-of-2"))
+    seen = names(parts)
+    assert len(parts) == 2 and sorted(seen) == sorted(every)  # none twice, none missing
+    tasks = []
+    for i in range(2):
+        env = {"BATCH_TASK_INDEX": str(i), "BATCH_TASK_COUNT": "2"}
+        done = run_job("predict", "-m", str(run), str(new), "--device", "cpu", "-o", str(tmp_path / "t.jsonl"), env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        tasks.append(tmp_path / f"t.jsonl.part-{i}-of-2")
+    assert sorted(names(tasks)) == sorted(every)
+
+
+def rows_of_part(path: Path) -> list[str]:
+    if ".jsonl" in path.name:
+        return [Path(json.loads(line)["path"]).name for line in path.read_text().splitlines()]
+    with open(path, newline="") as f:
+        return [Path(r["path"]).name for r in csv.DictReader(f)]
