@@ -226,3 +226,33 @@ def rows_of_part(path: Path) -> list[str]:
         return [Path(json.loads(line)["path"]).name for line in path.read_text().splitlines()]
     with open(path, newline="") as f:
         return [Path(r["path"]).name for r in csv.DictReader(f)]
+
+
+@pytest.mark.parametrize("preset", ["iris", "cifar10", "cifar10-fast", "finetune"])
+def test_model_json_of_every_preset(preset):
+    """What model.json says of each preset's model: the class count, and the preprocessing its evaluation applies
+    (finetune: the weights' 232 px short side and 224 px centre, ImageNet's mean and std)."""
+    from job import bundle, recipe
+    from job.config import load_config
+
+    cfg = recipe.resolved(load_config(preset))
+    classes = [f"c{i}" for i in range(3)]
+    if preset == "iris":
+        features = {"columns": ["a", "b", "c", "d"], "target": "species", "min": [0] * 4, "span": [1] * 4}
+        card = bundle.describe(cfg, classes, (4,), (None, None), features, {"best_accuracy": 1.0})
+        assert card["features"]["columns"] == ["a", "b", "c", "d"] and "preprocessing" not in card
+        return
+    w = __import__("job.weights", fromlist=["resolve"]).resolve(cfg.model.name, cfg.model.weights)
+    stats = (torch.tensor(w.mean), torch.tensor(w.std)) if w is not None else (torch.zeros(3), torch.ones(3))
+    card = bundle.describe(cfg, classes, (3, 32, 32), stats, None, {})
+    pre = card["preprocessing"]
+    assert card["model"] == {"name": cfg.model.name, "kwargs": dict(cfg.model.kwargs), "num_classes": 3}
+    assert pre["exif_orientation"] and pre["mode"] == "RGB" and pre["layout"] == "NCHW" and pre["scale"] == 1 / 255
+    if preset == "finetune":
+        assert pre["resize"] == {"short_side": 232} and pre["crop"] == {"center": [224, 224]}
+        assert pre["mean"] == pytest.approx([0.485, 0.456, 0.406]) and pre["std"] == pytest.approx(
+            [0.229, 0.224, 0.225]
+        )
+    else:
+        assert pre["resize"] is None and pre["crop"] is None  # CIFAR's 32 px images as they are
+    json.dumps(card)  # written as JSON
