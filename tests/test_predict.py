@@ -250,9 +250,8 @@ def test_model_json_of_every_preset(preset):
     assert pre["exif_orientation"] and pre["mode"] == "RGB" and pre["layout"] == "NCHW" and pre["scale"] == 1 / 255
     if preset == "finetune":
         assert pre["resize"] == {"short_side": 232} and pre["crop"] == {"center": [224, 224]}
-        assert pre["mean"] == pytest.approx([0.485, 0.456, 0.406]) and pre["std"] == pytest.approx(
-            [0.229, 0.224, 0.225]
-        )
+        assert pre["mean"] == pytest.approx([0.485, 0.456, 0.406])
+        assert pre["std"] == pytest.approx([0.229, 0.224, 0.225])
     else:
         assert pre["resize"] is None and pre["crop"] is None  # CIFAR's 32 px images as they are
     json.dumps(card)  # written as JSON
