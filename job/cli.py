@@ -129,17 +129,28 @@ def seconds(duration: str) -> float:
 
 @app.command()
 def evaluate(
-    checkpoint: str = typer.Option(..., "--checkpoint", help="A run folder, or a checkpoint .pt file, at any URL."),
+    checkpoint: str = typer.Option("", "--checkpoint", help="A run folder (its newest checkpoint), or a .pt file."),
+    model: str = typer.Option("", "--model", "-m", help="As predict takes it: a run folder (model.pt), or a .pt."),
+    data: str = typer.Option(
+        "", "--data", help="Labelled images to score instead of the run's split: class folders, an archive, a manifest."
+    ),
     config: str = typer.Option("", "--config", "-c", help="Config to evaluate with; default: the checkpoint's."),
     overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
     device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Test loss and accuracy of a saved run or checkpoint on its test split."""
+    """Loss and accuracy of a saved run, model or checkpoint: on its test split (val when it has none), or on any
+    labelled images (--data) preprocessed as its evaluation was."""
     with user_errors():
-        from job.evaluate import evaluate_checkpoint
+        from job.evaluate import evaluate_checkpoint, evaluate_on
 
-        result = evaluate_checkpoint(checkpoint, config or None, overrides, device)
+        if not (checkpoint or model):
+            raise ConfigError("evaluate: name the model: --model URL (or --checkpoint URL)")
+        if data:
+            result = evaluate_on(model or checkpoint, data, device)
+            result["checkpoint"], result["epoch"] = model or checkpoint, None
+        else:
+            result = evaluate_checkpoint(checkpoint or chosen_weights(model), config or None, overrides, device)
         if as_json:
             print(json.dumps(result))
         else:
@@ -195,6 +206,15 @@ def export(
         from job.report import say
 
         run_export(model, fmt, output or None, check_images, log=say)
+
+
+def chosen_weights(url: str) -> str:
+    """--model's run folder is its model.pt (the weights it chose), as predict reads it; anything else as given."""
+    from job.cloud import filesystem
+
+    fs, path = filesystem(url)
+    beside = f"{path.rstrip('/')}/model.pt"
+    return f"{url.rstrip('/')}/model.pt" if fs.isdir(path) and fs.exists(beside) else url
 
 
 @app.command()

@@ -3,6 +3,8 @@ tests a saved checkpoint with the data and model its config names."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -108,3 +110,51 @@ def run_record(url: str) -> dict:
             break
         folder = folder.rsplit("/", 1)[0]
     return {"run_json": None, "attempts": None}
+
+
+def evaluate_on(model_url: str, data_path: str, device_name: str) -> dict:
+    """Loss and accuracy of a model (a run folder's chosen weights, its model.pt, or a checkpoint) on any labelled
+    images, preprocessed as its own evaluation was: class folders (every image), a folder of train/ val/ test/
+    class folders (its test, else its val), a .tar/.tar.gz of either, or a manifest (.csv, .jsonl)."""
+    from job.data.files import read_entries
+    from job.data.folder import Listing, held
+    from job.data.split import HoldOut, sort_files
+    from job.errors import DataError
+    from job.predict import load_predictor, model_files
+    from job.recipe import resolved
+
+    device = pick_device(device_name)
+    p = load_predictor(model_url, device)
+    _, _, raw = model_files(model_url)
+    cfg = resolved(validate(raw))
+    d = cfg.data.model_copy(update={"path": data_path, "val_split": 0.0, "test_split": None, "cache": False})
+    lines: list[str] = []
+    if data_path.lower().endswith((".csv", ".jsonl", ".ndjson")):
+        from job.data.manifest import load_manifest
+
+        data = load_manifest(d.model_copy(update={"kind": "manifest"}), None, lines.append, p.classes)
+    else:
+        listing = Listing()
+        entries = dict(read_entries(data_path, listing.keep, None, lines.append))
+        files = sort_files(sorted(entries), HoldOut(0.0, 0.0, d.split_seed))
+        unknown = sorted({c for role in files.roles.values() for _, c in role} - set(p.classes))
+        if unknown:
+            raise DataError(f"{data_path}: classes the model does not know: {', '.join(unknown[:5])}")
+        source = f"folder {data_path}"
+        data = held(files, entries.__getitem__, p.classes, d, data_path, source, lines.append, scoring=True)
+    split = next(s for s in ("test", "val", "train") if data.split(s) is not None and data.samples(s))
+    from job.data.loader import BatchLoader
+
+    loader = BatchLoader(data.split(split), 256, device, torch.device("cpu"), mean=p.mean, std=p.std, view=p.view)
+    loss_sum, correct, counted = test_sums(p.model, loader, contextlib.nullcontext).tolist()  # fp32
+    split = "all" if split == "train" else split  # class folders with no split: every image scored
+    return {
+        "model": model_url,
+        "data": data_path,
+        "split": split,
+        f"{split}_loss": loss_sum / max(counted, 1),
+        f"{split}_accuracy": correct / max(counted, 1),
+        "samples": int(counted),
+        "skipped": len(data.inventory.skipped) if data.inventory is not None else 0,
+        "device": str(device),
+    }

@@ -255,3 +255,28 @@ def test_model_json_of_every_preset(preset):
     else:
         assert pre["resize"] is None and pre["crop"] is None  # CIFAR's 32 px images as they are
     json.dumps(card)  # written as JSON
+
+
+def test_evaluate_takes_the_model_forms_of_predict_and_any_labelled_data(trained, tmp_path):
+    run, new = trained
+    photos = Path(yaml.safe_load((run / "config.yaml").read_text())["data"]["path"])
+    code, err = invoke(["evaluate", "--model", str(run), "--data", str(photos), "--device", "cpu", "--json"])
+    assert code == 0, err
+    table = tmp_path / "labels.csv"
+    with open(table, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "label"])
+        for name in ("cats", "dogs", "owls"):
+            for p in sorted((photos / name).rglob("IMG_0*"))[:5]:
+                w.writerow([p.as_posix(), name])
+    from job.evaluate import evaluate_on
+
+    scored = evaluate_on(str(run), str(photos), "cpu")
+    assert scored["split"] == "all" and scored["samples"] == 90 and scored["all_accuracy"] > 0.8
+    listed = evaluate_on(str(run / "model.pt"), str(table), "cpu")
+    assert listed["samples"] == 15
+    unknown = tmp_path / "other"
+    (unknown / "ferrets").mkdir(parents=True)
+    (unknown / "ferrets" / "a.jpg").write_bytes(next((photos / "cats").rglob("IMG_0*")).read_bytes())
+    code, err = invoke(["evaluate", "--model", str(run), "--data", str(unknown), "--device", "cpu"])
+    assert code == 3 and "ferrets" in err and "Traceback" not in err

@@ -87,9 +87,11 @@ def held(
     source: str,
     log: Log,
     skipped: list[dict[str, str]] | None = None,
+    scoring: bool = False,
 ) -> Dataset:
     """The files decoded into memory, each split's images in one tensor; `content`: a file's bytes by its name;
-    `skipped`: files already found missing, to which those that cannot be decoded are added."""
+    `skipped`: files already found missing, to which those that cannot be decoded are added; `scoring`: images a
+    trained model is scored on, which need nothing to train on."""
     size, fit = cfg.resize_size or cfg.image_size, cfg.resize_size is not None
     skipped = [] if skipped is None else skipped
     splits = {
@@ -101,7 +103,7 @@ def held(
     if len(set(shapes.values())) > 1:
         shown = ", ".join(f"{role} images {shape[1:]}" for role, shape in shapes.items())
         raise DataError(f"{url}: {shown}; set data.image_size")
-    if not len(splits["train"]):
+    if not len(splits["train"]) and not scoring:
         raise DataError(f"{url}: no training image could be decoded")
     bad = {s["path"] for s in skipped}
     held_out = {role: [n for n in names if n not in bad] for role, names in files.held_out.items()}
@@ -110,7 +112,7 @@ def held(
     for line in inventory.lines():
         log(line)
     val, test = (splits[r] if len(splits[r]) else None for r in ("val", "test"))
-    if val is None and test is None:
+    if val is None and test is None and not scoring:
         raise DataError(f"{url}: no held-out image could be decoded")
     return Dataset(splits["train"], test, classes, source, val=val, inventory=inventory)
 

@@ -25,7 +25,9 @@ from job.data.split import SPLIT_FOLDERS, Files, HoldOut, held_out_role
 from job.errors import DataError, StorageError
 
 
-def load_manifest(cfg, cache: Path | None, log: Log) -> Dataset:
+def load_manifest(cfg, cache: Path | None, log: Log, classes: list[str] | None = None) -> Dataset:
+    """The manifest's images in memory, split; `classes`: a trained model's (its images are scored, not trained on:
+    every row is read, with no split required)."""
     url = cfg.path
     rows = read_rows(url, read_bytes(url, cache, log))
     if not rows:
@@ -52,12 +54,16 @@ def load_manifest(cfg, cache: Path | None, log: Log) -> Dataset:
                 files.held_out[role].append(path)
         files.roles[role].append((path, label))
         labels.append(label)
-    classes = class_order(labels, {label for _, label in files.roles["train"]})
-    check_files(files, classes, url)
+    scoring = classes is not None
+    if classes is None:
+        classes = class_order(labels, {label for _, label in files.roles["train"]})
+        check_files(files, classes, url)
+    elif unknown := sorted(set(labels) - set(classes)):
+        raise DataError(f"{url}: labels the model does not know: {', '.join(unknown[:5])}")
     content, skipped = fetched(url, [p for r in files.roles.values() for p, _ in r], cache, log)
     for role in files.roles:  # a file that is not there is skipped and named, like one that cannot be decoded
         files.roles[role] = [(p, c) for p, c in files.roles[role] if p in content]
-    return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped)
+    return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped, scoring=scoring)
 
 
 def cell(row: dict, column: str) -> str:
