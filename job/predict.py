@@ -139,10 +139,15 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
             elif fs.isdir(path):
                 root = path.rstrip("/") + "/"
                 for p in sorted(fs.find(path)):
-                    if kind_of(p[len(root) :]) == "image":
-                        found.append((f"{item.rstrip('/')}/{p[len(root) :]}", fs.unstrip_protocol(p)))
+                    rel = p[len(root) :]
+                    if kind_of(rel) == "image":
+                        found.append((f"{item.rstrip('/')}/{rel}", fs.unstrip_protocol(p)))
+                    elif is_archive(rel) and not rel.startswith("."):  # a folder of shards: each read as it comes
+                        found.append((f"{item.rstrip('/')}/{rel}", None))
             elif is_archive(path):
                 found.append((item, None))
+            elif path.lower().endswith((".csv", ".jsonl", ".ndjson")):
+                found += manifest_paths(item)
             elif fs.exists(path):
                 found.append((item, item))
             else:
@@ -152,6 +157,19 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
         except Exception as e:  # the stores' clients raise many types
             raise StorageError(f"cannot list {item}: {describe_storage_error(item, e)}") from None
     return found
+
+
+def manifest_paths(url: str) -> list[tuple[str, str]]:
+    """(path as written, its URL) of a manifest's rows: its `path` column, relative to the manifest's folder."""
+    from job.data.files import read_bytes
+    from job.data.manifest import read_rows
+
+    rows = read_rows(url, read_bytes(url, None, lambda _: None))
+    if rows and "path" not in rows[0]:
+        raise DataError(f"{url}: no column 'path' (columns: {', '.join(rows[0])})")
+    base = url.rsplit("/", 1)[0] if "/" in url else "."
+    paths = [str(r["path"]).strip() for r in rows if r.get("path")]
+    return [(p, p if "://" in p or p.startswith("/") else f"{base}/{p.removeprefix('./')}") for p in paths]
 
 
 def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[tuple[str, bytes]]]:

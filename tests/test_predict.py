@@ -280,3 +280,22 @@ def test_evaluate_takes_the_model_forms_of_predict_and_any_labelled_data(trained
     (unknown / "ferrets" / "a.jpg").write_bytes(next((photos / "cats").rglob("IMG_0*")).read_bytes())
     code, err = invoke(["evaluate", "--model", str(run), "--data", str(unknown), "--device", "cpu"])
     assert code == 3 and "ferrets" in err and "Traceback" not in err
+
+
+def test_predict_reads_a_manifest_and_a_folder_of_shards(trained, tmp_path):
+    run, new = trained
+    table = tmp_path / "new.csv"
+    table.write_text("path\n" + "".join(f"{p}\n" for p in sorted(new.glob("*_*.jpg"))))
+    code, err = invoke(["predict", "-m", str(run), str(table), "--device", "cpu", "-o", str(tmp_path / "m.csv")])
+    assert code == 0, err
+    assert len(rows_of(tmp_path / "m.csv")) == 18
+    photos = Path(yaml.safe_load((run / "config.yaml").read_text())["data"]["path"])
+    code, err = invoke(["shard", str(photos), str(tmp_path / "shards"), "--samples-per-shard", "20"])
+    assert code == 0, err
+    code, err = invoke(
+        ["predict", "-m", str(run), str(tmp_path / "shards"), "--device", "cpu", "-o", str(tmp_path / "s.csv")]
+    )
+    assert code == 0, err
+    with open(tmp_path / "s.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 90 and all(r["label"] and ".tar:" in r["path"] for r in rows)
