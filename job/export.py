@@ -106,17 +106,30 @@ def to_pt2(model, example, path: str, labels: str, pre: str, x: torch.Tensor) ->
 
 
 def held_out_images(model_url: str, raw_config: dict) -> list[str]:
-    """The run's val (else test) images, as its data.json lists the held-out ones, to check an export with."""
-    folder = model_url.rstrip("/") if not model_url.endswith(".pt") else model_url.rsplit("/", 1)[0]
-    for candidate in (folder, folder.rsplit("/", 1)[0]):  # a run folder, or a checkpoint in its checkpoints/
-        fs, path = filesystem(f"{candidate}/data.json")
-        if fs.exists(path):
-            held = json.loads(fs.cat_file(path))["held_out"]
-            names = held.get("val") or held.get("test") or []
-            root = raw_config.get("data", {}).get("path", "")
-            if names and root:
-                return [f"{root.rstrip('/')}/{n}" for n in names[:CHECK_IMAGES]]
-    raise ConfigError("export: name real images to check the export with: --check-images FOLDER")
+    """The run's val (else test) images, sorted into splits as the run sorted them (job/data/split.py), to check an
+    export with: an image folder's, at any URL; other data (an archive, shards, a table) needs --check-images."""
+    from job.config import validate
+    from job.data.split import HoldOut, kind_of, sort_files
+
+    cfg = validate(raw_config).data
+    where = "export: name real images to check the export with: --check-images FOLDER"
+    if cfg.kind != "folder" or not cfg.path:
+        raise ConfigError(f"{where} (the run's data is not an image folder)")
+    fs, path = filesystem(cfg.path)
+    try:
+        if not fs.isdir(path):
+            raise ConfigError(f"{where} (the run's {cfg.path} is not a folder here)")
+        root = path.rstrip("/") + "/"
+        names = [p[len(root) :] for p in fs.find(path) if kind_of(p[len(root) :]) == "image"]
+    except ConfigError:
+        raise
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot list {cfg.path}: {describe_storage_error(cfg.path, e)}") from None
+    files = sort_files(names, HoldOut.of(cfg))
+    held = [n for n, _ in files.roles["val"] or files.roles["test"]]
+    if not held:
+        raise ConfigError(f"{where} (the run held no images out)")
+    return [f"{cfg.path.rstrip('/')}/{n}" for n in held[:CHECK_IMAGES]]
 
 
 def put(local: str, url: str) -> None:

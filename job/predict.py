@@ -54,6 +54,13 @@ class Predictor:
     mean: torch.Tensor | None
     std: torch.Tensor | None
     device: torch.device
+    features: dict | None = None  # a table's model: its feature columns and scaler (model.json's)
+
+    @torch.no_grad()
+    def table_probabilities(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of raw feature values, in the model's column order, scaled as in training."""
+        low, span = torch.tensor(self.features["min"]), torch.tensor(self.features["span"])
+        return torch.softmax(self.model(((x - low) / span).to(self.device)).float(), dim=1).cpu()
 
     @torch.no_grad()
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
@@ -68,9 +75,12 @@ def load_predictor(url: str, device: torch.device) -> Predictor:
     payload, card, raw_config = model_files(url)
     cfg = resolved(validate(raw_config))
     pre = card.get("preprocessing")
-    if pre is None:
-        raise ConfigError(f"{url}: a model of a table (csv): predict reads images; tables are not supported yet")
     shape = tuple(card["input_shape"])
+    if pre is None:  # a table's model: its features' columns and scaler instead
+        model = build_model(cfg.model, shape, len(card["classes"]))
+        model.load_state_dict(payload["model"])
+        model.to(device).eval()
+        return Predictor(model, list(card["classes"]), None, False, None, None, None, device, card["features"])
     d = cfg.data
     size = d.resize_size or d.image_size
     held = (3, size, size) if size is not None else shape
@@ -159,6 +169,38 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
     return found
 
 
+def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log) -> dict:
+    """A table's model over CSV tables: each row's feature columns (by name, in the model's order); a row that
+    lacks one or is not a number gets its error."""
+    from job.data.files import read_bytes
+    from job.data.tabular import parse_csv
+
+    columns, done, failed = p.features["columns"], 0, 0
+    for url in inputs:
+        header, table = parse_csv(read_bytes(url, None, lambda _: None).decode("utf-8-sig"), url)
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise DataError(f"{url}: no column {missing[0]!r} of the model's features ({', '.join(columns)})")
+        at = [header.index(c) for c in columns]
+        for n, row in enumerate(table, start=2):
+            name = f"{url}:{n}"
+            try:
+                x = torch.tensor([[float(row[i]) for i in at]])
+            except ValueError:
+                rows.row(name, [], f"row {n}: not a number in the feature columns")
+                failed += 1
+                continue
+            probs = p.table_probabilities(x)[0]
+            top = probs.topk(rows.k)
+            rows.row(name, [(p.classes[int(c)], float(v)) for v, c in zip(top.values, top.indices)], "")
+            done += 1
+    rows.close()
+    log(f"predict: {done} rows labelled, {failed} could not be read")
+    if done == 0 and failed:
+        raise DataError(f"no row could be read ({failed} tried): see the error column")
+    return {"labelled": done, "errors": failed}
+
+
 def manifest_paths(url: str) -> list[tuple[str, str]]:
     """(path as written, its URL) of a manifest's rows: its `path` column, relative to the manifest's folder."""
     from job.data.files import read_bytes
@@ -227,6 +269,8 @@ def predict(
         output = f"{output}.part-{index}-of-{count}"
     p = load_predictor(model_url, device)
     k = max(1, min(top_k, len(p.classes)))
+    if p.features is not None:
+        return predict_tables(p, inputs, Rows(output, k, jsonl), log)
     found = listed(inputs)[index::count]  # every count-th input from this part's own: none read twice
     decoder = Decoder(auto_workers(workers, device.type), p.size, p.fit, skip=True)
     rows = Rows(output, k, jsonl)

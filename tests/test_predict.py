@@ -299,3 +299,27 @@ def test_predict_reads_a_manifest_and_a_folder_of_shards(trained, tmp_path):
     with open(tmp_path / "s.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 90 and all(r["label"] and ".tar:" in r["path"] for r in rows)
+
+
+def test_predict_a_table_with_a_csv_model(tmp_path):
+    from importlib import resources
+
+    out = tmp_path / "iris"
+    code, err = invoke(
+        ["train", "--device", "cpu", "--config", "iris", "--output", str(out), *sets("train.epochs=4000")]
+    )
+    assert code == 0, err
+    table = tmp_path / "flowers.csv"
+    text = (resources.files("job.presets") / "iris.csv").read_text()
+    lines = text.splitlines()
+    header = lines[0].split(",")
+    shuffled = [header[::-1]] + [line.split(",")[::-1] for line in lines[1:]]  # columns in another order
+    shuffled.append(["setosa", "x"] + ["1"] * (len(header) - 2))  # a feature that is not a number
+    table.write_text("".join(",".join(r) + "\n" for r in shuffled))
+    code, err = invoke(["predict", "-m", str(out), str(table), "--device", "cpu", "-o", str(tmp_path / "p.csv")])
+    assert code == 0, err
+    with open(tmp_path / "p.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    truth = [line.split(",")[header.index("species")] for line in lines[1:]]
+    right = sum(1 for r, t in zip(rows, truth) if r["label"] == t)
+    assert len(rows) == 151 and rows[-1]["error"] and right >= 135
