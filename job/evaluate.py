@@ -94,6 +94,16 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
     } | run_record(url)
 
 
+def is_shards(url: str) -> bool:
+    """A folder `job shard` wrote (index.json) or of train|val|test/*.tar shards."""
+    fs, path = filesystem(url)
+    root = path.rstrip("/")
+    try:
+        return fs.isdir(path) and (fs.exists(f"{root}/index.json") or bool(fs.glob(f"{root}/*/*.tar")))
+    except Exception:  # the stores' clients raise many types: read as a folder, which names the fault
+        return False
+
+
 def run_record(url: str) -> dict:
     """The run.json of the run a checkpoint belongs to (the folder given, or the one holding the file or its
     checkpoints/ folder): its URL and how many attempts it lists; None for both where there is none."""
@@ -133,6 +143,12 @@ def evaluate_on(model_url: str, data_path: str, device_name: str) -> dict:
         from job.data.manifest import load_manifest
 
         data = load_manifest(d.model_copy(update={"kind": "manifest"}), None, lines.append, p.classes)
+    elif is_shards(data_path):
+        from job.data.stream import load_shards
+
+        data = load_shards(d.model_copy(update={"kind": "shards", "placement": "host"}), None, lines.append)
+        if data.classes != p.classes:
+            raise DataError(f"{data_path}: its classes {data.classes[:5]} are not the model's {p.classes[:5]}")
     else:
         listing = Listing()
         entries = dict(read_entries(data_path, listing.keep, None, lines.append))

@@ -323,3 +323,21 @@ def test_predict_a_table_with_a_csv_model(tmp_path):
     truth = [line.split(",")[header.index("species")] for line in lines[1:]]
     right = sum(1 for r, t in zip(rows, truth) if r["label"] == t)
     assert len(rows) == 151 and rows[-1]["error"] and right >= 135
+
+
+def test_evaluate_on_shards_and_export_checks_a_test_folder_by_default(tmp_path):
+    from conftest import write_image_folder
+
+    from job.evaluate import evaluate_on
+
+    src = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=12, size=32, test_per_class=4)
+    run = tmp_path / "run"
+    over = sets("data.kind=folder", f"data.path={src}", "model.name=mlp", "train.epochs=2")  # cifar10: val_split 0
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(run), *over])
+    assert code == 0, err
+    assert invoke(["shard", str(src), str(tmp_path / "sh"), "--val-split", "0"])[0] == 0
+    scored = evaluate_on(str(run), str(tmp_path / "sh"), "cpu")
+    assert scored["split"] == "test" and scored["samples"] == 12
+    code, err = invoke(["export", "-m", str(run), "-f", "pt2", "-o", str(tmp_path / "m.pt2")])
+    assert code == 0, err
+    assert json.loads((tmp_path / "m.pt2.check.json").read_text())["images"] == 12  # the test/ folder's images
