@@ -214,18 +214,32 @@ def manifest_paths(url: str) -> list[tuple[str, str]]:
     return [(p, p if "://" in p or p.startswith("/") else f"{base}/{p.removeprefix('./')}") for p in paths]
 
 
+def read_local(url: str) -> bytes:
+    path = url.removeprefix("file://")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""  # gone or unreadable since it was listed: its row says it cannot be decoded (an empty file)
+
+
 def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[tuple[str, bytes]]]:
     """The inputs' bytes, `chunk` files at a time (fetched concurrently from a store); an archive's images as its
     members come."""
     pending: list[tuple[str, str]] = []
 
     def flush() -> Iterator[list[tuple[str, bytes]]]:
-        by_fs: dict[int, list[tuple[str, str]]] = {}
-        for name, url in pending:
-            by_fs.setdefault(id(filesystem(url)[0]), []).append((name, url))
-        for group in by_fs.values():
+        by_store: dict[str, list[tuple[str, str]]] = {}
+        for name, url in pending:  # by the URL's scheme: one filesystem, and one concurrent fetch, per store
+            by_store.setdefault(url.split("://", 1)[0] if "://" in url else "", []).append((name, url))
+        for group in by_store.values():
             fs = filesystem(group[0][1])[0]
-            yield list(zip([n for n, _ in group], fetch(fs, [filesystem(u)[1] for _, u in group], group[0][1])))
+            if isinstance(fs, LocalFileSystem):  # local files read directly: fsspec's per-path work costs more
+                yield [(name, read_local(url)) for name, url in group]
+            else:
+                yield list(
+                    zip([n for n, _ in group], fetch(fs, [fs._strip_protocol(u) for _, u in group], group[0][1]))
+                )
         pending.clear()
 
     for name, url in found:
