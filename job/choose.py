@@ -12,14 +12,16 @@ result, and the summary says that its best test accuracy was picked on the test 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from job import distributed
+from job import distributed, scores
 from job.errors import ConfigError
 from job.evaluate import test_sums
 from job.memory import memory_guard
+from job.report import say
 
 if TYPE_CHECKING:
     from job.config import Config
@@ -38,6 +40,7 @@ class Chooser:
             )
         self.on, self.patience, self.min_delta = on, t.early_stopping_patience, t.early_stopping_min_delta
         self.weights: dict[str, torch.Tensor] | None = None  # the best model's, on the host; None: the model's own
+        self.confusion: torch.Tensor | None = None  # of the latest evaluation (the final test's, at the end)
 
     def judge(self, state, accuracy: float, model: torch.nn.Module) -> str:
         """Record an evaluation's accuracy in the run's state (best_accuracy, best_epoch, evals_since_best); the
@@ -93,7 +96,8 @@ def test_and_report(loop: Loop) -> str:
     loop.clock.stop()
     loop.log.system.pause()
     r, state, log, on = loop.r, loop.state, loop.log, loop.r.evaluated_on
-    loss, correct, train_sum = evaluate_split(loop, on, extra=log.sums[1:])
+    scored = evaluate_split(loop, on, extra=log.sums[1:])
+    (train_sum,) = scored.extra
     now = time.perf_counter()
     for window in log.ready(wait=True):
         loop.report.loss(*window)
@@ -102,11 +106,13 @@ def test_and_report(loop: Loop) -> str:
         "epoch": state.epoch,
         "step": state.step,
         "train_loss": train_sum / max(state.steps_since_eval, 1),
-        f"{on}_loss": loss,
-        f"{on}_accuracy": correct,
+        **scored.record(on),
         "samples_per_s": state.samples_since_eval / max(now - loop.t_eval, 1e-9),
         "wall_s": round(now - loop.t_start, 3),
     }
+    loop.chooser.confusion = scored.confusion
+    if (only := scores.one_class(scored.confusion)) is not None:
+        say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
     reason = loop.chooser.judge(state, record[f"{on}_accuracy"], r.model)
     state.steps_since_eval = state.samples_since_eval = 0
     loop.report.evaluation(record)
@@ -114,14 +120,35 @@ def test_and_report(loop: Loop) -> str:
     return reason
 
 
-def evaluate_split(loop: Loop, split: str, extra: torch.Tensor | None = None) -> list[float]:
-    """[mean loss, accuracy] of the model on a held-out split over the whole group, and `extra`'s totals after
-    them (the evaluation's one host sync)."""
+@dataclass
+class Scored:
+    """An evaluation over the whole group: mean loss, accuracy, top-5 accuracy, the confusion matrix (rows: true
+    class), and the totals of what was reduced with it."""
+
+    loss: float
+    accuracy: float
+    top5: float
+    confusion: torch.Tensor
+    extra: list[float]
+
+    def record(self, on: str) -> dict:
+        """metrics.jsonl's fields of it: loss, accuracy, macro and weighted F1 (and precision, recall), top-5."""
+        out = {f"{on}_loss": self.loss, f"{on}_accuracy": self.accuracy}
+        out |= {f"{on}_{k}": v for k, v in scores.averages(self.confusion).items()}
+        return out | ({f"{on}_top5": self.top5} if len(self.confusion) > 5 else {})  # not *acc*: accuracy is top-1
+
+
+def evaluate_split(loop: Loop, split: str, extra: torch.Tensor | None = None) -> Scored:
+    """The model on a held-out split over the whole group, and `extra`'s totals (the evaluation's one host sync)."""
     loader, r = loop.r.held_out[split], loop.r
+    k = len(r.classes)
     with memory_guard(f"data.eval_batch_size={loader.batch_size}", r.device), loop.clock.testing():
-        sums = test_sums(r.model, loader, r.amp, loop.cfg.train.test_time_augmentation)
-    loss, correct, counted, *rest = distributed.totals(sums, sums[:0] if extra is None else extra).tolist()
-    return [loss / max(counted, 1), correct / max(counted, 1), *rest]
+        sums = test_sums(r.model, loader, r.amp, loop.cfg.train.test_time_augmentation, classes=k)
+    totals = distributed.totals(sums, sums[:0] if extra is None else extra).cpu()
+    loss, correct, counted, top5 = totals[:4].tolist()
+    confusion = totals[4 : 4 + k * k].round().long().view(k, k)
+    n = max(counted, 1)
+    return Scored(loss / n, correct / n, top5 / n, confusion, totals[4 + k * k :].tolist())
 
 
 def final_test(loop: Loop) -> dict:
@@ -135,10 +162,11 @@ def final_test(loop: Loop) -> dict:
     chooser.choose(state, r.model)
     if not tested:
         return {}
-    loss, accuracy = evaluate_split(loop, "test")
+    scored = evaluate_split(loop, "test")
+    chooser.confusion = scored.confusion  # the weakest classes are the chosen model's on test
     record = {"epoch": state.epoch, "step": state.step, "chosen_epoch": state.best_epoch}
-    record |= {"val_accuracy": state.best_accuracy, "test_loss": loss, "test_accuracy": accuracy}
-    record |= {"final_test_loss": final[0], "final_test_accuracy": final[1]} if final else {}
+    record |= {"val_accuracy": state.best_accuracy, **scored.record("test")}
+    record |= {"final_test_loss": final.loss, "final_test_accuracy": final.accuracy} if final else {}
     loop.report.tested(record)
     return record
 
@@ -150,3 +178,11 @@ def outcome(on: str, final: dict, state: Progress) -> str:
         return f"{best}, final {final['final_accuracy']:.4f} (no val split: evaluations report the test split)"
     tested = f"; test accuracy {final['test_accuracy']:.4f}" if "test_accuracy" in final else ""
     return f"{best}, its weights in model.pt{tested}"
+
+
+def weakest_line(chooser: Chooser, classes: list[str]) -> str:
+    """The three classes of the lowest F1 in the latest evaluation (the chosen model's on test, at the end), or ''."""
+    if chooser.confusion is None or len(classes) < 2:
+        return ""
+    shown = ", ".join(f"{name} {f1:.2f}" for name, f1 in scores.weakest(chooser.confusion, classes))
+    return f"weakest classes by F1: {shown}"

@@ -19,21 +19,28 @@ from job.errors import CheckpointError
 
 
 @torch.no_grad()
-def test_sums(model, loader: Loader, amp, augmentation: str = "none") -> torch.Tensor:
+def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: int = 0) -> torch.Tensor:
     """[summed loss, correct predictions, samples counted] over this process's samples of the split, left on the
     device; padding (a batch with no samples of this process's own) and streamed samples that could not be decoded
     (labelled IGNORED) are never counted. `augmentation`: train.test_time_augmentation, the logits averaged over
-    views of each image."""
+    views of each image. With `classes` (their number), then [top-5 correct, the classes x classes confusion
+    matrix, row: true class, column: predicted], counted on the device (a bincount a batch, no host sync)."""
     model.eval()
-    sums = torch.zeros(3, device=loader.device)
+    sums = torch.zeros(3 + (1 + classes * classes if classes else 0), device=loader.device)
     for batch in loader.batches():
         if not batch.own:
             continue
         with amp():
             out = logits(model, batch.x, augmentation)
+        predicted, counted = out.argmax(1), batch.y != IGNORED
         sums[0] += F.cross_entropy(out.float(), batch.y, reduction="sum")
-        sums[1] += (out.argmax(1) == batch.y).sum()
-        sums[2] += (batch.y != IGNORED).sum()
+        sums[1] += (predicted == batch.y).sum()
+        sums[2] += counted.sum()
+        if classes:
+            k = min(5, out.shape[1])
+            sums[3] += (out.topk(k, dim=1).indices == batch.y[:, None]).any(1).sum()
+            cells = (batch.y.clamp(min=0) * classes + predicted)[counted]
+            sums[4:] += torch.bincount(cells, minlength=classes * classes)[: classes * classes]
     model.train()
     return sums
 

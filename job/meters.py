@@ -85,26 +85,28 @@ class LossLog:
         self.pending: deque = deque()
         self.system = SystemMeter(device)
 
-    def close_window(self, step: int, lr: float) -> None:
+    def close_window(self, step: int, lr: float, steps: int | None = None) -> None:
+        """The window ending at `step` of `steps` steps (default: `every`; fewer when it began with an epoch or ends
+        with one), its sum copied to the host without waiting."""
         host = torch.empty(1, pin_memory=self.device.type == "cuda")
         distributed.mean_(self.sums[:1])  # under torchrun: the group's window (nccl: queued, no host sync)
         host.copy_(self.sums[:1], non_blocking=True)
         end = mark(self.system.cuda)  # on a GPU, an event after the window's work: the copy has landed once it has
         self.sums[:1].zero_()  # in place: assigning a Python number would copy from the host and sync
-        self.pending.append((step, lr, host, end, self.system.close(step, end)))
+        self.pending.append((step, lr, host, end, self.system.close(step, end), steps or self.every))
 
     def ready(self, wait: bool = False):
         """(step, mean loss, lr, system measures) of each window whose copy has landed (all of them with
         wait=True)."""
         while self.pending:
-            step, lr, host, end, window = self.pending[0]
+            step, lr, host, end, window, steps = self.pending[0]
             cuda = isinstance(end, torch.cuda.Event)
             if cuda and not wait and not end.query():
                 return
             if cuda:
                 end.synchronize()
             self.pending.popleft()
-            yield step, host.item() / self.every, lr, self.system.values(window, end)
+            yield step, host.item() / steps, lr, self.system.values(window, end)
 
 
 class SystemMeter:

@@ -48,8 +48,8 @@ class Report:
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
     def start_epoch(self, epoch: int, done_steps: int) -> None:
-        """A progress bar per epoch on a terminal when epochs are long enough to watch."""
-        if self.interactive and self.steps_per_epoch >= 20:
+        """A progress bar per epoch on a terminal (short epochs too: a CPU may take minutes over a few steps)."""
+        if self.interactive:
             from tqdm import tqdm
 
             self.bar = tqdm(
@@ -74,8 +74,7 @@ class Report:
         """One evaluation (of val, or of test when there is no val): TensorBoard, a line of metrics.jsonl, a line on
         the console."""
         step, on = record["step"], evaluated(record)
-        self.writer.add_scalar(f"{on}/loss", record[f"{on}_loss"], step)
-        self.writer.add_scalar(f"{on}/accuracy", record[f"{on}_accuracy"], step)
+        self.scalars(record, on, step)
         self.writer.add_scalar("train/throughput", record["samples_per_s"], step)
         self.append(record)
         say(
@@ -87,8 +86,7 @@ class Report:
     def tested(self, record: dict[str, Any]) -> None:
         """The test split's one report, at the end, on the model the run chose on val (and on the final one)."""
         step = record["step"]
-        self.writer.add_scalar("test/loss", record["test_loss"], step)
-        self.writer.add_scalar("test/accuracy", record["test_accuracy"], step)
+        self.scalars(record, "test", step)
         if "final_test_accuracy" in record:
             self.writer.add_scalar("test/final_model_accuracy", record["final_test_accuracy"], step)
         self.append(record)
@@ -98,6 +96,13 @@ class Report:
             f"test: the model chosen on val (epoch {record['chosen_epoch']}): test_loss {record['test_loss']:.4f}  "
             f"test_accuracy {record['test_accuracy']:.4f}{also}"
         )
+
+    def scalars(self, record: dict[str, Any], on: str, step: int) -> None:
+        """An evaluation's scores as <split>/<name> scalars: loss, accuracy, macro_f1, top5_accuracy, ..."""
+        for key, value in record.items():
+            if key.startswith(f"{on}_"):
+                name = key[len(on) + 1 :]
+                self.writer.add_scalar(f"{on}/{'top5_accuracy' if name == 'top5' else name}", value, step)
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)

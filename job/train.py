@@ -18,7 +18,7 @@ import torch
 
 from job import bundle, checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
-from job.choose import Chooser, final_test, outcome, test_and_report
+from job.choose import Chooser, final_test, outcome, test_and_report, weakest_line
 from job.config import Config, flat_items, to_yaml
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
@@ -277,11 +277,13 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
             state.step += 1
             state.epoch_step += 1
             state.steps_since_eval += 1
-            if state.step % every == 0:
-                log.close_window(state.step, loop.r.optimizer.param_groups[0]["lr"])
-                for window in log.ready():
-                    report.loss(*window)
-                report.advance(every)
+            last = state.epoch_step == len(loader)  # a window still open at the epoch's end is logged then
+            if state.step % every == 0 or last:
+                window = min(state.step % every or every, state.epoch_step)  # windows begin at epochs' starts too
+                log.close_window(state.step, loop.r.optimizer.param_groups[0]["lr"], window)
+                for done in log.ready():
+                    report.loss(*done)
+                report.advance(window)
             stop.step()  # in a group: whether any process was sent a signal, learnt one step later by all
             if stop.signal is not None:
                 break
@@ -387,4 +389,6 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; {outcome(on, final, state)}; "
         f"outputs in {run_dir.url}" + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
     )
+    if weakest := weakest_line(loop.chooser, loop.r.classes):
+        say(weakest)
     return summary

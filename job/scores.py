@@ -1,0 +1,47 @@
+"""Where a classifier fails, from its confusion matrix (rows: the true class, columns: the predicted one): each
+class's precision, recall, F1 and support, their macro and weighted averages, the weakest classes, and whether the
+model predicts one class for everything. Pure arithmetic on a small matrix, on the host, once an evaluation."""
+
+from __future__ import annotations
+
+import torch
+
+
+def per_class(confusion: torch.Tensor) -> dict[str, torch.Tensor]:
+    """precision, recall, f1, support per class (0 where undefined: no predictions, or no samples, of it)."""
+    c = confusion.double()
+    hits, predicted, support = c.diag(), c.sum(0), c.sum(1)
+    precision = torch.where(predicted > 0, hits / predicted.clamp(min=1), torch.zeros_like(hits))
+    recall = torch.where(support > 0, hits / support.clamp(min=1), torch.zeros_like(hits))
+    both = precision + recall
+    f1 = torch.where(both > 0, 2 * precision * recall / both.clamp(min=1e-12), torch.zeros_like(hits))
+    return {"precision": precision, "recall": recall, "f1": f1, "support": support}
+
+
+def averages(confusion: torch.Tensor) -> dict[str, float]:
+    """macro (each class alike) and weighted (by support) precision, recall and F1, over the classes with samples."""
+    s = per_class(confusion)
+    present = s["support"] > 0
+    weights = s["support"] / s["support"].sum().clamp(min=1)
+    out = {}
+    for name in ("precision", "recall", "f1"):
+        out[f"macro_{name}"] = float(s[name][present].mean()) if present.any() else 0.0
+        out[f"weighted_{name}"] = float((s[name] * weights).sum())
+    return out
+
+
+def weakest(confusion: torch.Tensor, classes: list[str], n: int = 3) -> list[tuple[str, float]]:
+    """The n classes with samples of the lowest F1, lowest first."""
+    s = per_class(confusion)
+    present = [i for i in range(len(classes)) if s["support"][i] > 0]
+    order = sorted(present, key=lambda i: (float(s["f1"][i]), i))
+    return [(classes[i], float(s["f1"][i])) for i in order[:n]]
+
+
+def one_class(confusion: torch.Tensor) -> int | None:
+    """The class the model predicts for every sample, when it predicts only one (of two or more), else None."""
+    predicted = confusion.sum(0)
+    used = (predicted > 0).nonzero().flatten()
+    if len(confusion) > 1 and len(used) == 1 and confusion.sum() > 1:
+        return int(used[0])
+    return None

@@ -1,0 +1,88 @@
+"""Where the model fails, at every evaluation: the confusion matrix counted on the device, per-class precision,
+recall and F1 with macro and weighted averages, top-5, the weakest classes, a model that predicts one class for
+everything; the training loss logged at least once an epoch."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from conftest import invoke, metrics, scalars, sets, write_image_folder
+
+from job import scores
+from job.data.batches import IGNORED
+from job.data.dataset import Split
+from job.data.loader import BatchLoader
+from job.evaluate import test_sums as evaluation_sums
+
+CPU = torch.device("cpu")
+
+
+def test_scores_from_a_confusion_matrix_by_hand():
+    # true 0: 8 right, 2 as 1; true 1: 5 right, 5 as 0; true 2: 0 samples, predicted once (a 0 taken for it)
+    confusion = torch.tensor([[7, 2, 1], [5, 5, 0], [0, 0, 0]])
+    s = scores.per_class(confusion)
+    assert torch.allclose(s["precision"], torch.tensor([7 / 12, 5 / 7, 0.0], dtype=torch.float64))
+    assert torch.allclose(s["recall"], torch.tensor([7 / 10, 5 / 10, 0.0], dtype=torch.float64))
+    f1_0, f1_1 = 2 * (7 / 12) * 0.7 / (7 / 12 + 0.7), 2 * (5 / 7) * 0.5 / (5 / 7 + 0.5)
+    avg = scores.averages(confusion)
+    assert abs(avg["macro_f1"] - (f1_0 + f1_1) / 2) < 1e-12  # the class with no samples left out
+    assert abs(avg["weighted_f1"] - (f1_0 * 10 + f1_1 * 10) / 20) < 1e-12
+    assert scores.weakest(confusion, ["a", "b", "c"]) == [("b", f1_1), ("a", f1_0)]
+    assert scores.one_class(torch.tensor([[4, 0], [3, 0]])) == 0 and scores.one_class(confusion) is None
+
+
+def test_the_confusion_matrix_is_counted_on_the_device_without_padding_or_ignored_samples():
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 255, (37, 3, 4, 4), dtype=torch.uint8), torch.randint(0, 7, (37,))
+    y[3] = IGNORED
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 7))
+    loader = BatchLoader(Split(x, y), 8, CPU, CPU)
+    sums = evaluation_sums(model, loader, torch.no_grad, classes=7)
+    with torch.no_grad():
+        out = model(x.float() / 255)
+    keep = y != IGNORED
+    want = torch.bincount(y[keep] * 7 + out.argmax(1)[keep], minlength=49).view(7, 7)
+    assert torch.equal(sums[4:].long().view(7, 7), want) and sums[2] == 36
+    top5 = (out.topk(5, 1).indices == y[:, None]).any(1)[keep].sum()
+    assert sums[3] == top5 and sums[1] == torch.diag(want).sum()
+
+
+ONE_CLASS = """
+import torch
+from torch import nn
+
+
+class Stubborn(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, num_classes))
+        self.bias = torch.zeros(num_classes)
+        self.bias[-1] = 1e4  # whatever the input: the last class
+
+    def forward(self, x):
+        return self.net(x) + self.bias.to(x.device)
+"""
+
+
+def test_a_run_reports_scores_logs_short_epochs_and_warns_of_one_class(tmp_path, monkeypatch):
+    root = write_image_folder(tmp_path / "imgs", n_classes=7, per_class=6, size=16, test_per_class=2)
+    out = tmp_path / "run"
+    over = sets("data.kind=folder", f"data.path={root}", "model.name=mlp", "train.epochs=3", "data.batch_size=8")
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
+    assert code == 0, err
+    rows = metrics(str(out))
+    assert all({"test_macro_f1", "test_weighted_f1", "test_top5"} <= set(r) for r in rows)
+    assert len(scalars(str(out), "test/macro_f1")) == 3 and len(scalars(str(out), "test/top5_accuracy")) == 3
+    losses = scalars(str(out), "train/loss")  # 6 steps an epoch, log_every_steps 100: one window an epoch
+    assert [s for s, _ in losses] == [6, 12, 18]
+    for (_, logged), row in zip(losses, rows):
+        assert abs(logged - row["train_loss"]) < 1e-5  # the window is the epoch: its mean is the evaluation's
+    assert "weakest classes by F1:" in err
+    (tmp_path / "stubborn.py").write_text(ONE_CLASS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    over = sets("data.kind=folder", f"data.path={root}", "model.name=stubborn:Stubborn", "train.epochs=1")
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "s"), *over])
+    assert code == 0, err
+    assert "warning: the model predicts class6 for every test sample" in err
+    json.dumps(rows)
