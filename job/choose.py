@@ -111,6 +111,7 @@ def test_and_report(loop: Loop) -> str:
         "wall_s": round(now - loop.t_start, 3),
     }
     loop.chooser.confusion = scored.confusion
+    loop.report.class_table(on, scores.table(scored.confusion, r.classes), state.step)
     if (only := scores.one_class(scored.confusion)) is not None:
         say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
     reason = loop.chooser.judge(state, record[f"{on}_accuracy"], r.model)

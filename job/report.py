@@ -97,6 +97,10 @@ class Report:
             f"test_accuracy {record['test_accuracy']:.4f}{also}"
         )
 
+    def class_table(self, on: str, table: str, step: int) -> None:
+        """The per-class scores of an evaluation, as a Markdown table in TensorBoard's text tab."""
+        self.writer.add_text(f"{on}/classes", table, step)
+
     def scalars(self, record: dict[str, Any], on: str, step: int) -> None:
         """An evaluation's scores as <split>/<name> scalars: loss, accuracy, macro_f1, top5_accuracy, ..."""
         for key, value in record.items():
@@ -188,6 +192,9 @@ class FollowerReport:
 
     def tested(self, record: dict) -> None:
         self.records.append(record)
+
+    def class_table(self, *args) -> None:
+        pass
 
     def loss(self, *args) -> None:
         pass

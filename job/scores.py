@@ -38,6 +38,18 @@ def weakest(confusion: torch.Tensor, classes: list[str], n: int = 3) -> list[tup
     return [(classes[i], float(s["f1"][i])) for i in order[:n]]
 
 
+def table(confusion: torch.Tensor, classes: list[str], most: int = 50) -> str:
+    """Per-class precision, recall, F1 and support as a Markdown table, weakest F1 first (at most `most` rows: a
+    thousand classes stay readable; the weakest are the ones to see)."""
+    s = per_class(confusion)
+    order = sorted(range(len(classes)), key=lambda i: (float(s["f1"][i]), i))[:most]
+    rows = ["| class | precision | recall | f1 | support |", "| --- | --- | --- | --- | --- |"]
+    for i in order:
+        p, r, f, n = (float(s[k][i]) for k in ("precision", "recall", "f1", "support"))
+        rows.append(f"| {classes[i]} | {p:.3f} | {r:.3f} | {f:.3f} | {int(n)} |")
+    return "\n".join(rows)
+
+
 def one_class(confusion: torch.Tensor) -> int | None:
     """The class the model predicts for every sample, when it predicts only one (of two or more), else None."""
     predicted = confusion.sum(0)

@@ -79,6 +79,12 @@ def test_a_run_reports_scores_logs_short_epochs_and_warns_of_one_class(tmp_path,
     for (_, logged), row in zip(losses, rows):
         assert abs(logged - row["train_loss"]) < 1e-5  # the window is the epoch: its mean is the evaluation's
     assert "weakest classes by F1:" in err
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    text = events.Tensors("test/classes/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert text.startswith("| class | precision | recall | f1 | support |") and text.count("\n") == 8
     (tmp_path / "stubborn.py").write_text(ONE_CLASS)
     monkeypatch.syspath_prepend(str(tmp_path))
     over = sets("data.kind=folder", f"data.path={root}", "model.name=stubborn:Stubborn", "train.epochs=1")
