@@ -96,6 +96,10 @@ def test_and_report(loop: Loop) -> str:
     loop.clock.stop()
     loop.log.system.pause()
     r, state, log, on = loop.r, loop.state, loop.log, loop.r.evaluated_on
+    if state.step % log.every and state.steps_since_eval:  # the open window is logged: every evaluated epoch has one
+        log.close_window(
+            state.step, r.optimizer.param_groups[0]["lr"], min(state.step % log.every, state.steps_since_eval)
+        )
     scored = evaluate_split(loop, on, extra=log.sums[1:])
     (train_sum,) = scored.extra
     now = time.perf_counter()

@@ -277,13 +277,12 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
             state.step += 1
             state.epoch_step += 1
             state.steps_since_eval += 1
-            last = state.epoch_step == len(loader)  # a window still open at the epoch's end is logged then
-            if state.step % every == 0 or last:
-                window = min(state.step % every or every, state.epoch_step)  # windows begin at epochs' starts too
+            if state.step % every == 0:
+                window = min(every, state.steps_since_eval)  # an evaluation logs the window open before it
                 log.close_window(state.step, loop.r.optimizer.param_groups[0]["lr"], window)
                 for done in log.ready():
                     report.loss(*done)
-                report.advance(window)
+                report.advance(every)
             stop.step()  # in a group: whether any process was sent a signal, learnt one step later by all
             if stop.signal is not None:
                 break
