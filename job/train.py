@@ -384,10 +384,10 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     if stop.signal or stop.received:  # it came during the last step or while the results were written
         reason = stop.describe(stop.signal or stop.received)
         say(f"{reason} came as the run was ending: it finished, there is nothing to continue")
+    if weakest := weakest_line(loop.chooser, loop.r.classes):
+        say(weakest)  # before the last line, which says where the outputs are
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; {outcome(on, final, state)}; "
         f"outputs in {run_dir.url}" + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
     )
-    if weakest := weakest_line(loop.chooser, loop.r.classes):
-        say(weakest)
     return summary
