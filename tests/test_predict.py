@@ -323,6 +323,8 @@ def test_predict_a_table_with_a_csv_model(tmp_path):
     truth = [line.split(",")[header.index("species")] for line in lines[1:]]
     right = sum(1 for r, t in zip(rows, truth) if r["label"] == t)
     assert len(rows) == 151 and rows[-1]["error"] and right >= 135
+    code, err = invoke(["export", "-m", str(out), "-f", "onnx", "-o", str(tmp_path / "i.onnx")])
+    assert code == 2 and "table's model" in err and "Traceback" not in err
 
 
 def test_evaluate_on_shards_and_export_checks_a_test_folder_by_default(tmp_path):
