@@ -191,3 +191,26 @@ def weakest_line(chooser: Chooser, classes: list[str]) -> str:
         return ""
     shown = ", ".join(f"{name} {f1:.2f}" for name, f1 in scores.weakest(chooser.confusion, classes))
     return f"weakest classes by F1: {shown}"
+
+
+def write_reports(loop: Loop) -> None:
+    """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py);
+    the confusion matrices in TensorBoard too. Rank 0 alone, over every sample in one process."""
+    from job import diagnostics
+
+    r = loop.r
+    if not distributed.is_writer():
+        return
+    for split in r.held_out:
+        held = r.feed.splits.get(split) if r.feed.stream is None else None
+        images = held.x if held is not None and r.feed.is_image else None
+        names = held.names if held is not None else None
+        files: dict[str, bytes] = {}
+
+        def put(name: str, data: bytes, split: str = split, files: dict = files) -> None:
+            files[name] = data
+            loop.run_dir.write(f"report/{split}/{name}", data)
+
+        loader = r.feed.test(r.feed.batch_size, 0, 1, split)
+        diagnostics.write(put, r.model, loader, r.amp, split, r.classes, images, names)
+        loop.report.image(f"{split}/confusion", files["confusion.png"], loop.state.step)

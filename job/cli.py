@@ -138,6 +138,9 @@ def evaluate(
     overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
     device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    report: str = typer.Option(
+        "", "--report", help="Write each held-out split's report (confusion, classes, worst) to DIR/<split>/."
+    ),
 ) -> None:
     """Loss and accuracy of a saved run, model or checkpoint: on its test split (val when it has none), or on any
     labelled images (--data) preprocessed as its evaluation was."""
@@ -150,7 +153,8 @@ def evaluate(
             result = evaluate_on(model or checkpoint, data, device)
             result["checkpoint"], result["epoch"] = model or checkpoint, None
         else:
-            result = evaluate_checkpoint(checkpoint or chosen_weights(model), config or None, overrides, device)
+            url = checkpoint or chosen_weights(model)
+            result = evaluate_checkpoint(url, config or None, overrides, device, report or None)
         if as_json:
             print(json.dumps(result))
         else:

@@ -60,7 +60,9 @@ def logits(model, x: torch.Tensor, augmentation: str = "none") -> torch.Tensor:
     return (flipped + (shifted[0] + shifted[1]) / 2) / 2
 
 
-def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], device_name: str) -> dict:
+def evaluate_checkpoint(
+    url: str, config: str | None, overrides: list[str], device_name: str, report: str | None = None
+) -> dict:
     """Test loss and accuracy of a checkpoint (or a run folder's newest) on the test split."""
     payload, _ = checkpoint.load_url(url, weights=True)
     if config:
@@ -87,6 +89,8 @@ def evaluate_checkpoint(url: str, config: str | None, overrides: list[str], devi
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
     split = "test" if "test" in r.held_out else "val"  # class folders held out for val alone: val
     loader = r.held_out[split]
+    if report:
+        write_report(r, report)
     loss_sum, correct, counted = test_sums(r.model, loader, r.amp, cfg.train.test_time_augmentation).tolist()
     progress = payload.get("progress", {})
     return {
@@ -109,6 +113,23 @@ def is_shards(url: str) -> bool:
         return fs.isdir(path) and (fs.exists(f"{root}/index.json") or bool(fs.glob(f"{root}/*/*.tar")))
     except Exception:  # the stores' clients raise many types: read as a folder, which names the fault
         return False
+
+
+def write_report(r, folder: str) -> None:
+    """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL."""
+    from job import diagnostics
+
+    for split in r.held_out:
+        held = r.feed.splits.get(split) if r.feed.stream is None else None
+        images = held.x if held is not None and r.feed.is_image else None
+
+        def put(name: str, data: bytes, split: str = split) -> None:
+            fs, path = filesystem(f"{folder.rstrip('/')}/{split}/{name}")
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            fs.pipe_file(path, data)
+
+        loader = r.feed.test(r.feed.batch_size, 0, 1, split)
+        diagnostics.write(put, r.model, loader, r.amp, split, r.classes, images, held.names if held else None)
 
 
 def run_record(url: str) -> dict:

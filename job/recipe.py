@@ -140,7 +140,7 @@ class Feed:
         held = {name: data.split(name) for name in ("train", "val", "test") if data.split(name) is not None}
         self.held_on = hold_on(sum(s.x.nbytes for s in held.values()), device, d.placement, d.device_share, limit)
         self.mean, self.std = stats or normalization(cfg, data)
-        self.splits = {name: Split(s.x.to(self.held_on), s.y.to(self.held_on)) for name, s in held.items()}
+        self.splits = {n: Split(s.x.to(self.held_on), s.y.to(self.held_on), s.names) for n, s in held.items()}
         self.train_split = self.splits["train"]
         self.batch_size = len(data.train) if d.batch_size == "full" else d.batch_size
 

@@ -97,6 +97,16 @@ class Report:
             f"test_accuracy {record['test_accuracy']:.4f}{also}"
         )
 
+    def image(self, tag: str, png: bytes, step: int) -> None:
+        """A PNG (a confusion matrix) in TensorBoard's images tab."""
+        import io
+
+        import numpy as np
+        from PIL import Image
+
+        pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+        self.writer.add_image(tag, pixels, step, dataformats="HWC")
+
     def class_table(self, on: str, table: str, step: int) -> None:
         """The per-class scores of an evaluation, as a Markdown table in TensorBoard's text tab."""
         self.writer.add_text(f"{on}/classes", table, step)
@@ -194,6 +204,9 @@ class FollowerReport:
         self.records.append(record)
 
     def class_table(self, *args) -> None:
+        pass
+
+    def image(self, *args) -> None:
         pass
 
     def loss(self, *args) -> None:

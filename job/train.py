@@ -18,7 +18,7 @@ import torch
 
 from job import bundle, checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
-from job.choose import Chooser, final_test, outcome, test_and_report, weakest_line
+from job.choose import Chooser, final_test, outcome, test_and_report, weakest_line, write_reports
 from job.config import Config, flat_items, to_yaml
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
@@ -358,6 +358,7 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     run_dir, state, report, stop, on = loop.run_dir, loop.state, loop.report, loop.stop, loop.r.evaluated_on
     last = next((r for r in reversed(report.records) if "train_loss" in r), resumed)
     tested = final_test(loop)
+    write_reports(loop)
     final = {
         "best_accuracy": state.best_accuracy,
         "final_accuracy": last.get(f"{on}_accuracy"),

@@ -92,3 +92,34 @@ def test_a_run_reports_scores_logs_short_epochs_and_warns_of_one_class(tmp_path,
     assert code == 0, err
     assert "warning: the model predicts class6 for every test sample" in err
     json.dumps(rows)
+
+
+def test_the_run_and_evaluate_write_the_same_report(tmp_path):
+    """report/<split>/ at the end of a run, and `evaluate --report DIR` on its checkpoint: classes.csv (weakest
+    first), most_confused.csv, worst.csv naming files, and the two pictures; the confusion image in TensorBoard."""
+    import csv
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=8, size=16, test_per_class=4)
+    out = tmp_path / "run"
+    over = sets("data.kind=folder", f"data.path={root}", "model.name=mlp", "train.epochs=2", "data.batch_size=8")
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
+    assert code == 0, err
+    for name in ("classes.csv", "most_confused.csv", "worst.csv", "confusion.png", "worst.png"):
+        assert (out / "report" / "test" / name).stat().st_size > 0, name
+    with open(out / "report" / "test" / "classes.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["class"] for r in rows) == ["class0", "class1", "class2", "class3"]
+    assert [float(r["f1"]) for r in rows] == sorted(float(r["f1"]) for r in rows)  # weakest first
+    assert sum(int(r["support"]) for r in rows) == 16
+    with open(out / "report" / "test" / "worst.csv", newline="") as f:
+        worst = list(csv.DictReader(f))
+    assert worst[0]["path"].startswith("test/class") and float(worst[0]["loss"]) >= float(worst[-1]["loss"])
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert "test/confusion" in events.Tags()["images"]
+    code, err = invoke(["evaluate", "--checkpoint", str(out), "--device", "cpu", "--report", str(tmp_path / "rep")])
+    assert code == 0, err
+    for name in ("classes.csv", "worst.csv", "most_confused.csv"):
+        assert (tmp_path / "rep" / "test" / name).read_bytes() == (out / "report" / "test" / name).read_bytes(), name

@@ -19,6 +19,7 @@ class Split:
 
     x: torch.Tensor
     y: torch.Tensor
+    names: list[str] | None = None  # each sample's file, where it has one (a report names the worst)
 
     def __len__(self) -> int:
         return len(self.y)

@@ -165,4 +165,5 @@ def decode_split(
     if not good:
         return Split(torch.empty(0, 3, size or 0, size or 0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
     index = {c: i for i, c in enumerate(classes)}
-    return Split(torch.stack([img for img, _, _ in good]), torch.tensor([index[cls] for _, cls, _ in good]))
+    x, y = torch.stack([img for img, _, _ in good]), torch.tensor([index[cls] for _, cls, _ in good])
+    return Split(x, y, [name for _, _, name in good])
