@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from job import scores
+from job.data.batches import IGNORED
 
 WORST = 36  # samples in worst.csv and worst.png
 SHOWN = 30  # classes drawn in confusion.png at most: the most confused ones
@@ -50,12 +51,13 @@ def write(
     """The split's report files through `put(name, bytes)`; returns its confusion matrix. `images`: the split's
     uint8 images (for worst.png; None for tables); `names`: each sample's file (else its number)."""
     losses, predicted, probability, labels = per_sample(model, loader, amp)
-    k = len(classes)
-    confusion = torch.bincount(labels * k + predicted, minlength=k * k).view(k, k)
+    k, counted = len(classes), labels != IGNORED  # a streamed sample that could not be decoded is left out
+    confusion = torch.bincount((labels * k + predicted)[counted], minlength=k * k).view(k, k)
     put("classes.csv", classes_csv(confusion, classes))
     put("most_confused.csv", most_confused_csv(confusion, classes))
     put("confusion.png", confusion_png(confusion, classes, split))
-    worst = losses.argsort(descending=True)[:WORST].tolist()
+    ranked = losses.masked_fill(~counted, float("-inf")).argsort(descending=True)
+    worst = ranked[: min(WORST, int(counted.sum()))].tolist()
     rows = [
         (names[i] if names else str(i), classes[int(labels[i])], classes[int(predicted[i])], float(probability[i]),
          float(losses[i]))
