@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from job import distributed, scores
+from job import diagnostics, distributed, scores
 from job.errors import ConfigError
 from job.evaluate import test_sums
 from job.memory import memory_guard
@@ -115,7 +115,7 @@ def test_and_report(loop: Loop) -> str:
         "wall_s": round(now - loop.t_start, 3),
     }
     loop.chooser.confusion = scored.confusion
-    loop.report.class_table(on, scores.table(scored.confusion, r.classes), state.step)
+    show(loop, on, scored.confusion)
     if (only := scores.one_class(scored.confusion)) is not None:
         say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
     reason = loop.chooser.judge(state, record[f"{on}_accuracy"], r.model)
@@ -123,6 +123,13 @@ def test_and_report(loop: Loop) -> str:
     loop.report.evaluation(record)
     loop.t_eval = now
     return reason
+
+
+def show(loop: Loop, split: str, confusion: torch.Tensor) -> None:
+    """An evaluation's per-class table and confusion picture in TensorBoard."""
+    classes, step = loop.r.classes, loop.state.step
+    loop.report.class_table(split, scores.table(confusion, classes), step)
+    loop.report.image(f"{split}/confusion", lambda: diagnostics.confusion_picture(confusion, classes, split), step)
 
 
 @dataclass
@@ -169,6 +176,7 @@ def final_test(loop: Loop) -> dict:
         return {}
     scored = evaluate_split(loop, "test")
     chooser.confusion = scored.confusion  # the weakest classes are the chosen model's on test
+    show(loop, "test", scored.confusion)
     record = {"epoch": state.epoch, "step": state.step, "chosen_epoch": state.best_epoch}
     record |= {"val_accuracy": state.best_accuracy, **scored.record("test")}
     record |= {"final_test_loss": final.loss, "final_test_accuracy": final.accuracy} if final else {}
@@ -194,23 +202,7 @@ def weakest_line(chooser: Chooser, classes: list[str]) -> str:
 
 
 def write_reports(loop: Loop) -> None:
-    """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py);
-    the confusion matrices in TensorBoard too. Rank 0 alone, over every sample in one process."""
-    from job import diagnostics
-
-    r = loop.r
-    if not distributed.is_writer():
-        return
-    for split in r.held_out:
-        held = r.feed.splits.get(split) if r.feed.stream is None else None
-        images = held.x if held is not None and r.feed.is_image else None
-        names = held.names if held is not None else None
-        files: dict[str, bytes] = {}
-
-        def put(name: str, data: bytes, split: str = split, files: dict = files) -> None:
-            files[name] = data
-            loop.run_dir.write(f"report/{split}/{name}", data)
-
-        loader = r.feed.test(r.feed.batch_size, 0, 1, split)
-        diagnostics.write(put, r.model, loader, r.amp, split, r.classes, images, names)
-        loop.report.image(f"{split}/confusion", files["confusion.png"], loop.state.step)
+    """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py).
+    Rank 0 alone, over every sample in one process."""
+    if distributed.is_writer():
+        diagnostics.write_splits(loop.r, lambda split, name, data: loop.run_dir.write(f"report/{split}/{name}", data))

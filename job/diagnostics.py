@@ -4,11 +4,14 @@ run, `DIR/<split>/` from `job evaluate --report DIR`):
     classes.csv        class, precision, recall, f1, support (weakest F1 first)
     most_confused.csv  true, predicted, count: the off-diagonal cells of the confusion matrix, largest first
     confusion.png      the confusion matrix, raw counts and normalised by row (the 30 most confused classes of many)
-    worst.csv          the samples of the highest loss: path (or sample number), true, predicted, probability, loss
-    worst.png          a grid of those images, each with its true label, the predicted label and its probability
+    worst.csv          the samples of the highest loss: path (a file, or shard:key of a streamed sample; else its
+                       number), true, predicted, probability, loss
+    worst.png          a grid of those images as the model saw them, each with its true label, the predicted label
+                       and its probability, its name beneath
 
-One pass over the split in order, in this process: each sample's loss and prediction kept (two numbers a sample), the
-confusion matrix from them; the images of the worst only are kept for the grid.
+One pass over the split in order, in this process: each sample's loss and prediction kept (a few numbers a sample),
+the confusion matrix from them; the model's inputs of the worst only are kept for the grid. At each evaluation,
+TensorBoard gets the confusion matrix drawn by confusion_picture.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,46 +31,95 @@ WORST = 36  # samples in worst.csv and worst.png
 SHOWN = 30  # classes drawn in confusion.png at most: the most confused ones
 
 
+def write_splits(r, put: Callable[[str, str, bytes], None]) -> None:
+    """Each held-out split's report files of the recipe's model through `put(split, name, bytes)`: one pass in one
+    process over every sample. TensorBoard's confusion images are drawn at each evaluation (confusion_picture)."""
+    for split in r.held_out:
+        loader = r.feed.test(r.feed.batch_size, 0, 1, split)
+        stats = r.feed.stats_cpu() if r.feed.is_image else None
+
+        def to(name: str, data: bytes, split: str = split) -> None:
+            put(split, name, data)
+
+        write(to, r.model, loader, r.amp, split, r.classes, stats)
+
+
+@dataclass
+class Passed:
+    """One pass over a split: every sample's loss, prediction, its probability and label (host, in the loader's
+    order), each sample's name (its number where the loader names none), and the inputs of the highest losses."""
+
+    losses: torch.Tensor
+    predicted: torch.Tensor
+    probability: torch.Tensor
+    labels: torch.Tensor
+    names: list[str]
+    worst: torch.Tensor  # positions of the WORST highest losses among the counted samples, highest first
+    inputs: torch.Tensor | None  # the model's inputs at those positions (None: not kept)
+
+
 @torch.no_grad()
-def per_sample(model, loader, amp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(losses, predictions, their probabilities, labels) of every sample of a one-process loader, in its order."""
+def per_sample(model, loader, amp, keep_inputs: bool = False) -> Passed:
+    """A one-process loader's split through the model. The inputs of the highest losses so far are kept on the
+    device as the pass goes (a top-k over those and each batch), so memory holds WORST inputs, not the split."""
     model.eval()
-    losses, predicted, probability, labels = [], [], [], []
+    losses, predicted, probability, labels, names = [], [], [], [], []
+    top_loss = top_at = top_x = None
+    seen = 0
     for batch in loader.batches():
         with amp():
             out = model(batch.x).float()
         p = torch.softmax(out, 1)
-        losses.append(F.cross_entropy(out, batch.y, reduction="none").cpu())
+        loss = F.cross_entropy(out, batch.y, reduction="none", ignore_index=IGNORED)
+        ranked = loss.masked_fill(batch.y == IGNORED, float("-inf"))  # never counted, never among the worst
+        at = torch.arange(seen, seen + len(loss), device=loss.device)
+        if top_loss is not None:
+            ranked, at = torch.cat([top_loss, ranked]), torch.cat([top_at, at])
+        keep = ranked.topk(min(WORST, len(ranked))).indices
+        if keep_inputs:
+            top_x = (batch.x if top_x is None else torch.cat([top_x, batch.x]))[keep]
+        top_loss, top_at = ranked[keep], at[keep]
+        losses.append(loss.cpu())
         top = p.max(1)
         predicted.append(top.indices.cpu())
         probability.append(top.values.cpu())
         labels.append(batch.y.cpu())
+        names += batch.names if len(batch.names) == len(batch.y) else [str(i) for i in range(seen, seen + len(loss))]
+        seen += len(loss)
     model.train()
-    return torch.cat(losses), torch.cat(predicted), torch.cat(probability), torch.cat(labels)
+    found = int(top_loss.isfinite().sum()) if top_loss is not None else 0  # the worst that were counted
+    worst = top_at[:found].cpu() if found else torch.zeros(0, dtype=torch.long)
+    inputs = top_x[:found] if top_x is not None and found else None
+    losses, predicted, probability, labels = (torch.cat(t) for t in (losses, predicted, probability, labels))
+    return Passed(losses, predicted, probability, labels, names, worst, inputs)
 
 
-def write(
-    put: Callable[[str, bytes], None], model, loader, amp, split, classes: list[str], images=None, names=None
-) -> torch.Tensor:
-    """The split's report files through `put(name, bytes)`; returns its confusion matrix. `images`: the split's
-    uint8 images (for worst.png; None for tables); `names`: each sample's file (else its number)."""
-    losses, predicted, probability, labels = per_sample(model, loader, amp)
-    k, counted = len(classes), labels != IGNORED  # a streamed sample that could not be decoded is left out
-    confusion = torch.bincount((labels * k + predicted)[counted], minlength=k * k).view(k, k)
+def write(put: Callable[[str, bytes], None], model, loader, amp, split, classes: list[str], stats=None) -> torch.Tensor:
+    """The split's report files through `put(name, bytes)`; returns its confusion matrix. `stats`: the inputs' (mean,
+    std) per channel for worst.png (None for tables, which get no pictures; (None, None): not normalised)."""
+    s = per_sample(model, loader, amp, keep_inputs=stats is not None)
+    k, counted = len(classes), s.labels != IGNORED  # a streamed sample that could not be decoded is left out
+    confusion = torch.bincount((s.labels * k + s.predicted)[counted], minlength=k * k).view(k, k)
     put("classes.csv", classes_csv(confusion, classes))
     put("most_confused.csv", most_confused_csv(confusion, classes))
     put("confusion.png", confusion_png(confusion, classes, split))
-    ranked = losses.masked_fill(~counted, float("-inf")).argsort(descending=True)
-    worst = ranked[: min(WORST, int(counted.sum()))].tolist()
     rows = [
-        (names[i] if names else str(i), classes[int(labels[i])], classes[int(predicted[i])], float(probability[i]),
-         float(losses[i]))
-        for i in worst
+        (s.names[i], classes[int(s.labels[i])], classes[int(s.predicted[i])], float(s.probability[i]),
+         float(s.losses[i]))
+        for i in s.worst.tolist()
     ]  # fmt: skip
     put("worst.csv", table(["path", "true", "predicted", "probability", "loss"], rows))
-    if images is not None:
-        put("worst.png", worst_png(images[worst].cpu(), rows))
+    if s.inputs is not None and rows:
+        put("worst.png", worst_png(pixels(s.inputs, *stats), rows))
     return confusion
+
+
+def pixels(x: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor | None) -> torch.Tensor:
+    """The model's inputs as uint8 images on the host again: the normalisation undone."""
+    x = x.float().cpu()
+    if mean is not None:
+        x = x * std.view(1, -1, 1, 1) + mean.view(1, -1, 1, 1)
+    return (x.clamp(0, 1) * 255).round().to(torch.uint8)
 
 
 def table(head: list[str], rows: list) -> bytes:
@@ -133,6 +186,47 @@ def confusion_png(confusion: torch.Tensor, classes: list[str], split: str) -> by
     return buf.getvalue()
 
 
+def confusion_picture(confusion: torch.Tensor, classes: list[str], split: str) -> torch.Tensor:
+    """The confusion matrix normalised by row as an HWC uint8 picture, class names on its axes (the SHOWN most
+    confused of many). Drawn with Pillow at each evaluation: a few milliseconds, where a matplotlib figure takes a
+    third of a second."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFont
+
+    keep = most_confused_classes(confusion, SHOWN)
+    sub = confusion[keep][:, keep].double()
+    rows = (sub / sub.sum(1, keepdim=True).clamp(min=1)).numpy()
+    names = [classes[i][:24] for i in keep]
+    n, font = len(keep), ImageFont.load_default(11)
+    cell = max(16, min(48, 480 // n))
+    label = max(int(font.getlength(name)) for name in names) + 8
+    title = f"{split}: confusion, normalised by row" + (
+        f" ({n} most confused of {len(classes)} classes)" if n < len(classes) else "")  # fmt: skip
+    top, left = 20 + label + 14, 30 + label
+    width = max(left + n * cell + 8, int(font.getlength(title)) + 16)
+    img = Image.new("RGB", (width, top + n * cell + 8), "white")
+    draw = ImageDraw.Draw(img)
+    draw.text((6, 4), title, fill="black", font=font)
+    light, dark = np.array([247, 251, 255]), np.array([8, 48, 107])  # matplotlib's Blues, its two ends
+    for t in range(n):
+        draw.text((left - 4, top + t * cell + cell / 2), names[t], fill="black", font=font, anchor="rm")
+        for p in range(n):
+            v = float(rows[t, p])
+            colour = tuple(int(c) for c in light + (dark - light) * v)
+            x0, y0 = left + p * cell, top + t * cell
+            draw.rectangle((x0, y0, x0 + cell - 1, y0 + cell - 1), fill=colour)
+            if n <= 12:  # few enough to print each cell
+                ink = "white" if v > 0.5 else "black"
+                draw.text((x0 + cell / 2, y0 + cell / 2), f"{v:.2f}", fill=ink, font=font, anchor="mm")
+    for p, name in enumerate(names):  # the predicted classes along the top, written upwards
+        text = Image.new("RGB", (label, cell), "white")
+        ImageDraw.Draw(text).text((2, cell / 2), name, fill="black", font=font, anchor="lm")
+        img.paste(text.rotate(90, expand=True), (left + p * cell, top - label - 2))
+    draw.text((2, top + n * cell / 2), "true", fill="grey", font=font, anchor="lm")
+    draw.text((left + n * cell / 2, top - label - 12), "predicted", fill="grey", font=font, anchor="mm")
+    return torch.from_numpy(np.asarray(img).copy())
+
+
 def worst_png(images: torch.Tensor, rows: list) -> bytes:
     """A grid of the worst images, each titled true / predicted (probability) and its file name beneath."""
     from matplotlib.figure import Figure
@@ -143,7 +237,8 @@ def worst_png(images: torch.Tensor, rows: list) -> bytes:
     fig = Figure(figsize=(cols * 2.2, lines * 2.6))
     for i, ((path, true, predicted, p, _), img) in enumerate(zip(rows, images)):
         ax = fig.add_subplot(lines, cols, i + 1)
-        ax.imshow(img.permute(1, 2, 0).numpy())
+        picture = img.permute(1, 2, 0).numpy()
+        ax.imshow(picture[..., 0] if picture.shape[2] == 1 else picture, cmap="gray")
         ax.set_title(f"{true} -> {predicted} ({p:.2f})", fontsize=7)
         ax.set_xlabel(str(path).rsplit("/", 1)[-1][-28:], fontsize=6)
         ax.set_xticks([])

@@ -119,17 +119,12 @@ def write_report(r, folder: str) -> None:
     """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL."""
     from job import diagnostics
 
-    for split in r.held_out:
-        held = r.feed.splits.get(split) if r.feed.stream is None else None
-        images = held.x if held is not None and r.feed.is_image else None
+    def put(split: str, name: str, data: bytes) -> None:
+        fs, path = filesystem(f"{folder.rstrip('/')}/{split}/{name}")
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        fs.pipe_file(path, data)
 
-        def put(name: str, data: bytes, split: str = split) -> None:
-            fs, path = filesystem(f"{folder.rstrip('/')}/{split}/{name}")
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            fs.pipe_file(path, data)
-
-        loader = r.feed.test(r.feed.batch_size, 0, 1, split)
-        diagnostics.write(put, r.model, loader, r.amp, split, r.classes, images, held.names if held else None)
+    diagnostics.write_splits(r, put)
 
 
 def run_record(url: str) -> dict:

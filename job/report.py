@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -97,15 +98,10 @@ class Report:
             f"test_accuracy {record['test_accuracy']:.4f}{also}"
         )
 
-    def image(self, tag: str, png: bytes, step: int) -> None:
-        """A PNG (a confusion matrix) in TensorBoard's images tab."""
-        import io
-
-        import numpy as np
-        from PIL import Image
-
-        pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
-        self.writer.add_image(tag, pixels, step, dataformats="HWC")
+    def image(self, tag: str, draw: Callable[[], Any], step: int) -> None:
+        """A picture (a confusion matrix) in TensorBoard's images tab: `draw()` gives its HWC uint8 pixels, drawn
+        only where a report is written."""
+        self.writer.add_image(tag, draw(), step, dataformats="HWC")
 
     def class_table(self, on: str, table: str, step: int) -> None:
         """The per-class scores of an evaluation, as a Markdown table in TensorBoard's text tab."""

@@ -123,3 +123,59 @@ def test_the_run_and_evaluate_write_the_same_report(tmp_path):
     assert code == 0, err
     for name in ("classes.csv", "worst.csv", "most_confused.csv"):
         assert (tmp_path / "rep" / "test" / name).read_bytes() == (out / "report" / "test" / name).read_bytes(), name
+
+
+def test_every_evaluation_draws_its_confusion_matrix_in_tensorboard(tmp_path):
+    """The confusion image at each evaluation (val here), class names on its axes, and test's once at the end."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=12, size=16, test_per_class=3)
+    out = tmp_path / "run"
+    over = sets(
+        "data.kind=folder", f"data.path={root}", "model.name=mlp", "train.epochs=3", "data.batch_size=8",
+        "data.val_split=0.25",
+    )  # fmt: skip
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
+    assert code == 0, err
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    evaluated = [step for step, _ in scalars(str(out), "val/accuracy")]
+    assert len(evaluated) == 3
+    assert [e.step for e in events.Images("val/confusion")] == evaluated
+    assert [e.step for e in events.Images("test/confusion")] == evaluated[-1:]
+    first = events.Images("val/confusion")[0]
+    assert first.width >= 100 and first.height >= 100
+
+
+def test_the_confusion_picture_names_the_classes_and_shows_the_most_confused_of_many():
+    from job import diagnostics
+
+    k = 1000
+    confusion = torch.eye(k, dtype=torch.long) * 5
+    confusion[7, 9] = 40  # the classes most confused
+    pixels = diagnostics.confusion_picture(confusion, [f"c{i}" for i in range(k)], "val")
+    assert pixels.dtype == torch.uint8 and pixels.shape[2] == 3 and max(pixels.shape[:2]) <= 1200
+    two = diagnostics.confusion_picture(torch.tensor([[3, 1], [0, 4]]), ["cat", "dog"], "val")
+    assert two.shape[0] >= 60 and two.float().std() > 10  # drawn: not one colour
+
+
+def test_a_streamed_run_names_its_worst_samples_by_shard_and_key(tmp_path):
+    """A streamed split's report: worst.csv names each sample by its shard and key, worst.png shows them."""
+    import csv
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=10, size=16, test_per_class=4)
+    code, err = invoke(["shard", str(root), str(tmp_path / "shards"), "--samples-per-shard", "8", "--val-split", "0"])
+    assert code == 0, err
+    out = tmp_path / "run"
+    over = sets(
+        "data.kind=shards", f"data.path={tmp_path / 'shards'}", "data.placement=stream", "model.name=mlp",
+        "train.epochs=1", "data.batch_size=8",
+    )  # fmt: skip
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
+    assert code == 0, err
+    with open(out / "report" / "test" / "worst.csv", newline="") as f:
+        worst = list(csv.DictReader(f))
+    assert len(worst) == 12
+    assert all(".tar:" in row["path"] for row in worst), worst[0]
+    assert len({row["path"] for row in worst}) == 12
+    assert (out / "report" / "test" / "worst.png").stat().st_size > 0

@@ -28,6 +28,7 @@ class Batch:
     weight: float  # this process's mean loss is multiplied by it so that DDP's mean over processes is the batch's
     samples: int  # samples of the step over the whole group
     own: int  # this process's samples that count (0: padding, fed only to keep the group in step)
+    names: tuple[str, ...] = ()  # the own samples' files (or shard:key) in an unshuffled pass; () where not named
 
 
 class Loader(Protocol):

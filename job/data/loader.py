@@ -45,6 +45,7 @@ class BatchLoader:
         self.view, self.resized_crops = view, resized_crops  # images viewed at the model's size; random crops
         self.rank, self.world = shard  # this process takes its slice of every batch (data-parallel training)
         self.x, self.y = split.x.to(held_on), split.y.to(held_on)
+        self.names = split.names if not shuffle else None  # what an unshuffled pass's batches name (a report)
         self.n = len(split)
         self.batch_size = min(batch_size, self.n)
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
@@ -84,7 +85,8 @@ class BatchLoader:
                     self.reflect,
                 )
             x = self.scale(x, boxes[lo:hi] if boxes is not None else None)
-            yield Batch(x, y, self.loss_weight(i), self.samples(i), hi - lo)
+            named = tuple(self.names[lo:hi]) if self.names else ()
+            yield Batch(x, y, self.loss_weight(i), self.samples(i), hi - lo, named)
 
     def samples(self, i: int) -> int:
         """Samples in batch i over all processes."""

@@ -130,7 +130,7 @@ class StreamLoader:
         # A split read the same way every pass (no shuffle, no augmentation: the test split) whose decoded images
         # take at most keep_bytes is kept decoded after its first whole pass, and replayed from memory.
         self.keep_bytes = keep_bytes if not (shuffle or crop_padding or hflip or resized_crops) else 0
-        self.kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.kept: list[tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]] | None = None
         self.view, self.resized_crops = view, resized_crops
         self.seed, self.shuffle, self.buffer, self.drop_last = seed, shuffle, buffer if shuffle else 0, drop_last
         self.crop_padding, self.hflip, self.rank, self.world = crop_padding, hflip, rank, world
@@ -174,8 +174,8 @@ class StreamLoader:
         """Samples in step i over all processes."""
         return sum(self.taken(r, i) for r in range(self.world))
 
-    def batch(self, x: torch.Tensor, y: torch.Tensor, i: int) -> Batch:
-        return Batch(x, y, self.loss_weight(i), self.samples(i), self.taken(self.rank, i))
+    def batch(self, x: torch.Tensor, y: torch.Tensor, i: int, names: tuple[str, ...] = ()) -> Batch:
+        return Batch(x, y, self.loss_weight(i), self.samples(i), self.taken(self.rank, i), names)
 
     def resume_at(self, epoch: int, step: int, places: list[dict]) -> None:
         """Continue at step `step` of `epoch` from the place this process saved there."""
@@ -222,10 +222,9 @@ class StreamLoader:
                 raise DataError(f"no saved stream position for step {start} of epoch {epoch + 1}")
             at = self.saved[2]
         if self.kept is not None:
-            for i, (x, y) in enumerate(self.kept[start:], start):
-                yield self.batch(
-                    to_float(move(x, self.device), self.layout, self.mean, self.std, self.view), move(y, self.device), i
-                )
+            for i, (x, y, names) in enumerate(self.kept[start:], start):
+                x = to_float(move(x, self.device), self.layout, self.mean, self.std, self.view)
+                yield self.batch(x, move(y, self.device), i, names)
             return
         record: list | None = [] if self.keep_bytes and not start else None
         record_bytes = 0
@@ -242,26 +241,29 @@ class StreamLoader:
             raise CheckpointError(
                 f"the checkpoint's place in epoch {epoch + 1} is not one this version reads"
             ) from None
-        b, last = self.local[self.rank], None
+        b, last, names = self.local[self.rank], None, ()
         ahead = decoded_ahead(stream, urls, b, self.decoder, self.ahead, self.drop_last, self.skipped)
         with contextlib.closing(ahead) as groups:
             for i in range(start, len(self)):
                 got = next(groups, None)
                 if got is not None:
                     images, labels, place, group = got
+                    names = tuple(f"{urls[s.shard]}:{s.key}" for s in group)
                     if record is not None:  # kept in host memory, whatever decoded it
-                        record.append((images.cpu(), labels))
+                        record.append((images.cpu(), labels, names))
                         record_bytes += images.nbytes
                         record = record if record_bytes <= self.keep_bytes else None
                     last = self.make(images, labels, epoch, i, group)
                     self.last_place = (place, group, i)
-                elif last is None:
-                    if self.last_place is None:
-                        return
-                    last = self.replayed(urls, epoch)  # resumed in the padded stretch: the last batch read back
-                elif record is not None:
-                    record.append(record[-1])  # replayed as it was fed: the last batch again
-                yield self.batch(*last, i)
+                else:  # this process has run out: the last batch again, as padding that names nothing
+                    names = ()
+                    if last is None:
+                        if self.last_place is None:
+                            return
+                        last = self.replayed(urls, epoch)  # resumed in the padded stretch: the last batch read back
+                    elif record is not None:
+                        record.append((*record[-1][:2], ()))  # replayed as it was fed: the last batch again
+                yield self.batch(*last, i, names)
         if record is not None:
             self.kept = record
 
