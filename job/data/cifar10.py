@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 from job.cloud import filesystem
 from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_entries
-from job.data.split import held_out_role
+from job.data.split import Roles
 from job.errors import DataError, one_line
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -47,9 +47,8 @@ def load_cifar10(cfg, cache: Path | None, log: Log) -> Dataset:
             classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
     val = None
     if cfg.val_split:  # the training images' own numbers, 1 to 50,000, are their keys
-        held = torch.tensor(
-            [held_out_role(f"train/{i}", cfg.split_seed, cfg.val_split, 0) == "val" for i in range(len(train))]
-        )
+        role = Roles(cfg.split_seed, cfg.val_split, 0)
+        held = torch.tensor([role(f"train/{i}") == "val" for i in range(len(train))])
         train, val = Split(train.x[~held], train.y[~held]), Split(train.x[held], train.y[held])
     return Dataset(train, test, classes, f"cifar10 {url}", val=val)
 

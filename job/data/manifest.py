@@ -21,7 +21,7 @@ from job.cloud import describe_storage_error, filesystem
 from job.data.dataset import Dataset
 from job.data.files import Log, fetch, read_bytes, read_entries
 from job.data.folder import check_files, held
-from job.data.split import SPLIT_FOLDERS, Files, HoldOut, held_out_role
+from job.data.split import SPLIT_FOLDERS, Files, HoldOut, Roles
 from job.errors import DataError, StorageError
 
 
@@ -40,6 +40,7 @@ def load_manifest(cfg, cache: Path | None, log: Log, classes: list[str] | None =
             )
     files, labels = Files(), []
     hold = HoldOut.of(cfg)
+    role_of = Roles(hold.seed, hold.val, hold.test)
     for n, row in enumerate(rows, start=1):
         path, label = cell(row, cfg.path_column).removeprefix("./"), cell(row, cfg.label_column)
         if not path or not label:
@@ -49,7 +50,7 @@ def load_manifest(cfg, cache: Path | None, log: Log, classes: list[str] | None =
         if role is None:
             raise DataError(f"{url} row {n}: split '{written}': expected train, val or test")
         if not written:
-            role = held_out_role(path, hold.seed, hold.val, hold.test)
+            role = role_of(path)
             if role != "train":
                 files.held_out[role].append(path)
         files.roles[role].append((path, label))

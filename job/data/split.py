@@ -69,21 +69,10 @@ class HoldOut:
         return cls(cfg.val_split, cfg.test_split or 0.0, cfg.split_seed)
 
 
-def share(key: str, seed: int) -> float:
-    """A number in [0, 1) that is a function of the key and the seed alone, uniform over keys: the first 8 bytes
-    of BLAKE2b of "<seed>\\0<key>", read big-endian, over 2^64."""
-    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
-def held_out_role(key: str, seed: int, val: float, test: float) -> str:
-    """train, val or test for a sample with no split of its own."""
-    return Roles(seed, val, test)(key)
-
-
 class Roles:
-    """held_out_role for many keys of one seed and shares: the seed's part of the hash computed once, and the key's
-    hash compared with integer thresholds (a million names take about half a second)."""
+    """train, val or test for a sample with no split of its own, by its key: the first 8 bytes of BLAKE2b of
+    "<seed>\\0<key>", read big-endian, below val * 2^64 is val, below (val + test) * 2^64 test. The seed's part of the
+    hash is computed once, and compared as integers (a million names take about half a second)."""
 
     def __init__(self, seed: int, val: float, test: float) -> None:
         self.seeded = hashlib.blake2b(f"{seed}\0".encode(), digest_size=8)

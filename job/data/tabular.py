@@ -13,7 +13,7 @@ import torch
 
 from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_bytes
-from job.data.split import held_out_role
+from job.data.split import Roles
 from job.errors import DataError, StorageError, one_line
 
 BUNDLED_IRIS = "bundled iris.csv"
@@ -53,9 +53,8 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
         train, test = Split(x[rows_of], y[rows_of]), Split(x[test_idx], y[test_idx]) if n_test else None
     val = None
     if cfg.val_split:
-        held = torch.tensor(
-            [held_out_role(f"row {int(i) + 1}", cfg.split_seed, cfg.val_split, 0) == "val" for i in rows_of]
-        )
+        role = Roles(cfg.split_seed, cfg.val_split, 0)
+        held = torch.tensor([role(f"row {int(i) + 1}") == "val" for i in rows_of])
         if held.all() or not held.any():
             raise DataError(f"{name}: {len(held)} training rows are too few to hold out {cfg.val_split:.0%} for val")
         train, val = Split(train.x[~held], train.y[~held]), Split(train.x[held], train.y[held])
