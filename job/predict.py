@@ -30,13 +30,13 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from job import bundle, checkpoint
-from job.cloud import describe_storage_error, filesystem
+from job.cloud import describe_storage_error, fetch_concurrency, filesystem
 from job.config import validate
 from job.data.augment import to_float
 from job.data.decode import Decoder, auto_workers
-from job.data.files import fetch, is_archive, iter_archive
+from job.data.files import is_archive, iter_archive
 from job.data.split import kind_of
-from job.errors import CheckpointError, ConfigError, DataError, StorageError
+from job.errors import CheckpointError, ConfigError, DataError, StorageError, one_line
 from job.models import build_model
 
 AHEAD = 3  # batches decoded ahead of the model
@@ -214,32 +214,55 @@ def manifest_paths(url: str) -> list[tuple[str, str]]:
     return [(p, p if "://" in p or p.startswith("/") else f"{base}/{p.removeprefix('./')}") for p in paths]
 
 
-def read_local(url: str) -> bytes:
-    path = url.removeprefix("file://")
+Read = tuple[str, bytes, str]  # an input's name, its bytes, and why it could not be read ("" when it was)
+
+
+GONE = "gone since it was listed"
+
+
+def read_local(url: str) -> tuple[bytes, str]:
+    """A local file's bytes, or why it could not be read."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return b""  # gone or unreadable since it was listed: its row says it cannot be decoded (an empty file)
+        with open(url.removeprefix("file://"), "rb") as f:
+            return f.read(), ""
+    except FileNotFoundError:
+        return b"", GONE
+    except OSError as e:
+        return b"", f"cannot read it: {one_line(e)}"
 
 
-def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[tuple[str, bytes]]]:
+def fetched(fs, group: list[tuple[str, str]]) -> list[Read]:
+    """A store's files fetched concurrently in one call: each file's bytes, or why that one could not be read."""
+    paths = [fs._strip_protocol(u) for _, u in group]
+    try:
+        got = fs.cat(paths, on_error="return", **fetch_concurrency(group[0][1]))
+    except Exception as e:  # the call itself failed (no such bucket, no credentials): nothing can be read
+        raise StorageError(f"cannot read the inputs: {describe_storage_error(group[0][1], e)}") from None
+    out = []
+    for (name, url), path in zip(group, paths):
+        data = got.get(path, FileNotFoundError(path))
+        if isinstance(data, bytes):
+            out.append((name, data, ""))
+        else:
+            out.append((name, b"", GONE if isinstance(data, FileNotFoundError) else describe_storage_error(url, data)))
+    return out
+
+
+def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[Read]]:
     """The inputs' bytes, `chunk` files at a time (fetched concurrently from a store); an archive's images as its
-    members come."""
+    members come. A file that cannot be read says why, and the rest go on."""
     pending: list[tuple[str, str]] = []
 
-    def flush() -> Iterator[list[tuple[str, bytes]]]:
+    def flush() -> Iterator[list[Read]]:
         by_store: dict[str, list[tuple[str, str]]] = {}
         for name, url in pending:  # by the URL's scheme: one filesystem, and one concurrent fetch, per store
             by_store.setdefault(url.split("://", 1)[0] if "://" in url else "", []).append((name, url))
         for group in by_store.values():
             fs = filesystem(group[0][1])[0]
             if isinstance(fs, LocalFileSystem):  # local files read directly: fsspec's per-path work costs more
-                yield [(name, read_local(url)) for name, url in group]
+                yield [(name, *read_local(url)) for name, url in group]
             else:
-                yield list(
-                    zip([n for n, _ in group], fetch(fs, [fs._strip_protocol(u) for _, u in group], group[0][1]))
-                )
+                yield fetched(fs, group)
         pending.clear()
 
     for name, url in found:
@@ -247,7 +270,7 @@ def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[tuple
             batch = []
             for member, data in iter_archive(name):
                 if kind_of(member) == "image":
-                    batch.append((f"{name}:{member}", data))
+                    batch.append((f"{name}:{member}", data, ""))
                     if len(batch) == chunk:
                         yield batch
                         batch = []
@@ -294,7 +317,7 @@ def predict(
     with tqdm(total=len(found), unit=" images", disable=None, file=sys.stderr, mininterval=1) as bar:
         queue: deque = deque()
         for batch in read(found, batch_size):
-            queue.append((batch, decoder.submit([(n, n.rsplit(".", 1)[-1].lower(), b) for n, b in batch])))
+            queue.append((batch, decoder.submit([(n, n.rsplit(".", 1)[-1].lower(), b) for n, b, _ in batch])))
             if len(queue) > AHEAD:
                 done, failed = rows.emit(p, *queue.popleft(), done, failed)
                 bar.update(len(batch))
@@ -320,7 +343,7 @@ def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> torch.Tensor |
     for batch in read(listed(inputs), limit):
         marks = torch.zeros(len(batch), dtype=torch.int64)
         try:
-            images = decoded(decoder.submit([(name, "", data) for name, data in batch]), ("", ""), marks)
+            images = decoded(decoder.submit([(name, "", data) for name, data, _ in batch]), ("", ""), marks)
         except DataError:
             continue
         good = images[marks != IGNORED][: limit - n]
@@ -391,22 +414,23 @@ class Rows:
         try:
             images = decoded(future, (batch[0][0], batch[-1][0]), marks, errors)
         except DataError as e:  # not one image of the batch could be decoded
-            for name, _ in batch:
-                self.row(name, [], str(e))
+            for name, _, unread in batch:
+                self.row(name, [], unread or str(e))
             return done, failed + len(batch)
         good = (marks != IGNORED).nonzero().flatten()
         probs = p.probabilities(images[good]) if len(good) else torch.empty(0, len(p.classes))
         top = probs.topk(self.k, dim=1) if len(good) else None
         why = iter(errors)
         at = {int(i): j for j, i in enumerate(good)}
-        for i, (name, _) in enumerate(batch):
+        for i, (name, _, unread) in enumerate(batch):
             if i in at:
                 j = at[i]
                 pairs = [(p.classes[int(c)], float(v)) for v, c in zip(top.values[j], top.indices[j])]
                 self.row(name, pairs, "")
                 done += 1
             else:
-                self.row(name, [], next(why, "cannot decode"))
+                said = next(why, "cannot decode")  # the decoder's words of each, taken in order
+                self.row(name, [], unread or said)
                 failed += 1
         return done, failed
 

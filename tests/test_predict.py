@@ -343,3 +343,21 @@ def test_evaluate_on_shards_and_export_checks_a_test_folder_by_default(tmp_path)
     code, err = invoke(["export", "-m", str(run), "-f", "pt2", "-o", str(tmp_path / "m.pt2")])
     assert code == 0, err
     assert json.loads((tmp_path / "m.pt2.check.json").read_text())["images"] == 12  # the test/ folder's images
+
+
+def test_a_file_gone_since_it_was_listed_gets_its_own_error_row(tmp_path, bucket):
+    """A file removed between listing and reading, on a local disk or in a bucket: its row says it is gone (not
+    "an empty file"), and the files beside it are read."""
+    from conftest import encode, pattern_images
+
+    from job.predict import read
+
+    images, _ = pattern_images(1, 2, 16)
+    (tmp_path / "a.png").write_bytes(encode(images[0]))
+    bucket.fs.pipe_file(bucket.url("gone/b.png").removeprefix("gs://"), encode(images[1]))
+    for missing in (str(tmp_path / "gone.png"), bucket.url("gone/missing.png")):
+        rows = [row for batch in read([("a.png", str(tmp_path / "a.png")), ("gone.png", missing)], 8) for row in batch]
+        assert [(name, bool(data), why) for name, data, why in rows[:1]] == [("a.png", True, "")]
+        assert rows[1][2].startswith("gone since it was listed"), rows[1]
+    got = [row for batch in read([("b.png", bucket.url("gone/b.png"))], 8) for row in batch]
+    assert got[0][1] == encode(images[1]) and got[0][2] == ""
