@@ -53,6 +53,9 @@ def assert_close_runs(a: Path, b: Path) -> None:
     for ra, rb in zip(ma, mb):
         assert ra["test_accuracy"] == pytest.approx(rb["test_accuracy"], abs=1e-6)
         assert ra["test_loss"] == pytest.approx(rb["test_loss"], rel=1e-4, abs=1e-5)
+        scores = {k for k in ra if k.startswith("test_") and k not in ("test_accuracy", "test_loss")}
+        assert scores >= {"test_macro_f1", "test_weighted_f1"} and scores == {k for k in rb if k in scores}
+        assert {k: ra[k] for k in scores} == pytest.approx({k: rb[k] for k in scores}, abs=1e-6)  # F1 and the rest
         assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-4, abs=1e-5)
 
 

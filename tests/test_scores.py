@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import invoke, metrics, scalars, sets, write_image_folder
 
@@ -179,3 +180,113 @@ def test_a_streamed_run_names_its_worst_samples_by_shard_and_key(tmp_path):
     assert all(".tar:" in row["path"] for row in worst), worst[0]
     assert len({row["path"] for row in worst}) == 12
     assert (out / "report" / "test" / "worst.png").stat().st_size > 0
+
+
+def scored_problem(n: int = 193, k: int = 12, absent: int = 11):
+    """A fixed model and n samples of k classes (one class absent from the labels, yet predicted)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 20, generator=g)
+    y = torch.randint(0, k - 1, (n,), generator=g)
+    y[y >= absent] += 1
+    torch.manual_seed(2)
+    model = torch.nn.Linear(20, k)
+    return x, y, model
+
+
+def test_scores_equal_scikit_learns_classification_report_and_confusion_matrix():
+    from sklearn.metrics import classification_report, confusion_matrix, top_k_accuracy_score
+
+    x, y, model = scored_problem()
+    k = 12
+    sums = evaluation_sums(model, BatchLoader(Split(x, y), 16, CPU, CPU), torch.no_grad, classes=k)
+    confusion = sums[4:].round().long().view(k, k)
+    with torch.no_grad():
+        out = model(x)
+    predicted = out.argmax(1).numpy()
+    assert (confusion.numpy() == confusion_matrix(y.numpy(), predicted, labels=list(range(k)))).all()
+    assert int(confusion[:, 11].sum()) > 0  # the absent class is predicted: its precision is 0, it has no recall
+    present = sorted(set(y.tolist()))
+    report = classification_report(y.numpy(), predicted, labels=present, output_dict=True, zero_division=0)
+    s = scores.per_class(confusion)
+    for c in present:
+        want = report[str(c)]
+        got = (float(s["precision"][c]), float(s["recall"][c]), float(s["f1"][c]), int(s["support"][c]))
+        assert got == pytest.approx((want["precision"], want["recall"], want["f1-score"], want["support"]))
+    avg = scores.averages(confusion)
+    for kind in ("macro", "weighted"):
+        for name, field in (("precision", "precision"), ("recall", "recall"), ("f1", "f1-score")):
+            assert avg[f"{kind}_{name}"] == pytest.approx(report[f"{kind} avg"][field], abs=1e-12), (kind, name)
+    top5 = top_k_accuracy_score(y.numpy(), out.numpy(), k=5, labels=list(range(k)), normalize=False)
+    assert float(sums[3]) == top5 and float(sums[1]) == (predicted == y.numpy()).sum()
+
+
+GROUP_EVALUATION = """
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, sys.argv[2])
+from test_scores import scored_problem, stream_sums
+
+from job import distributed
+from job.data.dataset import Split
+from job.data.loader import BatchLoader
+from job.evaluate import test_sums
+
+dist.init_process_group("gloo")
+x, y, model = scored_problem()
+loader = BatchLoader(Split(x, y), 16, torch.device("cpu"), torch.device("cpu"), shard=(dist.get_rank(), 3))
+sums = test_sums(model, loader, torch.no_grad, classes=12)
+totals = distributed.totals(sums, sums[:0])
+streamed = stream_sums(sys.argv[3], rank=dist.get_rank(), world=3)
+streamed = distributed.totals(streamed, streamed[:0])
+if dist.get_rank() == 0:
+    torch.save([totals, streamed], sys.argv[1])
+dist.destroy_process_group()
+"""
+
+
+def stream_sums(shards: str, rank: int = 0, world: int = 1) -> torch.Tensor:
+    """A streamed test split's evaluation sums (3 classes of 16 px images) by a fixed model, in process rank."""
+    from job.data.shards import open_shards
+    from job.data.stream import Decoder, StreamLoader
+
+    split = open_shards(shards, None, lambda _: None).splits["test"]
+    loader = StreamLoader(split, 6, CPU, Decoder(0, None), rank=rank, world=world)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 3))
+    return evaluation_sums(model, loader, torch.no_grad, classes=3)
+
+
+def test_scores_over_three_processes_equal_one(tmp_path):
+    """Three real processes, each its part of every batch: 193 samples held in memory in batches of 16 (the last of
+    one sample), and 15 streamed in shards of 4, 4, 4 and 3 in batches of 6 (a process that runs out feeds padding).
+    The summed confusion matrix, top-5 and counts equal one process's, padding never counted."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import job_env
+
+    script = tmp_path / "group.py"
+    script.write_text(GROUP_EVALUATION)
+    out = tmp_path / "totals.pt"
+    tests = str(Path(__file__).parent)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script)]
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=2, size=16, test_per_class=5)
+    shards = str(tmp_path / "shards")
+    code, err = invoke(["shard", str(root), shards, "--samples-per-shard", "4", "--val-split", "0"])
+    assert code == 0, err
+    done = subprocess.run(
+        [*args, str(out), tests, shards], capture_output=True, text=True, timeout=180, env=job_env(tests)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    x, y, model = scored_problem()
+    one = evaluation_sums(model, BatchLoader(Split(x, y), 16, CPU, CPU), torch.no_grad, classes=12)
+    three, streamed = torch.load(out)
+    assert torch.equal(three[1:], one[1:]) and three[2] == 193
+    assert float(three[0]) == pytest.approx(float(one[0]), rel=1e-6)
+    alone = stream_sums(shards)
+    assert torch.equal(streamed[1:], alone[1:]) and streamed[2] == 15
+    assert float(streamed[0]) == pytest.approx(float(alone[0]), rel=1e-6)
