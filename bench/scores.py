@@ -1,5 +1,6 @@
 """What the per-class scores cost an evaluation: the cifar10 recipe's test pass with the confusion matrix and top-5
-counted on the device, against the same pass counting loss and accuracy alone, side by side in one process.
+counted on the device, then on the host the averages, the per-class table and the confusion picture TensorBoard gets,
+against the same pass counting loss and accuracy alone, side by side in one process.
 
     python bench/scores.py CIFAR_PYTHON_FOLDER [--repeat 5]
 
@@ -19,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from job import recipe  # noqa: E402
+from job import diagnostics, recipe, scores  # noqa: E402
 from job.config import load_config  # noqa: E402
 from job.evaluate import test_sums  # noqa: E402
 
@@ -37,12 +38,17 @@ def main() -> None:
     for _ in range(a.repeat):
         for name, classes in (("loss and accuracy", 0), ("with the scores", k)):
             t0 = time.perf_counter()
-            test_sums(r.model, loader, r.amp, classes=classes).tolist()  # the evaluation's one host sync
+            sums = test_sums(r.model, loader, r.amp, classes=classes).cpu()  # the evaluation's one host sync
+            if classes:
+                confusion = sums[4:].round().long().view(k, k)
+                scores.averages(confusion), scores.table(confusion, r.classes)
+                diagnostics.confusion_picture(confusion, r.classes, "test")
             times[name].append(time.perf_counter() - t0)
     plain, scored = min(times["loss and accuracy"]), min(times["with the scores"])
     print(
         f"cifar10 recipe, test pass over {loader.n} images (fastest of {a.repeat}): loss and accuracy {plain:.3f} s, "
-        f"with the confusion matrix and top-5 {scored:.3f} s, ratio {scored / plain:.3f} (goal: at most 1.05)"
+        f"with the confusion matrix, top-5, the scores and the picture {scored:.3f} s, ratio {scored / plain:.3f} "
+        "(goal: at most 1.05)"
     )
 
 
