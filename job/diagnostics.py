@@ -4,8 +4,8 @@ run, `DIR/<split>/` from `job evaluate --report DIR`):
     classes.csv        class, precision, recall, f1, support (weakest F1 first)
     most_confused.csv  true, predicted, count: the off-diagonal cells of the confusion matrix, largest first
     confusion.png      the confusion matrix, raw counts and normalised by row (the 30 most confused classes of many)
-    worst.csv          the samples of the highest loss: path (a file, or shard:key of a streamed sample; else its
-                       number), true, predicted, probability, loss
+    worst.csv          the samples of the highest loss: path (a file, shard:key of a streamed sample, "row N" of a
+                       table; else its number), true, predicted, probability, loss
     worst.png          a grid of those images as the model saw them, each with its true label, the predicted label
                        and its probability, its name beneath
 

@@ -4,6 +4,7 @@ everything; the training loss logged at least once an epoch."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -290,3 +291,22 @@ def test_scores_over_three_processes_equal_one(tmp_path):
     alone = stream_sums(shards)
     assert torch.equal(streamed[1:], alone[1:]) and streamed[2] == 15
     assert float(streamed[0]) == pytest.approx(float(alone[0]), rel=1e-6)
+
+
+def test_a_table_runs_report_names_its_rows_and_draws_no_pictures(tmp_path):
+    """worst.csv of a csv run names each sample by its row in the table (the header not counted), the row's own
+    label beside it; no picture of inputs."""
+    import csv
+    from importlib import resources
+
+    out = tmp_path / "iris"
+    code, err = invoke(["train", "--config", "iris", "--device", "cpu", "--output", str(out), *sets("train.epochs=30")])
+    assert code == 0, err
+    table = list(csv.DictReader(io.StringIO((resources.files("job.presets") / "iris.csv").read_text())))
+    with open(out / "report" / "test" / "worst.csv", newline="") as f:
+        worst = list(csv.DictReader(f))
+    assert len(worst) == 30
+    for row in worst:
+        assert row["path"].startswith("row "), row
+        assert table[int(row["path"].removeprefix("row ")) - 1]["species"] == row["true"], row
+    assert not (out / "report" / "test" / "worst.png").exists()

@@ -20,6 +20,12 @@ BUNDLED_IRIS = "bundled iris.csv"
 TEST_SHARE = 0.2  # data.test_split unset: the rows held out for testing
 
 
+def row_names(numbers) -> list[str]:
+    """Rows' names, by number in their table (0: the first row after the header): "row 1", ...; the val split's
+    share is a hash of this name, and a report names the worst rows by it."""
+    return [f"row {i + 1}" for i in numbers]
+
+
 def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
     """The table at cfg.path (or the bundled Iris), split as scikit-learn's train_test_split(test_size=
     cfg.test_split, random_state=cfg.split_seed) splits it unless cfg.test_path names a test table (the same rows, so
@@ -33,7 +39,6 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
     x, labels = columns(header, rows, cfg.target, name)
     classes = class_order(labels)
     y = torch.tensor([classes.index(v) for v in labels])
-    rows_of = torch.arange(len(y))  # each training row's number in the table: its val share is a hash of it
     if cfg.test_path:
         test_header, test_rows = read_csv(cfg.test_path, cache, log)
         if test_header != header:
@@ -42,7 +47,8 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
         unknown = sorted(set(tlabels) - set(classes))
         if unknown:
             raise DataError(f"{cfg.test_path}: labels not in the training table: {unknown[:5]}")
-        train, test = Split(x, y), Split(tx, torch.tensor([classes.index(v) for v in tlabels]))
+        train = Split(x, y, row_names(range(len(y))))
+        test = Split(tx, torch.tensor([classes.index(v) for v in tlabels]), row_names(range(len(tlabels))))
     else:
         share = TEST_SHARE if cfg.test_split is None else cfg.test_split
         order = torch.from_numpy(np.random.RandomState(cfg.split_seed).permutation(len(y)))
@@ -50,14 +56,17 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
         if n_test >= len(y):
             raise DataError(f"{name}: {len(y)} rows are too few to hold out {share:.0%} for testing")
         test_idx, rows_of = order[:n_test], order[n_test:]
-        train, test = Split(x[rows_of], y[rows_of]), Split(x[test_idx], y[test_idx]) if n_test else None
+        train = Split(x[rows_of], y[rows_of], row_names(rows_of.tolist()))
+        test = Split(x[test_idx], y[test_idx], row_names(test_idx.tolist())) if n_test else None
     val = None
     if cfg.val_split:
         role = Roles(cfg.split_seed, cfg.val_split, 0)
-        held = torch.tensor([role(f"row {int(i) + 1}") == "val" for i in rows_of])
+        held = torch.tensor([role(key) == "val" for key in train.names])
         if held.all() or not held.any():
             raise DataError(f"{name}: {len(held)} training rows are too few to hold out {cfg.val_split:.0%} for val")
-        train, val = Split(train.x[~held], train.y[~held]), Split(train.x[held], train.y[held])
+        named = {h: [key for key, out in zip(train.names, held.tolist()) if out == h] for h in (True, False)}
+        val = Split(train.x[held], train.y[held], named[True])
+        train = Split(train.x[~held], train.y[~held], named[False])
     if test is None and val is None:
         raise DataError(f"{name}: nothing to evaluate on: data.test_split and data.val_split are both 0")
     low, high = train.x.min(0).values, train.x.max(0).values
