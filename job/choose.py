@@ -202,7 +202,11 @@ def weakest_line(chooser: Chooser, classes: list[str]) -> str:
 
 
 def write_reports(loop: Loop) -> None:
-    """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py).
-    Rank 0 alone, over every sample in one process."""
-    if distributed.is_writer():
-        diagnostics.write_splits(loop.r, lambda split, name, data: loop.run_dir.write(f"report/{split}/{name}", data))
+    """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py):
+    every process scores its part, rank 0 writes the files."""
+
+    def put(split: str, name: str, data: bytes) -> None:
+        loop.run_dir.write(f"report/{split}/{name}", data)
+
+    group = (distributed.rank(), distributed.world())
+    diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer)

@@ -9,8 +9,9 @@ run, `DIR/<split>/` from `job evaluate --report DIR`):
     worst.png          a grid of those images as the model saw them, each with its true label, the predicted label
                        and its probability, its name beneath
 
-One pass over the split in order, in this process: each sample's loss and prediction kept (a few numbers a sample),
-the confusion matrix from them; the model's inputs of the worst only are kept for the grid. At each evaluation,
+One pass over the split, each process of a group over its part: each sample's loss and prediction kept (a few numbers
+a sample), the confusion matrix from them; the model's inputs of the worst only are kept for the grid. The parts meet
+in the writer (rank 0), which writes the files. At each evaluation,
 TensorBoard gets the confusion matrix drawn by confusion_picture.
 """
 
@@ -31,42 +32,48 @@ WORST = 36  # samples in worst.csv and worst.png
 SHOWN = 30  # classes drawn in confusion.png at most: the most confused ones
 
 
-def write_splits(r, put: Callable[[str, str, bytes], None]) -> None:
-    """Each held-out split's report files of the recipe's model through `put(split, name, bytes)`: one pass in one
-    process over every sample. TensorBoard's confusion images are drawn at each evaluation (confusion_picture)."""
+def write_splits(r, put: Callable[[str, str, bytes], None], group: tuple[int, int] = (0, 1), gather=None) -> None:
+    """Each held-out split's report files of the recipe's model through `put(split, name, bytes)`. In a group of
+    processes (`group`: rank, world) each scores its part of the split and `gather` brings the parts to the writer
+    (a list by rank there, None elsewhere; without it, this process is alone). TensorBoard's confusion images are
+    drawn at each evaluation instead (confusion_picture)."""
+    rank, world = group
+    stats = r.feed.stats_cpu() if r.feed.is_image else None
     for split in r.held_out:
-        loader = r.feed.test(r.feed.batch_size, 0, 1, split)
-        stats = r.feed.stats_cpu() if r.feed.is_image else None
-
-        def to(name: str, data: bytes, split: str = split) -> None:
-            put(split, name, data)
-
-        write(to, r.model, loader, r.amp, split, r.classes, stats)
+        loader = r.feed.test(r.feed.batch_size, rank, world, split)
+        part = per_sample(r.model, loader, r.amp, stats)
+        parts = gather(part) if gather is not None else [part]
+        if parts is not None:
+            write(lambda name, data, split=split: put(split, name, data), merged(parts), split, r.classes)
 
 
 @dataclass
 class Passed:
-    """One pass over a split: every sample's loss, prediction, its probability and label (host, in the loader's
-    order), each sample's name (its number where the loader names none), and the inputs of the highest losses."""
+    """One process's pass over its part of a split: every sample's loss, prediction, its probability and label (on
+    the host, in the loader's order), each sample's name (its number where the loader names none), and the highest
+    losses: their places and, for images, the model's inputs there as uint8 pictures."""
 
     losses: torch.Tensor
     predicted: torch.Tensor
     probability: torch.Tensor
     labels: torch.Tensor
     names: list[str]
-    worst: torch.Tensor  # positions of the WORST highest losses among the counted samples, highest first
-    inputs: torch.Tensor | None  # the model's inputs at those positions (None: not kept)
+    worst: torch.Tensor  # places of the WORST highest losses among the counted samples, highest first
+    pictures: torch.Tensor | None  # the inputs at those places (None: a table, or no sample counted)
 
 
 @torch.no_grad()
-def per_sample(model, loader, amp, keep_inputs: bool = False) -> Passed:
-    """A one-process loader's split through the model. The inputs of the highest losses so far are kept on the
-    device as the pass goes (a top-k over those and each batch), so memory holds WORST inputs, not the split."""
+def per_sample(model, loader, amp, stats=None) -> Passed:
+    """A loader's samples through the model (padding left out). The inputs of the highest losses so far are kept on
+    the device as the pass goes (a top-k over those and each batch), so memory holds WORST inputs, not the split.
+    `stats`: the inputs' (mean, std) per channel, to draw them (None: a table; (None, None): not normalised)."""
     model.eval()
     losses, predicted, probability, labels, names = [], [], [], [], []
     top_loss = top_at = top_x = None
     seen = 0
     for batch in loader.batches():
+        if not batch.own:  # padding: this process's samples have run out
+            continue
         with amp():
             out = model(batch.x).float()
         p = torch.softmax(out, 1)
@@ -76,7 +83,7 @@ def per_sample(model, loader, amp, keep_inputs: bool = False) -> Passed:
         if top_loss is not None:
             ranked, at = torch.cat([top_loss, ranked]), torch.cat([top_at, at])
         keep = ranked.topk(min(WORST, len(ranked))).indices
-        if keep_inputs:
+        if stats is not None:
             top_x = (batch.x if top_x is None else torch.cat([top_x, batch.x]))[keep]
         top_loss, top_at = ranked[keep], at[keep]
         losses.append(loss.cpu())
@@ -89,17 +96,28 @@ def per_sample(model, loader, amp, keep_inputs: bool = False) -> Passed:
     model.train()
     found = int(top_loss.isfinite().sum()) if top_loss is not None else 0  # the worst that were counted
     worst = top_at[:found].cpu() if found else torch.zeros(0, dtype=torch.long)
-    inputs = top_x[:found] if top_x is not None and found else None
-    losses, predicted, probability, labels = (torch.cat(t) for t in (losses, predicted, probability, labels))
-    return Passed(losses, predicted, probability, labels, names, worst, inputs)
+    drawn = pixels(top_x[:found], *stats) if top_x is not None and found else None
+    held = [torch.cat(t) if t else torch.zeros(0) for t in (losses, predicted, probability, labels)]
+    return Passed(*held, names, worst, drawn)
 
 
-def write(put: Callable[[str, bytes], None], model, loader, amp, split, classes: list[str], stats=None) -> torch.Tensor:
-    """The split's report files through `put(name, bytes)`; returns its confusion matrix. `stats`: the inputs' (mean,
-    std) per channel for worst.png (None for tables, which get no pictures; (None, None): not normalised)."""
-    s = per_sample(model, loader, amp, keep_inputs=stats is not None)
+def merged(parts: list[Passed]) -> Passed:
+    """The processes' parts of a split as one (rank 0's samples first), its worst the highest over all of them."""
+    if len(parts) == 1:
+        return parts[0]
+    offsets = torch.tensor([0] + [len(p.losses) for p in parts[:-1]]).cumsum(0).tolist()
+    joined = [torch.cat([getattr(p, f) for p in parts]) for f in ("losses", "predicted", "probability", "labels")]
+    worst = torch.cat([p.worst + off for p, off in zip(parts, offsets)])
+    drawn = [p.pictures for p in parts if p.pictures is not None]
+    order = joined[0][worst].argsort(descending=True, stable=True)[:WORST]
+    pictures = torch.cat(drawn)[order] if drawn else None
+    return Passed(*joined, [n for p in parts for n in p.names], worst[order], pictures)
+
+
+def write(put: Callable[[str, bytes], None], s: Passed, split: str, classes: list[str]) -> torch.Tensor:
+    """A split's report files from its pass through `put(name, bytes)`; returns its confusion matrix."""
     k, counted = len(classes), s.labels != IGNORED  # a streamed sample that could not be decoded is left out
-    confusion = torch.bincount((s.labels * k + s.predicted)[counted], minlength=k * k).view(k, k)
+    confusion = torch.bincount((s.labels.long() * k + s.predicted.long())[counted], minlength=k * k).view(k, k)
     put("classes.csv", classes_csv(confusion, classes))
     put("most_confused.csv", most_confused_csv(confusion, classes))
     put("confusion.png", confusion_png(confusion, classes, split))
@@ -109,8 +127,8 @@ def write(put: Callable[[str, bytes], None], model, loader, amp, split, classes:
         for i in s.worst.tolist()
     ]  # fmt: skip
     put("worst.csv", table(["path", "true", "predicted", "probability", "loss"], rows))
-    if s.inputs is not None and rows:
-        put("worst.png", worst_png(pixels(s.inputs, *stats), rows))
+    if s.pictures is not None and rows:
+        put("worst.png", worst_png(s.pictures, rows))
     return confusion
 
 

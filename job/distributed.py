@@ -252,6 +252,16 @@ def on_writer(work: Callable[[], T], share: Callable[[T], tuple[dict, bytes]] | 
     return result
 
 
+def gather_to_writer(obj: T) -> list[T] | None:
+    """Every process's `obj` on rank 0, by rank (None on the others; [obj] alone), over the host group: what a
+    report needs of each process's part of a split (a few numbers a sample)."""
+    if not active() or world() == 1:
+        return [obj]
+    out: list | None = [None] * world() if is_writer() else None
+    peer_call(dist.gather_object, obj, out, dst=0, group=_control)
+    return out
+
+
 def share_checkpoint(find: Callable[[], tuple[dict, dict | None] | None]) -> tuple[dict, dict | None] | None:
     """The checkpoint to resume from, found and verified by rank 0 and sent to the others as the bytes torch.save
     writes (loaded with weights_only=True, like any checkpoint: nothing is unpickled)."""

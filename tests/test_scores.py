@@ -310,3 +310,37 @@ def test_a_table_runs_report_names_its_rows_and_draws_no_pictures(tmp_path):
         assert row["path"].startswith("row "), row
         assert table[int(row["path"].removeprefix("row ")) - 1]["species"] == row["true"], row
     assert not (out / "report" / "test" / "worst.png").exists()
+
+
+@pytest.mark.parametrize("placement", ["held", "stream"])
+def test_two_processes_write_the_report_of_one(tmp_path, placement):
+    """Each process of a group scores its part of the split and rank 0 writes the report: the same files as one
+    process scoring the same model (`evaluate --report` on the run), streamed samples and files named alike."""
+    import csv
+
+    from test_distributed import torchrun
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=10, size=16, test_per_class=5)
+    data = ["data.kind=folder", f"data.path={root}"]
+    if placement == "stream":
+        code, err = invoke(
+            ["shard", str(root), str(tmp_path / "shards"), "--samples-per-shard", "4", "--val-split", "0"]
+        )
+        assert code == 0, err
+        data = ["data.kind=shards", f"data.path={tmp_path / 'shards'}", "data.placement=stream"]
+    over = sets(*data, "model.name=mlp", "train.epochs=2", "data.batch_size=6")
+    two = torchrun("train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "two"), *over)
+    assert two.returncode == 0, two.stderr[-3000:]
+    rep = tmp_path / "rep"
+    code, err = invoke(["evaluate", "--model", str(tmp_path / "two"), "--device", "cpu", "--report", str(rep)])
+    assert code == 0, err
+    written = tmp_path / "two" / "report" / "test"
+    for name in ("classes.csv", "most_confused.csv"):
+        assert (written / name).read_bytes() == (rep / "test" / name).read_bytes(), name
+
+    def worst(folder):
+        with open(folder / "worst.csv", newline="") as f:
+            return sorted((r["path"], r["true"], r["predicted"], round(float(r["loss"]), 4)) for r in csv.DictReader(f))
+
+    assert worst(written) == worst(rep / "test") and len(worst(written)) == 15
+    assert (written / "worst.png").stat().st_size > 0
