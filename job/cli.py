@@ -139,7 +139,9 @@ def evaluate(
     device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     report: str = typer.Option(
-        "", "--report", help="Write each held-out split's report (confusion, classes, worst) to DIR/<split>/."
+        "",
+        "--report",
+        help="Write the report (confusion, classes, worst) of each held-out split, or of --data, to DIR/<split>/.",
     ),
 ) -> None:
     """Loss and accuracy of a saved run, model or checkpoint: on its test split (val when it has none), or on any
@@ -150,7 +152,7 @@ def evaluate(
         if not (checkpoint or model):
             raise ConfigError("evaluate: name the model: --model URL (or --checkpoint URL)")
         if data:
-            result = evaluate_on(model or checkpoint, data, device)
+            result = evaluate_on(model or checkpoint, data, device, report or None)
             result["checkpoint"], result["epoch"] = model or checkpoint, None
         else:
             url = checkpoint or chosen_weights(model)

@@ -119,12 +119,14 @@ def write_report(r, folder: str) -> None:
     """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL."""
     from job import diagnostics
 
-    def put(split: str, name: str, data: bytes) -> None:
-        fs, path = filesystem(f"{folder.rstrip('/')}/{split}/{name}")
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        fs.pipe_file(path, data)
+    diagnostics.write_splits(r, lambda split, name, data: put_file(f"{folder.rstrip('/')}/{split}/{name}", data))
 
-    diagnostics.write_splits(r, put)
+
+def put_file(url: str, data: bytes) -> None:
+    """One whole file at any URL, its folder made."""
+    fs, path = filesystem(url)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(path, data)
 
 
 def run_record(url: str) -> dict:
@@ -145,10 +147,11 @@ def run_record(url: str) -> dict:
     return {"run_json": None, "attempts": None}
 
 
-def evaluate_on(model_url: str, data_path: str, device_name: str) -> dict:
+def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | None = None) -> dict:
     """Loss and accuracy of a model (a run folder's chosen weights, its model.pt, or a checkpoint) on any labelled
     images, preprocessed as its own evaluation was: class folders (every image), a folder of train/ val/ test/
-    class folders (its test, else its val), a .tar/.tar.gz of either, or a manifest (.csv, .jsonl)."""
+    class folders (its test, else its val), a .tar/.tar.gz of either, or a manifest (.csv, .jsonl). `report`: a
+    folder for its report (DIR/<split>/, job/diagnostics.py)."""
     from job.data.files import read_entries
     from job.data.folder import Listing, held
     from job.data.split import HoldOut, sort_files
@@ -187,6 +190,13 @@ def evaluate_on(model_url: str, data_path: str, device_name: str) -> dict:
     loader = BatchLoader(data.split(split), 256, device, torch.device("cpu"), mean=p.mean, std=p.std, view=p.view)
     loss_sum, correct, counted = test_sums(p.model, loader, contextlib.nullcontext).tolist()  # fp32
     split = "all" if split == "train" else split  # class folders with no split: every image scored
+    if report:
+        from job import diagnostics
+
+        stats = (p.mean.flatten().cpu(), p.std.flatten().cpu()) if p.mean is not None else (None, None)
+        scored = diagnostics.per_sample(p.model, loader, contextlib.nullcontext, stats)
+        diagnostics.write(lambda name, data: put_file(f"{report.rstrip('/')}/{split}/{name}", data), scored, split,
+                          p.classes)  # fmt: skip
     return {
         "model": model_url,
         "data": data_path,

@@ -344,3 +344,27 @@ def test_two_processes_write_the_report_of_one(tmp_path, placement):
 
     assert worst(written) == worst(rep / "test") and len(worst(written)) == 15
     assert (written / "worst.png").stat().st_size > 0
+
+
+def test_evaluate_reports_on_any_labelled_data(tmp_path):
+    """`evaluate --data PATH --report DIR`: the report of the model on new labelled photos, each named by its file."""
+    import csv
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=8, size=16, test_per_class=2)
+    code, err = invoke(
+        ["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "run"),
+         *sets("data.kind=folder", f"data.path={root}", "model.name=mlp", "train.epochs=1")]
+    )  # fmt: skip
+    assert code == 0, err
+    new = write_image_folder(tmp_path / "new", n_classes=3, per_class=4, size=16) / "train"  # class folders
+    rep = tmp_path / "rep"
+    code, err = invoke(
+        ["evaluate", "--model", str(tmp_path / "run"), "--data", str(new), "--device", "cpu", "--report", str(rep)]
+    )
+    assert code == 0, err
+    with open(rep / "all" / "worst.csv", newline="") as f:
+        worst = list(csv.DictReader(f))
+    assert len(worst) == 12 and all((new / row["path"]).is_file() for row in worst), worst[:2]
+    with open(rep / "all" / "classes.csv", newline="") as f:
+        assert sum(int(r["support"]) for r in csv.DictReader(f)) == 12
+    assert (rep / "all" / "worst.png").stat().st_size > 0
