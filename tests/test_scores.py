@@ -368,3 +368,28 @@ def test_evaluate_reports_on_any_labelled_data(tmp_path):
     with open(rep / "all" / "classes.csv", newline="") as f:
         assert sum(int(r["support"]) for r in csv.DictReader(f)) == 12
     assert (rep / "all" / "worst.png").stat().st_size > 0
+
+
+def test_samples_without_names_are_named_by_their_place_in_the_split_across_processes():
+    """A split with no file names (CIFAR-10's batches): each process's worst samples are named by their place in the
+    whole split, so the parts of two processes merge into one process's report."""
+    from job import diagnostics
+
+    x, y, model = scored_problem(n=50)
+    one = diagnostics.per_sample(model, BatchLoader(Split(x, y), 8, CPU, CPU), torch.no_grad)
+    parts = [diagnostics.per_sample(model, BatchLoader(Split(x, y), 8, CPU, CPU, shard=(r, 2)), torch.no_grad)
+             for r in range(2)]  # fmt: skip
+    two = diagnostics.merged(parts)
+    named = sorted(two.names[i] for i in two.worst.tolist())
+    assert named == sorted(one.names[i] for i in one.worst.tolist()) == sorted(str(i) for i in one.worst.tolist())
+    for i in two.worst.tolist():  # each name's loss is that sample's
+        assert float(two.losses[i]) == pytest.approx(float(one.losses[int(two.names[i])]), rel=1e-5)
+
+
+def test_a_sample_whose_loss_is_not_a_number_stays_among_the_worst():
+    from job import diagnostics
+
+    x, y, model = scored_problem(n=10)
+    x[0] = float("nan")
+    s = diagnostics.per_sample(model, BatchLoader(Split(x, y), 4, CPU, CPU), torch.no_grad)
+    assert sorted(s.worst.tolist()) == list(range(10))

@@ -45,8 +45,9 @@ class BatchLoader:
         self.view, self.resized_crops = view, resized_crops  # images viewed at the model's size; random crops
         self.rank, self.world = shard  # this process takes its slice of every batch (data-parallel training)
         self.x, self.y = split.x.to(held_on), split.y.to(held_on)
-        self.names = split.names if not shuffle else None  # what an unshuffled pass's batches name (a report)
         self.n = len(split)
+        # What an unshuffled pass's batches name (a report): each sample's file, else its place in the split.
+        self.names = None if shuffle else split.names or [str(i) for i in range(self.n)]
         self.batch_size = min(batch_size, self.n)
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
         self.crop_padding, self.reflect, self.hflip = crop_padding, reflect, hflip  # hflip: True, False or "alternate"

@@ -248,7 +248,7 @@ class StreamLoader:
                 got = next(groups, None)
                 if got is not None:
                     images, labels, place, group = got
-                    names = tuple(f"{urls[s.shard]}:{s.key}" for s in group)
+                    names = tuple(f"{urls[s.shard]}:{s.key}" for s in group) if not self.shuffle else ()
                     if record is not None:  # kept in host memory, whatever decoded it
                         record.append((images.cpu(), labels, names))
                         record_bytes += images.nbytes
@@ -437,15 +437,16 @@ def image_shape(cfg, shards: ShardSet) -> tuple[int, int, int]:
 def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
     """Every sample of the shards, in name order, decoded into memory."""
     stream = iter(SampleStream([Part(s.url, s.samples) for s in shards], 0, (0,)))
-    futures, labels = [], []
+    futures, labels, every = [], [], []
     while group := [s for _, s in zip(range(batch), stream)]:
         names = [f"{shards[s.shard].url}:{s.key}" for s in group]
         futures.append((decoder.submit([(name, *s.image()) for name, s in zip(names, group)]), (names[0], names[-1])))
         labels.extend(s.label() for s in group)
+        every += names
     y = torch.tensor(labels)
     x = torch.cat([decoded(f, names, y[i * batch : (i + 1) * batch]) for i, (f, names) in enumerate(futures)])
     good = y != IGNORED  # held in memory: a sample that cannot be decoded is left out, as a folder's file is
-    return Split(x[good], y[good])
+    return Split(x[good], y[good], [name for name, g in zip(every, good.tolist()) if g])
 
 
 def sample_images(shards: list[Shard], decoder: Decoder, n: int, seed: int) -> torch.Tensor:
