@@ -94,7 +94,7 @@ def per_sample(model, loader, amp, stats=None) -> Passed:
         names += batch.names if len(batch.names) == len(batch.y) else [str(i) for i in range(seen, seen + len(loss))]
         seen += len(loss)
     model.train()
-    found = int(top_loss.isfinite().sum()) if top_loss is not None else 0  # the worst that were counted
+    found = int((top_loss != float("-inf")).sum()) if top_loss is not None else 0  # counted (a NaN loss is too)
     worst = top_at[:found].cpu() if found else torch.zeros(0, dtype=torch.long)
     drawn = pixels(top_x[:found], *stats) if top_x is not None and found else None
     held = [torch.cat(t) if t else torch.zeros(0) for t in (losses, predicted, probability, labels)]
