@@ -217,7 +217,8 @@ def manifest_paths(url: str) -> list[tuple[str, str]]:
 Read = tuple[str, bytes, str]  # an input's name, its bytes, and why it could not be read ("" when it was)
 
 
-GONE = "gone since it was listed"
+GONE = "not found (moved or removed since it was listed?)"
+PATTERN = set("*?[")
 
 
 def read_local(url: str) -> tuple[bytes, str]:
@@ -232,15 +233,26 @@ def read_local(url: str) -> tuple[bytes, str]:
 
 
 def fetched(fs, group: list[tuple[str, str]]) -> list[Read]:
-    """A store's files fetched concurrently in one call: each file's bytes, or why that one could not be read."""
+    """A store's files fetched concurrently in one call: each file's bytes, or why that one could not be read. A name
+    holding *, ? or [ is fetched alone (fsspec's cat expands such paths as patterns)."""
     paths = [fs._strip_protocol(u) for _, u in group]
-    try:
-        got = fs.cat(paths, on_error="return", **fetch_concurrency(group[0][1]))
-    except Exception as e:  # the call itself failed (no such bucket, no credentials): nothing can be read
-        raise StorageError(f"cannot read the inputs: {describe_storage_error(group[0][1], e)}") from None
+    plain = [p for p in paths if not PATTERN & set(p)]
+    got: dict = {}
+    if plain:
+        try:
+            got = fs.cat(plain, on_error="return", **fetch_concurrency(group[0][1]))
+        except FileNotFoundError:  # none of them there: each is asked for alone below, and named
+            got = {}
+        except Exception as e:  # the call itself failed (no such bucket, no credentials): nothing can be read
+            raise StorageError(f"cannot read the inputs: {describe_storage_error(group[0][1], e)}") from None
     out = []
     for (name, url), path in zip(group, paths):
-        data = got.get(path, FileNotFoundError(path))
+        data = got.get(path)
+        if data is None:
+            try:
+                data = fs.cat_file(path)
+            except Exception as e:  # the stores' clients raise many types: the row names it
+                data = e
         if isinstance(data, bytes):
             out.append((name, data, ""))
         else:

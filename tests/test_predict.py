@@ -346,8 +346,8 @@ def test_evaluate_on_shards_and_export_checks_a_test_folder_by_default(tmp_path)
 
 
 def test_a_file_gone_since_it_was_listed_gets_its_own_error_row(tmp_path, bucket):
-    """A file removed between listing and reading, on a local disk or in a bucket: its row says it is gone (not
-    "an empty file"), and the files beside it are read."""
+    """A file removed between listing and reading, on a local disk or in a bucket: its row says it is not found
+    (not "an empty file"), and the files beside it are read."""
     from conftest import encode, pattern_images
 
     from job.predict import read
@@ -358,6 +358,17 @@ def test_a_file_gone_since_it_was_listed_gets_its_own_error_row(tmp_path, bucket
     for missing in (str(tmp_path / "gone.png"), bucket.url("gone/missing.png")):
         rows = [row for batch in read([("a.png", str(tmp_path / "a.png")), ("gone.png", missing)], 8) for row in batch]
         assert [(name, bool(data), why) for name, data, why in rows[:1]] == [("a.png", True, "")]
-        assert rows[1][2].startswith("gone since it was listed"), rows[1]
+        assert rows[1][2].startswith("not found"), rows[1]
     got = [row for batch in read([("b.png", bucket.url("gone/b.png"))], 8) for row in batch]
     assert got[0][1] == encode(images[1]) and got[0][2] == ""
+
+
+def test_a_remote_file_named_like_a_pattern_is_read(tmp_path, bucket):
+    """Brackets and stars in a file's name are the name, not a pattern to expand."""
+    from job.predict import read
+
+    for name in ("scan[001].png", "a*b.png"):
+        bucket.fs.pipe_file(bucket.url(f"odd/{name}").removeprefix("gs://"), name.encode())
+    rows = [row for batch in read([("x", bucket.url("odd/scan[001].png")), ("y", bucket.url("odd/a*b.png"))], 8)
+            for row in batch]  # fmt: skip
+    assert rows == [("x", b"scan[001].png", ""), ("y", b"a*b.png", "")]
