@@ -29,7 +29,7 @@ from job.env import resolve_precision
 from job.errors import ConfigError
 from job.memory import available_host_memory
 from job.models import build_model
-from job.report import say
+from job.report import say, say_own
 from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
 
@@ -200,7 +200,7 @@ class Feed:
             channels_last=self.channels_last,
             buffer=d.shuffle_buffer,
             view=self.view,
-            log=say,
+            log=say_own,  # each process reads its own shards: each names what it skips
             **how,
         )
 

@@ -24,6 +24,13 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def say_own(message: str) -> None:
+    """A line only this process can say (what its own part of the data held), from every rank of a group, each
+    marked with its rank."""
+    rank = os.environ.get("RANK") if os.environ.get("LOCAL_RANK") is not None else None
+    print(message if rank in (None, "0") else f"rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
 class Report:
     """The run's TensorBoard writer, metrics file and console progress. Values arrive as Python numbers:
     the loop reads device tensors itself, at the few points where it syncs anyway."""

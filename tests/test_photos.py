@@ -526,3 +526,29 @@ def test_model_json_describes_the_model_and_reproduces_its_input(tmp_path, sizes
     theirs = np.stack([reproduce(p.read_bytes(), pre) for p in files])
     assert theirs.shape == job_input.shape
     assert np.abs(theirs - job_input).mean() < 0.05 * float(np.abs(job_input).mean() + 1)
+
+
+def test_every_process_names_the_streamed_samples_it_skips(tmp_path):
+    """A sample that cannot be decoded in the shard rank 1 reads is named on the console by rank 1 (rank 0 alone
+    spoke before, so it was skipped without a word)."""
+    wds = pytest.importorskip("webdataset", reason="the webdataset package writes the other tool's shards")
+    from conftest import encode, pattern_images
+    from test_distributed import torchrun
+
+    root = tmp_path / "shards"
+    for split, n in (("train", 24), ("test", 12)):
+        images, labels = pattern_images(3, n // 3, 32, 0)
+        (root / split).mkdir(parents=True)
+        for part in range(2):  # equal shards: rank 0 reads part-000, rank 1 part-001
+            with wds.TarWriter(str(root / split / f"part-{part:03d}.tar")) as sink:
+                for i in range(part * n // 2, (part + 1) * n // 2):
+                    bad = split == "train" and i == n - 2
+                    data = encode(images[i])[:60] if bad else encode(images[i])  # cut short: not decodable
+                    sink.write({"__key__": f"s{i:04d}", "png": data, "cls": str(labels[i])})
+    over = sets(
+        "data.kind=shards", f"data.path={root}", "data.placement=stream", "train.epochs=1", "data.batch_size=8",
+        "model.name=mlp",
+    )  # fmt: skip
+    done = torchrun("train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "run"), *over)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "s0022" in done.stderr and "rank 1" in done.stderr, done.stderr[-3000:]
