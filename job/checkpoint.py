@@ -83,8 +83,11 @@ def commit(
     keep_last: int,
     keep_best: bool = False,
     run_id: str = "",
+    chosen: tuple[int, bool] | None = None,
 ) -> str:
-    """Write the payload, then its manifest, then the pointer; delete checkpoints beyond keep_last afterwards."""
+    """Write the payload, then its manifest, then the pointer; delete checkpoints beyond keep_last afterwards.
+    `chosen`: the epoch of the model the run has chosen so far, and whether these are its weights (keep_best keeps
+    that checkpoint)."""
     data = to_bytes(payload)
     name = checkpoint_name(epoch, step)
     manifest = {
@@ -97,7 +100,7 @@ def commit(
         "metrics": metrics,
         "run": run_id,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    } | ({"chosen": {"epoch": chosen[0], "here": chosen[1]}} if chosen is not None else {})
     text = json.dumps(manifest, indent=1).encode()
     run.write(f"{FOLDER}/{name}.pt", data)
     run.write(f"{FOLDER}/{name}.json", text)
@@ -168,16 +171,24 @@ def prune(run: RunDir, keep_last: int, keep_best: bool = False) -> None:
 
 
 def best_checkpoint(run: RunDir, names: list[str]) -> str | None:
-    """The checkpoint whose manifest records the highest val accuracy (test accuracy, for a run without val)."""
-    scored = []
+    """The checkpoint of the model the run chose (its newest manifest names the epoch: with early stopping's
+    min_delta, not always the highest accuracy); where that epoch has none, or the manifests are an earlier
+    version's, the one recording the highest val accuracy (test accuracy, for a run without val)."""
+    scored, manifests = [], {}
     for name in names:
         try:
-            metrics = json.loads(run.read(f"{FOLDER}/{name}.json") or b"{}").get("metrics", {})
-            accuracy = metrics.get("val_accuracy", metrics.get("test_accuracy"))
+            manifests[name] = json.loads(run.read(f"{FOLDER}/{name}.json") or b"{}")
         except ValueError:
             continue
+        metrics = manifests[name].get("metrics", {})
+        accuracy = metrics.get("val_accuracy", metrics.get("test_accuracy"))
         if isinstance(accuracy, (int, float)):
             scored.append((accuracy, name))
+    newest = manifests.get(names[-1], {}).get("chosen") if names else None
+    if isinstance(newest, dict):
+        here = [n for n, m in manifests.items() if m.get("chosen") == {"epoch": newest["epoch"], "here": True}]
+        if here:
+            return here[-1]
     return max(scored, key=lambda s: (s[0], order(s[1])))[1] if scored else None  # ties: the newer
 
 

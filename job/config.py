@@ -338,7 +338,9 @@ class TrainConfig(Section):
     checkpoint_every_epochs: int = Field(1, gt=0, description="Commit a checkpoint every this many epochs.")
     keep_last: int = Field(3, gt=0, description="Checkpoints to keep; older ones are deleted after a commit.")
     keep_best: bool = Field(
-        False, description="Also keep the checkpoint with the best val accuracy (test accuracy when there is no val)."
+        False,
+        description="Also keep the checkpoint of the chosen model: the best val accuracy (test accuracy when there is "
+        "no val), by more than train.early_stopping_min_delta.",
     )
     early_stopping_patience: int = Field(
         0,

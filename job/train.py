@@ -18,7 +18,7 @@ import torch
 
 from job import bundle, checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
-from job.choose import Chooser, final_test, outcome, test_and_report, weakest_line, write_reports
+from job.choose import Chooser, final_test, is_best, outcome, test_and_report, weakest_line, write_reports
 from job.config import Config, flat_items, to_yaml
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
@@ -334,6 +334,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
         keep_last=t.keep_last,
         keep_best=t.keep_best,
         run_id=state.run_id,
+        chosen=(state.best_epoch, is_best(state)),
     )
     loop.run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
 

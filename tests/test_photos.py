@@ -13,7 +13,7 @@ import numpy as np
 import pillow_heif
 import pytest
 import torch
-from conftest import assert_same_run, invoke, metrics, sets, weights
+from conftest import assert_same_run, invoke, metrics, sets, weights, write_image_folder
 from PIL import Image
 
 from job.config import DataConfig
@@ -552,3 +552,24 @@ def test_every_process_names_the_streamed_samples_it_skips(tmp_path):
     done = torchrun("train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "run"), *over)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "s0022" in done.stderr and "rank 1" in done.stderr, done.stderr[-3000:]
+
+
+def test_keep_best_keeps_the_checkpoint_of_the_chosen_model(tmp_path):
+    """With early_stopping_min_delta, a later val accuracy higher by less than the delta is not chosen: keep_best
+    keeps the checkpoint of the chosen epoch, the weights model.pt holds, not the highest accuracy's."""
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=12, size=16, test_per_class=2)
+    out = tmp_path / "run"
+    over = sets(
+        "data.kind=folder", f"data.path={root}", "model.name=mlp", "train.epochs=5", "data.batch_size=8",
+        "data.val_split=0.3", "train.keep_best=true", "train.keep_last=1",
+        "train.early_stopping_patience=10", "train.early_stopping_min_delta=1.0",
+    )  # fmt: skip
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
+    assert code == 0, err
+    accuracies = [r["val_accuracy"] for r in metrics(str(out)) if "val_accuracy" in r and "train_loss" in r]
+    assert max(accuracies) > accuracies[0], accuracies  # a later epoch scored higher, by less than the delta
+    kept = sorted(p.name for p in (out / "checkpoints").glob("e*.json"))
+    assert kept[0].startswith("e00001-"), kept
+    chosen = torch.load(out / "checkpoints" / kept[0].replace(".json", ".pt"), weights_only=True)["model"]
+    final = torch.load(out / "model.pt", weights_only=True)
+    assert all(torch.equal(chosen[k], final[k]) for k in final)
