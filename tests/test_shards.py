@@ -498,3 +498,30 @@ def test_decoding_on_the_device_without_a_gpu_is_one_line_and_exit_2(packed, tmp
     code, err = invoke(["train", *args, "--output", str(tmp_path / "run")])
     assert code == 2 and "data.decode: device decodes on a CUDA device; this run trains on cpu" in err, err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_count_cache_being_written_by_another_process_is_counted_again(tmp_path):
+    """The processes of a group open the same shards at once: one may find the counts cache another is still
+    writing (empty, or cut short). The shards are counted again, never a JSON traceback; the cache is written
+    whole (a temporary file renamed into place)."""
+    wds = pytest.importorskip("webdataset", reason="the webdataset package writes the other tool's shards")
+    from conftest import encode, pattern_images
+
+    from job.data.shards import open_shards
+
+    root = tmp_path / "shards"
+    images, labels = pattern_images(2, 3, 16, 0)
+    for split in ("train", "test"):
+        (root / split).mkdir(parents=True)
+        with wds.TarWriter(str(root / split / "part-000.tar")) as sink:
+            for i in range(6):
+                sink.write({"__key__": f"s{i}", "png": encode(images[i]), "cls": str(labels[i])})
+    cache = tmp_path / "cache"
+    first = open_shards(str(root), cache, lambda _: None)
+    kept = sorted((cache / "shard-counts").glob("*.json"))
+    assert len(kept) == 2 and not [p for p in (cache / "shard-counts").iterdir() if p.suffix != ".json"]
+    for cut in ("", kept[0].read_text()[:3]):
+        for p in kept:
+            p.write_text(cut)
+        again = open_shards(str(root), cache, lambda _: None)
+        assert again.samples("train") == first.samples("train") == 6 and again.samples("test") == 6

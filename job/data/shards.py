@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -363,6 +365,20 @@ def read_text(fs, path: str, url: str) -> str | None:
         raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
 
 
+def read_counts(kept: Path | None, shards: int) -> tuple[list[int], list[int]] | None:
+    """The counts cache of a split's shards, or None where there is none or it cannot be used (an earlier
+    version's write cut short, or a file still being written when writes were not atomic): counted again."""
+    if kept is None or not kept.is_file():
+        return None
+    try:
+        counts, labels = json.loads(kept.read_text())
+    except (OSError, ValueError, TypeError):
+        return None
+    if len(counts) != shards or len(labels) != shards:
+        return None
+    return counts, labels
+
+
 def count_split(fs, path: str, root: str, split: str, cache: Path | None, log: Log) -> list[Shard]:
     """A split's shards with their samples counted by reading them once; the counts kept in `cache`."""
     try:
@@ -375,8 +391,9 @@ def count_split(fs, path: str, root: str, split: str, cache: Path | None, log: L
     described = "\n".join(f"{p} {info.get('size')} {info.get('generation') or info.get('mtime')}" for p, info in tars)
     key = hashlib.sha256(f"{root}\n{described}".encode()).hexdigest()[:32]
     kept = cache / "shard-counts" / f"{key}.json" if cache is not None else None
-    if kept is not None and kept.is_file():
-        counts, labels = json.loads(kept.read_text())
+    counted = read_counts(kept, len(tars))
+    if counted is not None:
+        counts, labels = counted
     else:
         t0 = time.perf_counter()
         counts, labels = [], []
@@ -391,9 +408,11 @@ def count_split(fs, path: str, root: str, split: str, cache: Path | None, log: L
             labels.append(max(found, default=-1))
         log(f"data: counted {sum(counts)} {split} samples in {len(tars)} shards in {time.perf_counter() - t0:.1f} s")
         if kept is not None:
-            try:
+            try:  # whole or not at all: the other processes of a group may be reading it
                 kept.parent.mkdir(parents=True, exist_ok=True)
-                kept.write_text(json.dumps([counts, labels]))
+                with tempfile.NamedTemporaryFile("w", dir=kept.parent, suffix=".tmp", delete=False) as f:
+                    f.write(json.dumps([counts, labels]))
+                os.replace(f.name, kept)
             except OSError:
                 pass  # a read-only cache: count again next time
     return [
