@@ -16,6 +16,7 @@ from job.data.batches import IGNORED, Loader
 from job.data.placement import restored
 from job.env import pick_device
 from job.errors import CheckpointError
+from job.sync import send
 
 
 @torch.no_grad()
@@ -123,10 +124,8 @@ def write_report(r, folder: str) -> None:
 
 
 def put_file(url: str, data: bytes) -> None:
-    """One whole file at any URL, its folder made."""
-    fs, path = filesystem(url)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    fs.pipe_file(path, data)
+    """One whole report file at any URL (written atomically in a local folder, its folder made)."""
+    send(*filesystem(url), data)
 
 
 def run_record(url: str) -> dict:

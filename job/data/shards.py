@@ -21,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import tarfile
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from job.cloud import describe_storage_error, filesystem
 from job.data.files import Log, resolve
 from job.data.split import IMAGE_SUFFIXES
 from job.errors import DataError, StorageError, one_line
+from job.sync import write_atomic
 
 SPLITS = ("train", "val", "test")  # val optional, and test too where there is val
 IMAGE_EXTS = tuple(s.lstrip(".") for s in IMAGE_SUFFIXES)
@@ -408,13 +407,8 @@ def count_split(fs, path: str, root: str, split: str, cache: Path | None, log: L
             labels.append(max(found, default=-1))
         log(f"data: counted {sum(counts)} {split} samples in {len(tars)} shards in {time.perf_counter() - t0:.1f} s")
         if kept is not None:
-            try:  # whole or not at all: the other processes of a group may be reading it
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.NamedTemporaryFile("w", dir=kept.parent, suffix=".tmp", delete=False) as f:
-                    f.write(json.dumps([counts, labels]))
-                os.replace(f.name, kept)
-            except OSError:
-                pass  # a read-only cache: count again next time
+            with contextlib.suppress(OSError):  # a read-only cache: count again next time
+                write_atomic(kept, json.dumps([counts, labels]).encode())  # whole: a group's others may read it
     return [
         Shard(f"{root}/{split}/{p.rsplit('/', 1)[-1]}", n, int(info.get("size") or 0), top)
         for (p, info), n, top in zip(tars, counts, labels)
