@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from job.env import cpus
 from job.storage import RunDir
 
 RUN_JSON = "run.json"
@@ -133,6 +134,6 @@ def git_commit(root: Path) -> str | None:
 
 def devices(device: torch.device) -> list[dict[str, Any]]:
     if device.type != "cuda":
-        return [{"type": device.type, "name": platform.processor() or platform.machine(), "cpus": os.cpu_count()}]
+        return [{"type": device.type, "name": platform.processor() or platform.machine(), "cpus": cpus()}]
     props = torch.cuda.get_device_properties(device)
     return [{"type": "cuda", "name": props.name, "memory_gib": round(props.total_memory / 1024**3, 2)}]

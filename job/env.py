@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,6 +65,57 @@ def describe_device(device: torch.device) -> str:
     return str(device)
 
 
+def cpus(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int:
+    """CPUs this process may use: those it may run on (taskset, a cpuset), or fewer when a CPU quota of its cgroup
+    or one above it allows less (docker --cpus, a Kubernetes CPU limit); os.cpu_count() counts the machine's."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity to ask (macOS)
+        n = os.cpu_count() or 1
+    return max(1, min([n, *(math.ceil(q) for q in cpu_quotas(Path(root), own))]))
+
+
+def cpu_share(local_processes: int | None = None) -> int:
+    """This process's share of the CPUs: cpus() over the group's processes on this machine (LOCAL_WORLD_SIZE, which
+    torchrun and the job's launcher set)."""
+    local = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cpus() // max(1, local))
+
+
+def cpu_quotas(root: Path, own: str) -> list[float]:
+    """The CPU quotas, in CPUs, of this process's cgroup and those above it: cgroup v2's cpu.max, v1's
+    cpu.cfs_quota_us over cpu.cfs_period_us. Inside a container the path it names may not be mounted (only the
+    container's own cgroup is): the levels that are there are read."""
+    try:
+        lines = Path(own).read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers and "cpu" not in controllers.split(","):
+            continue
+        base = root if not controllers else next((root / d for d in (controllers, "cpu") if (root / d).is_dir()), None)
+        if base is None:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            found += cpu_quota(base.joinpath(*parts[:depth]), v2=not controllers)
+    return found
+
+
+def cpu_quota(folder: Path, v2: bool) -> list[float]:
+    """One cgroup's CPU quota in CPUs: [] when it sets none or cannot be read."""
+    try:
+        if v2:
+            quota, period = (folder / "cpu.max").read_text().split()[:2]
+        else:
+            quota, period = ((folder / f"cpu.cfs_{k}_us").read_text().strip() for k in ("quota", "period"))
+        return [int(quota) / int(period)] if quota not in ("max", "-1") and int(period) > 0 else []
+    except (OSError, ValueError):
+        return []
+
+
 def process_seed(seed: int, rank: int, step: int = 0) -> int:
     """The seed of process `rank`'s own random stream in a group (dropout masks differ from process to process),
     from `step` on: independent of the run's seed's own stream and of the data order's."""
@@ -116,6 +169,7 @@ def info() -> dict[str, Any]:
         "mps_available": torch.backends.mps.is_available(),
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "cpu_count": os.cpu_count(),
+        "cpus_usable": cpus(),
         "torch_threads": torch.get_num_threads(),
         "shm_gib": shm,
         "default_device": str(pick_device("auto")),
@@ -123,9 +177,10 @@ def info() -> dict[str, Any]:
 
 
 def format_info(report: dict[str, Any]) -> str:
+    usable = f" ({report['cpus_usable']} usable here)" if report["cpus_usable"] != report["cpu_count"] else ""
     lines = [
         f"python {report['python']}, torch {report['torch']}, built for CUDA {report['cuda_version'] or '-'}",
-        f"CPU: {report['cpu_count']} cores, torch uses {report['torch_threads']} threads; "
+        f"CPU: {report['cpu_count']} cores{usable}, torch uses {report['torch_threads']} threads; "
         f"/dev/shm {report['shm_gib'] if report['shm_gib'] is not None else '?'} GiB",
     ]
     if report["cuda_available"]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from job.env import cpus
 from job.errors import ConfigError, JobError, one_line
 from job.report import say
 
@@ -188,7 +189,7 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
         signals_to_handle="",  # the job forwards signals itself (module docstring)
     )
     if "OMP_NUM_THREADS" not in os.environ and plan.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cpus() // plan.nproc_per_node))
     say(f"launching {plan.describe()}")
     with quiet_agent(), forwarding_signals():
         try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from job.errors import one_line
+from job.errors import ConfigError, one_line
 from job.memory import is_out_of_memory
 
 if TYPE_CHECKING:
@@ -295,7 +296,7 @@ class CudaGraphStep(EagerStep):
                 return
             entry = self.capture(sx, sy)
             if entry is None:
-                return super().__call__(sx, sy)
+                return self.after_failed_capture(sx, sy)
             self.graphs[key] = entry
         graph, grads = entry
         graph.replay()
@@ -343,31 +344,74 @@ class CudaGraphStep(EagerStep):
             first = e.__context__ if isinstance(e.__context__, Exception) and "during capture" in str(e) else e
             if is_out_of_memory(first):
                 raise first from None
-            torch.cuda.synchronize()
-            self.optimizer.zero_grad(set_to_none=True)  # some may point into the abandoned graph's memory
             self.fall_back(one_line(first))
             return None
         return graph, [p.grad for p in self.params]
 
+    def after_failed_capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The step eagerly, the first time after a capture failed, and the device waited for: a failed capture can
+        leave CUDA unable to go on (an error of the abandoned capture that stays), which shows here as one line, not
+        as a traceback some steps later. Once per run: the wait costs one step's overlap."""
+        try:
+            torch.cuda.synchronize()
+            self.optimizer.zero_grad(set_to_none=True)  # some may point into the abandoned graph's memory
+            super().__call__(x, y)
+            torch.cuda.synchronize()
+        except Exception as e:
+            if is_out_of_memory(e):
+                raise
+            raise ConfigError(
+                f"{self.failed}; running it eagerly after that failed too ({one_line(e)[:200]}): run with "
+                "--set train.step_capture=off (the same command continues from the last checkpoint)"
+            ) from None
+
+
+SYNC_WARNING = "synchronizing CUDA operation"  # what torch's sync debug mode says, in the thread that waited
+
 
 @contextlib.contextmanager
 def host_waits() -> Iterator[list[str]]:
-    """The places inside the block where the host waited for the GPU, as torch's sync debug mode reports them
+    """The places inside the block where this thread waited for the GPU, as torch's sync debug mode reports them
     (it covers blocking copies to the host and stream synchronisations); the block itself runs as usual."""
-    found: list[str] = []
     mode = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with waits_reported() as found:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield found
         finally:
             torch.cuda.set_sync_debug_mode(mode)
-    for w in caught:
-        if "synchronizing CUDA operation" in str(w.message):  # where in the user's code: the op's Python line
-            found.append(f"{one_line(str(w.message))} at {os.path.basename(w.filename)}:{w.lineno}")
-        else:  # every other warning goes on as if it had not been watched
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+@contextlib.contextmanager
+def waits_reported() -> Iterator[list[str]]:
+    """The sync debug mode's warnings of this thread inside the block, collected instead of shown.
+
+    The mode is the process's, so other threads' waits are reported too while it is on (the device decoder
+    waits for its own stream): those are not the block's, and are dropped. Python's warning state is the
+    process's as well, and catch_warnings is not thread-safe (a thread that enters and leaves one around this
+    block puts back what it found): so this adds one filter of its own and wraps the shown warnings, each removed
+    by itself afterwards, and the wrapper passes everything on once the block is over, should another thread put
+    it back."""
+    found: list[str] = []
+    me, watching, shown = threading.get_ident(), [True], warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not (watching[0] and SYNC_WARNING in str(message)):
+            return shown(message, category, filename, lineno, file, line)
+        if threading.get_ident() == me:  # where in the user's code: the op's Python line
+            found.append(f"{one_line(str(message))} at {os.path.basename(filename)}:{lineno}")
+
+    warnings.filterwarnings("always", f".*{SYNC_WARNING}")  # every wait, also one seen before at the same line
+    rule = warnings.filters[0]
+    warnings.showwarning = show
+    try:
+        yield found
+    finally:
+        watching[0] = False
+        if warnings.showwarning is show:
+            warnings.showwarning = shown
+        with contextlib.suppress(ValueError):  # gone already when another thread put back the list it found
+            warnings.filters.remove(rule)
 
 
 class CpuTracedStep(EagerStep):

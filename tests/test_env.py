@@ -1,12 +1,15 @@
 import json
 import os
 import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_job
 
-from job.env import GIB, format_info, info, pick_device
+from job.env import GIB, cpu_quotas, cpu_share, cpus, format_info, info, pick_device
 from job.errors import ConfigError
 
 CUDA = torch.cuda.is_available()
@@ -107,3 +110,49 @@ def test_info_command_plain_and_json_agree_with_this_machine():
     assert plain.returncode == 0, plain.stderr
     same = [line for line in format_info(data).splitlines() if not line.startswith("  cuda:")]
     assert [line for line in plain.stdout.strip().splitlines() if not line.startswith("  cuda:")] == same
+
+
+def cgroup_tree(tmp_path, v2: bool, quotas: dict[str, str]) -> tuple[str, str]:
+    """A cgroup mount in the kernel's own file format: this process in /job/run, quotas at the levels given."""
+    root = tmp_path / "cgroup"
+    mount = root if v2 else root / "cpu,cpuacct"
+    for level, quota in quotas.items():
+        folder = mount / level.strip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        if v2:
+            (folder / "cpu.max").write_text(f"{quota} 100000\n")
+        else:
+            (folder / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (folder / "cpu.cfs_period_us").write_text("100000\n")
+    own = tmp_path / "self-cgroup"
+    own.write_text("0::/job/run\n" if v2 else "12:memory:/job/run\n4:cpu,cpuacct:/job/run\n1:name=systemd:/\n")
+    return str(root), str(own)
+
+
+@pytest.mark.parametrize("v2", [True, False])
+def test_cpu_quotas_are_read_from_this_process_cgroup_and_those_above_it(tmp_path, v2):
+    none = "max" if v2 else "-1"
+    root, own = cgroup_tree(tmp_path, v2, {"/": none, "/job": "150000", "/job/run": none})
+    assert cpu_quotas(Path(root), own) == [1.5]  # docker --cpus 1.5 on the level above
+    assert cpus(root, own) == min(2, len(os.sched_getaffinity(0)))  # 1.5 CPUs: a second one part of the time
+    root, own = cgroup_tree(tmp_path / "b", v2, {"/": "50000", "/job/run": none})
+    assert cpus(root, own) == 1  # half a CPU: still one to run on
+    root, own = cgroup_tree(tmp_path / "c", v2, {"/": none})
+    assert cpus(root, own) == len(os.sched_getaffinity(0))  # no quota: the CPUs it may run on
+    assert cpus(str(tmp_path / "nothing"), str(tmp_path / "nothing")) == len(os.sched_getaffinity(0))
+
+
+def test_usable_cpus_follow_the_affinity_and_the_group_share():
+    """taskset (or a cpuset) limits a process to fewer CPUs than the machine has: the decoding workers count those,
+    split between the group's processes on the machine (os.cpu_count() counted the machine's for every process)."""
+    code = "from job.env import cpus; from job.data.decode import auto_workers; print(cpus(), auto_workers('auto'))"
+    one = sorted(os.sched_getaffinity(0))[:1]
+    done = subprocess.run(  # as `taskset -c 0` starts it
+        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, one)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["1", "1"]
+    assert cpu_share(2) == max(1, cpus() // 2) and cpu_share(10_000) == 1
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "10000"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.split() == [str(cpus()), "1"], done.stderr[-2000:]

@@ -250,3 +250,45 @@ def test_a_step_that_falls_back_says_so_as_a_value():
     step.fall_back("the step could not be traced: a reason")
     assert step.fallback == StepPlan(StepKind.EAGER, "the step could not be traced: a reason")
     assert step.description == "eager (the step could not be traced: a reason)"
+
+
+def test_waits_are_reported_for_the_watching_thread_alone_and_warnings_survive_other_threads():
+    """The host-wait probe turns on a process-wide mode while another thread (the device decoder) works: that
+    thread's waits are not the step's, and its own warning state, entered and left across the probe, must not
+    leave the process's warnings going nowhere (catch_warnings(record=True) did: the other thread put back the
+    probe's recorder, and every later warning of the run went into a list no one read)."""
+    import threading
+    import warnings
+
+    from job.step import SYNC_WARNING, waits_reported
+
+    seen: list[str] = []
+    entered, probed, left = threading.Event(), threading.Event(), threading.Event()
+
+    def decoder() -> None:
+        entered.wait()
+        with warnings.catch_warnings():  # what any library in another thread may do
+            warnings.simplefilter("ignore", DeprecationWarning)
+            # the decoder waiting for its own stream
+            warnings.warn(f"called a {SYNC_WARNING}", UserWarning, stacklevel=1)
+            probed.set()
+            left.wait()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *_, **__: seen.append(str(message))
+        other = threading.Thread(target=decoder)
+        other.start()
+        before = list(warnings.filters)
+        with waits_reported() as found:
+            entered.set()
+            probed.wait(10)
+            for _ in range(2):  # the step's: each one, also at a line seen before
+                warnings.warn(f"called a {SYNC_WARNING}", UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)  # not a wait: shown as usual
+        left.set()
+        other.join(10)
+        warnings.warn("a later warning", UserWarning, stacklevel=1)
+        assert len(found) == 2 and all(SYNC_WARNING in f and "test_step.py" in f for f in found), found
+        assert seen == ["something else", "a later warning"], seen
+        assert [f for f in warnings.filters if f not in before] in ([], [warnings.filters[0]])  # at most the rule

@@ -74,8 +74,10 @@ class View:
             if self.centre == 1.0 and (h, w) == (self.size, self.size):
                 return x
             cw, ch = w * self.centre, h * self.centre
-            box = torch.tensor([(w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2], device=x.device)
-            boxes = box.expand(n, 4)
+            # Filled on the device: a tensor of these values made on the host is a copy the host waits for.
+            boxes = torch.empty(n, 4, device=x.device)
+            for i, v in enumerate(((w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2)):
+                boxes[:, i] = v
         rois = torch.cat([torch.arange(n, device=x.device, dtype=boxes.dtype)[:, None], boxes], 1)
         return roi_align(x.contiguous(), rois, self.size, sampling_ratio=-1, aligned=True)
 

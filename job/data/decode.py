@@ -5,7 +5,6 @@ batches submitted ahead of the step that needs them."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -17,9 +16,12 @@ import torch
 
 from job.data.batches import IGNORED
 from job.data.image import UnreadableImage, exif_orientation, pixels
+from job.env import cpu_share
 from job.errors import DataError
+from job.memory import is_out_of_memory
 
 JPEG = ("jpg", "jpeg")
+TORCHVISION_NOTICE = "The image decoding and encoding capabilities of TorchVision are deprecated"
 
 
 class Decoded(NamedTuple):
@@ -164,12 +166,13 @@ def decoded(
 
 
 def auto_workers(setting: int | str, device: str | None = None, cores: int | None = None) -> int:
-    """Decoding processes for data.workers: as set, or one per core but one (at most 8). Training on a CPU of two
-    cores or fewer decodes in the training process: the cores are all training's already, and a decoding process
-    adds its copies and its contention to the same work (measured: docs/benchmarks.md)."""
+    """Decoding processes for data.workers: as set, or one per core but one (at most 8), of this process's share of
+    the CPUs it may use (env.cpu_share: a container's quota, the group's processes on the machine). Training on a
+    CPU of two cores or fewer decodes in the training process: the cores are all training's already, and a
+    decoding process adds its copies and its contention to the same work (measured: docs/benchmarks.md)."""
     if setting != "auto":
         return int(setting)
-    cores = cores or os.cpu_count() or 2
+    cores = cores or cpu_share()
     if device == "cpu" and cores <= 2:
         return 0
     return max(1, min(8, cores - 1))
@@ -191,6 +194,9 @@ class DeviceDecoder:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device, self.size, self.fit, self.skip = torch.device("cuda", index), size, fit, skip
         self.thread, self.stream = device_thread(self.device)
+        # torchvision's notice that its decoders move to another package, silenced once here: a catch_warnings in
+        # the decoding thread would swap the process's filters under the training thread's feet (not thread-safe).
+        warnings.filterwarnings("ignore", TORCHVISION_NOTICE, DeprecationWarning)
 
     def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
         return self.thread.submit(self.decode, items)
@@ -199,8 +205,7 @@ class DeviceDecoder:
         jpeg = [i for i, (_, ext, _) in enumerate(items) if ext in JPEG]
         images: list[torch.Tensor | None] = [None] * len(items)
         bad: list[tuple[int, str]] = []
-        with torch.cuda.stream(self.stream), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torchvision's notice that its decoders move to another package
+        with torch.cuda.stream(self.stream):
             for start in range(0, len(jpeg), DEVICE_GROUP):
                 group = jpeg[start : start + DEVICE_GROUP]
                 for i, img in zip(group, self.decode_jpegs([items[i][2] for i in group])):
@@ -226,13 +231,21 @@ class DeviceDecoder:
         return Decoded(out, bad)
 
     def decode_jpegs(self, data: list[bytes]) -> list[torch.Tensor | None]:
-        """The images on the device; None for each when nvJPEG refuses the group (the host decodes those)."""
+        """The images on the device; None for each when nvJPEG refuses the group (the host decodes those). Running
+        out of device memory is not a refusal: it stops the batch, as anywhere else.
+
+        Waits first for the work queued on this stream (the last group's resizes): nvJPEG's hardware decoder writes
+        its outputs without waiting for the stream it is given, into memory the caching allocator may just have
+        handed back from tensors those queued resizes still read (pytorch/vision#9606): corrupt images otherwise."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        self.stream.synchronize()  # this thread waits; decode_jpeg waits for its own work before it returns anyway
         try:
             tensors = [torch.frombuffer(d, dtype=torch.uint8) for d in data]
             return decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device)
-        except RuntimeError:
+        except RuntimeError as e:
+            if is_out_of_memory(e):
+                raise
             return [None] * len(data)
 
 

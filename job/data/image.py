@@ -15,7 +15,6 @@ decides the conversions above, in one place.
 from __future__ import annotations
 
 import io
-import warnings
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -68,9 +67,10 @@ def to_rgb(img: Image.Image) -> Image.Image:
         return Image.fromarray(np.clip(np.rint(wide * (255 / 65535)), 0, 255).astype(np.uint8), "L").convert("RGB")
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")  # Pillow asks for this step for palettes with transparency
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return img.convert("RGB")
+    # A transparent colour of a grey or RGB image goes, as an alpha would: Pillow warns of it otherwise, and a
+    # catch_warnings here is not thread-safe (the device decoder's thread decodes through this).
+    img.info.pop("transparency", None)
+    return img.convert("RGB")
 
 
 def pixels(data: bytes, name: str, size: int | None = None, fit: bool = False) -> np.ndarray:

@@ -302,11 +302,11 @@ class StreamLoader:
 
         how = (self.crop_padding, self.hflip, self.view, self.resized_crops, alternate)
         crops, flips, boxes = draws(g, x.shape[0], tuple(x.shape[-2:]), *how)
+        # Drawn on the host, copied through page-locked memory: a pageable copy would make the host wait every step.
+        crops, flips, boxes = (move(t, self.device) if t is not None else None for t in (crops, flips, boxes))
         if crops is not None or flips is not None:
-            to = self.device
-            crops = crops.to(to) if crops is not None else None
-            x = crop_flip(x, self.crop_padding, crops, flips.to(to) if flips is not None else None, self.reflect)
-        return x, boxes.to(self.device) if boxes is not None else None
+            x = crop_flip(x, self.crop_padding, crops, flips, self.reflect)
+        return x, boxes
 
 
 def submitted(group: list[Sample], urls: list[str], decoder: Decoder) -> tuple[Future, tuple[str, str], torch.Tensor]:

@@ -247,6 +247,14 @@ else
     fail "docker compose run train-cpu info: ${INFO:-$(head -c 300 "$WORK/info.json" "$WORK/info.err")}"
 fi
 
+# A container given one CPU decodes with one CPU's share, not the machine's count (cgroup quota, docker --cpus).
+CPUS=$(docker run --rm --cpus 1 "$IMAGE_CPU" info --json 2>"$WORK/cpus.err" | python3 -c 'import json, sys; r = json.load(sys.stdin); print(r["cpus_usable"], "of", r["cpu_count"])' 2>/dev/null)
+if [ "${CPUS%% *}" = 1 ]; then
+    pass "docker run --cpus 1 info: $CPUS CPUs usable"
+else
+    fail "docker run --cpus 1 info: ${CPUS:-$(head -c 300 "$WORK/cpus.err")} (expected 1 usable)"
+fi
+
 # ---------------------------------------------------------------------------------------------------------------
 log "train-cpu: docker compose up, stopped with SIGTERM mid-run"
 RUNS="$WORK/runs"
