@@ -14,6 +14,9 @@
 #   bash bench/gpu_check.sh stream             there: ResNet-50 on 20,000 photos streamed from JPEG shards
 #                                              (decoded on the host, and on the GPU) against pre-decoded on the
 #                                              GPU (stream_gpu.log)
+#   bash bench/gpu_check.sh predict            there: `job predict` on 2,000 photos with ResNet-50, decoded on the
+#                                              host and on the GPU, against the model's forward pass on pre-decoded
+#                                              tensors on the GPU (predict_gpu.log)
 #
 # Results go to $OUT (or bench/out/gpu). Each part runs even when one before it failed; the exit code is the
 # first failure's.
@@ -97,8 +100,15 @@ stream)
     tail -n 8 "$out/stream_gpu.log"
     exit "$rc"
     ;;
+predict)
+    install
+    timeout 500 python3 bench/predict_gpu.py "$G/shared/datasets/cifar10-jpeg.tar.gz" >"$out/predict_gpu.log" 2>&1
+    note $?
+    tail -n 6 "$out/predict_gpu.log"
+    exit "$rc"
+    ;;
 *)
-    sed -n '2,19p' "$0"
+    sed -n '2,22p' "$0"
     exit 2
     ;;
 esac

@@ -181,6 +181,11 @@ def predict(
     nproc_per_node: int = typer.Option(
         1, "--nproc-per-node", min=1, help="Processes on this machine, each predicting its part (<output>.part-i-of-n)."
     ),
+    decode: str = typer.Option(
+        "auto",
+        "--decode",
+        help="Where images are decoded: host (processes), device (JPEG images by a CUDA device's nvJPEG); auto: host.",
+    ),
 ) -> None:
     """Labels and probabilities for new images from a trained model, preprocessed as its evaluation was; a file that
     cannot be read gets a row with its error (exit 3 when none could be read). In a Cloud Batch task array each task
@@ -193,7 +198,9 @@ def predict(
         from job.predict import predict as run_predict
         from job.report import say
 
-        run_predict(model, inputs, output or None, top_k, batch_size, part_device(device), log=say)
+        if decode not in ("auto", "host", "device"):
+            raise ConfigError(f"--decode {decode}: expected auto, host or device")
+        run_predict(model, inputs, output or None, top_k, batch_size, part_device(device), log=say, decode=decode)
 
 
 @app.command()

@@ -33,7 +33,7 @@ from job import bundle, checkpoint
 from job.cloud import describe_storage_error, fetch_concurrency, filesystem
 from job.config import validate
 from job.data.augment import to_float
-from job.data.decode import Decoder, auto_workers
+from job.data.decode import Decoder, decoder_for
 from job.data.files import is_archive, iter_archive
 from job.data.split import kind_of
 from job.errors import CheckpointError, ConfigError, DataError, StorageError, one_line
@@ -305,9 +305,10 @@ def predict(
     device: torch.device,
     workers: int | str = "auto",
     log=print,
+    decode: str = "auto",
 ) -> dict:
     """Predict every input image; rows written to `output` (.csv or .jsonl, any URL; None: CSV on standard
-    output). Returns the counts."""
+    output); `decode`: where images are decoded (auto, host, device: decode.decoder_for). Returns the counts."""
     if output is not None and not output.lower().endswith((".csv", ".jsonl")):
         raise ConfigError(f"--output: a .csv or .jsonl file, got {output}")
     index, count = part()
@@ -321,7 +322,10 @@ def predict(
     if p.features is not None:
         return predict_tables(p, inputs, Rows(output, k, jsonl), log)
     found = listed(inputs)[index::count]  # every count-th input from this part's own: none read twice
-    decoder = Decoder(auto_workers(workers, device.type), p.size, p.fit, skip=True)
+    try:
+        decoder = decoder_for(decode, workers, device, p.size, p.fit, skip=True)
+    except ConfigError as e:
+        raise ConfigError(f"--decode {decode}: {e}") from None
     rows = Rows(output, k, jsonl)
     t0, done, failed = time.perf_counter(), 0, 0
     from tqdm import tqdm

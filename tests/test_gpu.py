@@ -1,5 +1,6 @@
 """The GPU path: the same job on CUDA, with no host sync inside an epoch. Skipped where there is no CUDA device."""
 
+import csv
 import json
 
 import numpy as np
@@ -369,3 +370,39 @@ def test_a_streamed_epoch_with_a_view_never_waits_for_the_gpu(tmp_path, decode, 
             train_epoch(loop, 2)
     assert not waits, waits
     assert state.step == 3 * len(r.train) and torch.isfinite(log.sums).all()
+
+
+def test_predict_decoding_on_the_device_labels_as_the_host_decoder_does(tmp_path):
+    """predict --decode device: JPEG photos (EXIF-turned ones among them) decoded by nvJPEG give the labels and
+    probabilities the host's decoding gives, and a broken file still gets its own error row."""
+    from test_photos import photo_folder, turned_jpeg
+
+    photos = photo_folder(tmp_path / "photos")
+    sets = ["data.kind=folder", f"data.path={photos}", "data.image_size=32", "data.val_split=0.3", "train.epochs=3"]
+    done = run_job("train", "--config", "cifar10", "--device", "cuda", "--output", str(tmp_path / "run"),
+                   *sum((["--set", s] for s in sets), []))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    new = tmp_path / "new"
+    new.mkdir()
+    from PIL import Image, ImageOps
+
+    for i, p in enumerate(sorted(photos.rglob("IMG_0*.jpg"))[:40]):
+        turned = ImageOps.exif_transpose(Image.open(p)).convert("RGB") if i % 2 else None
+        (new / f"{i:03d}.jpg").write_bytes(turned_jpeg(turned, 6) if turned is not None else p.read_bytes())
+    (new / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut")
+    rows = {}
+    for decode in ("host", "device"):
+        out = tmp_path / f"{decode}.csv"
+        args = ["-m", str(tmp_path / "run"), str(new), "--device", "cuda", "--decode", decode, "-o", str(out)]
+        done = run_job("predict", *args, "--batch-size", "16")
+        assert done.returncode == 0 and "40 images labelled, 1 could not be read" in done.stderr, done.stderr[-2000:]
+        rows[decode] = {r["path"]: r for r in csv.DictReader(out.open(newline=""))}
+    assert rows["host"].keys() == rows["device"].keys()
+    for path, host in rows["host"].items():
+        device = rows["device"][path]
+        assert bool(host["error"]) == bool(device["error"]) == path.endswith("broken.jpg"), (path, host, device)
+        if not host["error"]:  # nvJPEG rounds a little differently: a near tie may go the other way
+            near_tie = float(host["probability"]) < 0.6
+            assert device["label"] == host["label"] or near_tie, (path, host, device)
+            if device["label"] == host["label"]:
+                assert abs(float(device["probability"]) - float(host["probability"])) < 0.05, (path, host, device)

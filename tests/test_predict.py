@@ -77,6 +77,20 @@ def test_predict_labels_new_photos_to_csv_and_jsonl_with_an_error_row_per_bad_fi
     assert abs(sum(p for _, p in top) - 1) < 1e-4  # three classes: all of the probability
 
 
+def test_predict_decoding_on_the_device_needs_a_cuda_device_and_says_so_in_one_line(trained, tmp_path):
+    run, new = trained
+    out = tmp_path / "p.csv"
+    for decode, said in (
+        ("device", "--decode device: decoding on the device needs a CUDA device; this runs on cpu"),
+        ("gpu", "--decode gpu: expected auto, host or device"),
+    ):
+        code, err = invoke(["predict", "-m", str(run), str(new), "--device", "cpu", "--decode", decode, "-o", str(out)])
+        assert code == 2 and said in err and "Traceback" not in err, err
+        assert not out.exists()
+    code, err = invoke(["predict", "-m", str(run), str(new), "--device", "cpu", "--decode", "host", "-o", str(out)])
+    assert code == 0 and "18 images labelled" in err, err
+
+
 def test_predict_gives_the_evaluations_probabilities(trained, tmp_path):
     """predict on the run's own val files: the same probabilities as the run's evaluation pipeline gives them."""
     from job import recipe

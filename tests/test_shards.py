@@ -496,7 +496,7 @@ def test_alternating_flips_in_a_stream_show_every_sample_both_ways_every_two_epo
 def test_decoding_on_the_device_without_a_gpu_is_one_line_and_exit_2(packed, tmp_path):
     args = [*STREAM, *sets(f"data.path={packed}", "data.decode=device", "model.name=mlp")]
     code, err = invoke(["train", *args, "--output", str(tmp_path / "run")])
-    assert code == 2 and "data.decode: device decodes on a CUDA device; this run trains on cpu" in err, err
+    assert code == 2 and "data.decode: decoding on the device needs a CUDA device; this runs on cpu" in err, err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 

@@ -17,7 +17,7 @@ import torch
 from job.data.batches import IGNORED
 from job.data.image import UnreadableImage, exif_orientation, pixels
 from job.env import cpu_share
-from job.errors import DataError
+from job.errors import ConfigError, DataError
 from job.memory import is_out_of_memory
 
 JPEG = ("jpg", "jpeg")
@@ -176,6 +176,20 @@ def auto_workers(setting: int | str, device: str | None = None, cores: int | Non
     if device == "cpu" and cores <= 2:
         return 0
     return max(1, min(8, cores - 1))
+
+
+def decoder_for(
+    where: str, workers: int | str, device: torch.device | None, size: int | None, fit: bool, skip: bool
+) -> Decoder | DeviceDecoder:
+    """Where images are decoded, decided here once for training's streams and for predict: `where` is data.decode
+    (predict's --decode): device, the CUDA device's nvJPEG (JPEG images; others on the host), else `workers`
+    processes on the host (auto_workers); auto stays on the host until decoding on the device is measured faster
+    (docs/benchmarks.md). `device`: where the model runs, None when nothing trains while decoding."""
+    if where == "device" and device is not None:
+        if device.type != "cuda":
+            raise ConfigError(f"decoding on the device needs a CUDA device; this runs on {device.type}")
+        return DeviceDecoder(device, size, fit, skip)
+    return Decoder(auto_workers(workers, device.type if device is not None else None), size, fit, skip)
 
 
 DEVICE_GROUP = 32  # JPEG images nvJPEG decodes at once: full-size photos are held at full size until resized

@@ -38,7 +38,7 @@ import torch
 from job.data.augment import View, crop_flip, draws, epoch_seed, to_float
 from job.data.batches import Batch, move
 from job.data.dataset import Dataset, Split
-from job.data.decode import IGNORED, Decoder, DeviceDecoder, auto_workers, decode, decoded
+from job.data.decode import IGNORED, Decoder, DeviceDecoder, decode, decoded, decoder_for
 from job.data.placement import Streaming, decide_streaming
 from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved
 from job.data.shards import SPLITS, Sample, Shard, ShardFile, ShardSet, open_shards, samples
@@ -395,13 +395,11 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
 def held_decoder(cfg, device: torch.device | None = None) -> Decoder | DeviceDecoder:
     """The decoder that makes images the size they are held at (held_size): data.workers processes, or with
     data.decode device, the training device itself; `device`: the training device, when it trains while decoding."""
-    fit = cfg.resize_size is not None
-    if cfg.decode == "device" and device is not None:
-        if device.type != "cuda":
-            raise ConfigError(f"data.decode: device decodes on a CUDA device; this run trains on {device.type}")
-        return DeviceDecoder(device, held_size(cfg), fit, cfg.skip_bad_samples)
-    workers = auto_workers(cfg.workers, device.type if device is not None else None)
-    return Decoder(workers, held_size(cfg), fit, cfg.skip_bad_samples)
+    try:
+        fit = cfg.resize_size is not None
+        return decoder_for(cfg.decode, cfg.workers, device, held_size(cfg), fit, cfg.skip_bad_samples)
+    except ConfigError as e:
+        raise ConfigError(f"data.decode: {e}") from None
 
 
 def held_size(cfg) -> int | None:
