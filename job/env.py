@@ -78,7 +78,8 @@ def cpus(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int:
 def cpu_share(local_processes: int | None = None) -> int:
     """This process's share of the CPUs: cpus() over the group's processes on this machine (LOCAL_WORLD_SIZE, which
     torchrun and the job's launcher set)."""
-    local = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    given = os.environ.get("LOCAL_WORLD_SIZE", "")
+    local = local_processes or (int(given) if given.isdigit() else 1)
     return max(1, cpus() // max(1, local))
 
 

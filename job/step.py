@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
+import re
 import threading
 import warnings
 from collections import Counter
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from job.errors import ConfigError, one_line
+from job.errors import JobError, one_line
 from job.memory import is_out_of_memory
 
 if TYPE_CHECKING:
@@ -344,9 +345,14 @@ class CudaGraphStep(EagerStep):
             first = e.__context__ if isinstance(e.__context__, Exception) and "during capture" in str(e) else e
             if is_out_of_memory(first):
                 raise first from None
-            self.fall_back(one_line(first))
-            return None
-        return graph, [p.grad for p in self.params]
+            why = one_line(first)
+        else:
+            return graph, [p.grad for p in self.params]
+        # The error's traceback holds this frame, and through it the abandoned graph, its memory pool and the partial
+        # step's activations, until a garbage collection: let go of them now.
+        del first, graph
+        self.fall_back(why)
+        return None
 
     def after_failed_capture(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """The step eagerly, the first time after a capture failed, and the device waited for: a failed capture can
@@ -360,9 +366,11 @@ class CudaGraphStep(EagerStep):
         except Exception as e:
             if is_out_of_memory(e):
                 raise
-            raise ConfigError(
-                f"{self.failed}; running it eagerly after that failed too ({one_line(e)[:200]}): run with "
-                "--set train.step_capture=off (the same command continues from the last checkpoint)"
+            # The device's error may be the capture's, or the step's own that the capture only met first (a label
+            # out of range): which one, a run without capture tells.
+            raise JobError(
+                f"{self.failed}; the step then failed eagerly too ({one_line(e)[:200]}): run the same command with "
+                "--set train.step_capture=off (it continues from the last checkpoint); an error there is the step's own"
             ) from None
 
 
@@ -389,9 +397,10 @@ def waits_reported() -> Iterator[list[str]]:
     The mode is the process's, so other threads' waits are reported too while it is on (the device decoder
     waits for its own stream): those are not the block's, and are dropped. Python's warning state is the
     process's as well, and catch_warnings is not thread-safe (a thread that enters and leaves one around this
-    block puts back what it found): so this adds one filter of its own and wraps the shown warnings, each removed
-    by itself afterwards, and the wrapper passes everything on once the block is over, should another thread put
-    it back."""
+    block puts back what it found): so this adds one filter of its own and wraps the shown warnings, each taken
+    out afterwards, and the wrapper passes everything on once the block is over, should another thread put it
+    back. (A wait of another thread that began in the block and ends after it is shown as usual: torch turns
+    its warning into Python's when the call returns.)"""
     found: list[str] = []
     me, watching, shown = threading.get_ident(), [True], warnings.showwarning
 
@@ -402,7 +411,7 @@ def waits_reported() -> Iterator[list[str]]:
             found.append(f"{one_line(str(message))} at {os.path.basename(filename)}:{lineno}")
 
     warnings.filterwarnings("always", f".*{SYNC_WARNING}")  # every wait, also one seen before at the same line
-    rule = warnings.filters[0]
+    rule = ("always", re.compile(f".*{SYNC_WARNING}", re.I), Warning, None, 0)  # as filterwarnings made it
     warnings.showwarning = show
     try:
         yield found
@@ -411,7 +420,7 @@ def waits_reported() -> Iterator[list[str]]:
         if warnings.showwarning is show:
             warnings.showwarning = shown
         with contextlib.suppress(ValueError):  # gone already when another thread put back the list it found
-            warnings.filters.remove(rule)
+            warnings.filters.remove(rule)  # by equality: filterwarnings keeps one of equal rules
 
 
 class CpuTracedStep(EagerStep):

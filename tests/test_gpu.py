@@ -192,6 +192,41 @@ def test_a_capture_that_fails_where_the_probe_cannot_see_it_falls_back_to_eager_
     assert last["epoch"] == 1500 and last["test_accuracy"] >= 0.9
 
 
+def test_after_a_failed_capture_the_allocator_is_whole_and_memory_stays_flat(tmp_path, monkeypatch):
+    """A capture CUDA ends (a copy to the host inside it) leaves no capture the memory allocator still thinks under
+    way: empty_cache works (find-batch-size and out-of-memory retries call it) and eager steps do not leak."""
+    (tmp_path / "failscapture.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.a, self.b, self.calls = nn.Linear(4, 16), nn.Linear(16, num_classes), 0\n"
+        "    def forward(self, x):\n"
+        "        self.calls += self.training\n"
+        "        if self.calls == 4:\n"
+        "            x = x + x.cpu().to(x.device) * 0\n"
+        "        return self.b(torch.relu(self.a(x)))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config("iris", ["model.name=failscapture:Net"])
+    r = recipe.build(cfg, CUDA, load_data(cfg.data, tmp_path / "cache", say))
+    log = LossLog(CUDA, 10)
+    step = build_step(r, log.sums, plan_step(step_facts(r, "auto", 1e9)))
+    assert isinstance(step, CudaGraphStep)
+    batch = next(iter(r.train.batches(0)))
+    for _ in range(5):  # three warm-up steps, the capture that fails, an eager step
+        step(batch.x, batch.y)
+    assert "could not be captured" in step.description and not step.graphs
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    for _ in range(50):
+        step(batch.x, batch.y)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + 2**20 and torch.isfinite(log.sums).all()
+
+
 def test_the_fast_preset_on_cuda_never_waits_in_an_epoch_and_captures_as_it_runs_eagerly(tmp_path):
     """cifar10-fast's parts (the schedule with a parameter held after its epochs, lookahead, alternating flips,
     reflected crops) add no host sync to an epoch, and the run captured as CUDA graphs ends where the eager one does."""

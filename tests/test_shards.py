@@ -29,9 +29,10 @@ from conftest import (
 )
 from faultproxy import FaultProxy
 
+from job.data.decode import auto_workers
 from job.data.sample_stream import Part, SampleStream, saved
 from job.data.shards import open_shards
-from job.data.stream import Decoder, StreamLoader, auto_workers, deal
+from job.data.stream import Decoder, StreamLoader, deal
 from job.memory import peak_tree_rss
 
 STREAM = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=shards", "data.placement=stream")]

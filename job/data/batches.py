@@ -59,13 +59,11 @@ class Loader(Protocol):
 def move(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor to the device without making the host wait: through page-locked memory to a GPU (the copy
     then overlaps the step before it); a tensor already there, or a CPU run, costs nothing."""
-    if x.is_cuda and device.type == "cuda":
-        # Perhaps made on another stream (the device decoder's): its memory is now in use on this one too, and may go
-        # back to that stream's pool only once this one's work on it is done (else the decoder writes into it).
-        x.record_stream(torch.cuda.current_stream(x.device))
-        return x.to(device, non_blocking=True)
     if x.device == device or device.type == "cpu":
         return x
+    if x.is_cuda:  # made on another stream (the device decoder's): its memory is now in use on this one too
+        x.record_stream(torch.cuda.current_stream(x.device))
+        return x.to(device, non_blocking=True)
     if device.type == "cuda" and not x.is_pinned():
         x = x.pin_memory()
     return x.to(device, non_blocking=True)

@@ -17,7 +17,7 @@ import torch
 from job.data.batches import IGNORED
 from job.data.image import UnreadableImage, exif_orientation, pixels
 from job.env import cpu_share
-from job.errors import ConfigError, DataError
+from job.errors import ConfigError, DataError, one_line
 from job.memory import is_out_of_memory
 
 JPEG = ("jpg", "jpeg")
@@ -158,7 +158,12 @@ def decoded(
                 labels[i] = IGNORED
             if skipped is not None:
                 skipped.append(why)
-        return torch.from_numpy(images) if isinstance(images, np.ndarray) else images
+        if isinstance(images, np.ndarray):
+            return torch.from_numpy(images)
+        # Made on the device decoder's stream, used on the caller's from here: its memory may go back to the
+        # decoder's pool only once the caller's queued work on it is done (else the decoder writes into it).
+        images.record_stream(torch.cuda.current_stream(images.device))
+        return images
     except BrokenProcessPool:
         raise DataError(
             f"a decoding process died on the batch of samples {names[0]} to {names[1]}: a corrupt image among them?"
@@ -258,8 +263,8 @@ class DeviceDecoder:
             tensors = [torch.frombuffer(d, dtype=torch.uint8) for d in data]
             return decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device)
         except RuntimeError as e:
-            if is_out_of_memory(e):
-                raise
+            if is_out_of_memory(e):  # torchvision rethrows CUDA's out-of-memory as a RuntimeError of its own
+                raise torch.OutOfMemoryError(one_line(e)) from None
             return [None] * len(data)
 
 
