@@ -60,7 +60,7 @@ tests)
     install
     python3 -m job info >"$out/info.txt" 2>&1
     note $?
-    timeout 500 python3 -m pytest -q -rs tests/test_gpu.py tests/test_distributed.py -k "gpu or cuda or nccl" \
+    timeout 500 python3 -m pytest -q -rs --durations=25 tests/test_gpu.py tests/test_distributed.py -k "gpu or cuda or nccl" \
         >"$out/tests.log" 2>&1
     note $?
     tail -n 5 "$out/tests.log"

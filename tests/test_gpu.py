@@ -441,3 +441,21 @@ def test_predict_decoding_on_the_device_labels_as_the_host_decoder_does(tmp_path
             assert device["label"] == host["label"] or near_tie, (path, host, device)
             if device["label"] == host["label"]:
                 assert abs(float(device["probability"]) - float(host["probability"])) < 0.05, (path, host, device)
+
+
+def test_find_batch_size_with_capture_answers_a_batch_that_trains_under_the_same_cap(tmp_path):
+    """find-batch-size measures the run's own captured step (a graph holds memory of its own besides the eager
+    warm-up's): its answer trains a whole epoch, evaluation included, under the memory cap it was found under."""
+    from job.batch_size import find_batch_size
+    from job.memory import memory_limit
+    from job.train import run
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=300, size=32, test_per_class=50)
+    sets = [f"data.path={root}", "data.kind=folder", "train.step_capture=on", "train.epochs=1", "data.val_split=0"]
+    cap = 0.25  # GiB: the model's batch limit well below the 1,200 training images
+    found = find_batch_size(load_config("cifar10", sets), "cuda", cap)
+    assert found["limited_by"] == "memory", found
+    cfg = load_config("cifar10", [*sets, f"data.batch_size={found['batch_size']}"])
+    with memory_limit(CUDA, cap):
+        summary = run(cfg, str(tmp_path / "run"), "cuda", "never", True)
+    assert summary["epochs_run"] == 1 and summary["steps"] >= 1200 // found["batch_size"], summary
