@@ -25,7 +25,7 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
     device; padding (a batch with no samples of this process's own) and streamed samples that could not be decoded
     (labelled IGNORED) are never counted. `augmentation`: train.test_time_augmentation, the logits averaged over
     views of each image. With `classes` (their number), then [top-5 correct, the classes x classes confusion
-    matrix, row: true class, column: predicted], counted on the device (a bincount a batch, no host sync)."""
+    matrix, row: true class, column: predicted], counted on the device without the host waiting (confusion_add)."""
     model.eval()
     sums = torch.zeros(3 + (1 + classes * classes if classes else 0), device=loader.device)
     for batch in loader.batches():
@@ -40,10 +40,20 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
         if classes:
             k = min(5, out.shape[1])
             sums[3] += (out.topk(k, dim=1).indices == batch.y[:, None]).any(1).sum()
-            cells = (batch.y.clamp(min=0) * classes + predicted)[counted]
-            sums[4:] += torch.bincount(cells, minlength=classes * classes)[: classes * classes]
+            confusion_add(sums[4:], batch.y.clamp(min=0) * classes + predicted, counted)
     model.train()
     return sums
+
+
+def confusion_add(cells: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) -> None:
+    """Add one to `cells` at each index of `at` where `counted`. On a GPU without the host waiting: a bincount reads
+    the indices' range on the host, and leaving out the uncounted by a mask waits for their number; an index_add_ of
+    0 or 1 does neither, and its sums are whole numbers, so exact in any order (in deterministic mode, which warns
+    of index_add_ on a GPU, and on a CPU: the bincount)."""
+    if at.is_cuda and not torch.are_deterministic_algorithms_enabled():
+        cells.index_add_(0, at, counted.to(cells.dtype))
+    else:
+        cells += torch.bincount(at[counted], minlength=len(cells))[: len(cells)]
 
 
 def logits(model, x: torch.Tensor, augmentation: str = "none") -> torch.Tensor:

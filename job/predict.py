@@ -434,7 +434,8 @@ class Rows:
                 self.row(name, [], unread or str(e))
             return done, failed + len(batch)
         good = (marks != IGNORED).nonzero().flatten()
-        probs = p.probabilities(images[good]) if len(good) else torch.empty(0, len(p.classes))
+        kept = images if len(good) == len(batch) else images[good]  # an index is a copy to the device
+        probs = p.probabilities(kept) if len(good) else torch.empty(0, len(p.classes))
         top = probs.topk(self.k, dim=1) if len(good) else None
         why = iter(errors)
         at = {int(i): j for j, i in enumerate(good)}

@@ -459,3 +459,39 @@ def test_find_batch_size_with_capture_answers_a_batch_that_trains_under_the_same
     with memory_limit(CUDA, cap):
         summary = run(cfg, str(tmp_path / "run"), "cuda", "never", True)
     assert summary["epochs_run"] == 1 and summary["steps"] >= 1200 // found["batch_size"], summary
+
+
+@pytest.mark.parametrize("augmentation", ["none", "flip_shift"])
+def test_an_evaluation_pass_never_waits_for_the_gpu_and_counts_as_the_cpu_does(tmp_path, augmentation):
+    """An evaluation's sums (loss, accuracy, top-5, the confusion matrix) are counted on the device: no host wait
+    a batch (a bincount and a masked index each waited), the counts a bincount gives, through a view (photos held
+    larger than the model's input: torchvision's roi_align operator, also in deterministic mode)."""
+    from job.evaluate import confusion_add, test_sums
+
+    at, counted = torch.randint(0, 36, (5000,)), torch.rand(5000) < 0.8
+    cells = torch.zeros(36, device=CUDA)
+    confusion_add(cells, at.to(CUDA), counted.to(CUDA))
+    assert torch.equal(cells.cpu(), torch.bincount(at[counted], minlength=36).float())
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=6, per_class=10, size=40, test_per_class=30)
+    sets = ["data.kind=folder", f"data.path={root}", "data.image_size=32", "data.resize_size=40"]
+    cfg = load_config("cifar10", [*sets, "data.eval_batch_size=32", "train.precision=fp32"])
+    data = load_data(cfg.data, tmp_path / "cache", say)
+    on = {d: recipe.build(cfg, torch.device(d), data) for d in ("cuda", "cpu")}
+    on["cuda"].model.load_state_dict(on["cpu"].model.state_dict())
+    r = on["cuda"]
+    test_sums(r.model, r.held_out["test"], r.amp, augmentation, classes=6)  # cuDNN picks its kernels
+    torch.cuda.synchronize()
+    with host_waits() as waits:
+        sums = test_sums(r.model, r.held_out["test"], r.amp, augmentation, classes=6)
+    assert not waits, waits
+    cpu = test_sums(on["cpu"].model, on["cpu"].held_out["test"], on["cpu"].amp, augmentation, classes=6)
+    sums = sums.cpu()
+    assert sums[2] == cpu[2] == 180 and sums[4:].sum() == 180, (sums, cpu)  # every sample counted, once
+    assert abs(float(sums[1] - cpu[1])) <= 3  # TF32 convolutions on the GPU: a near tie may go the other way
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        again = test_sums(r.model, r.held_out["test"], r.amp, augmentation, classes=6).cpu()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert again[2] == 180 and again[4:].sum() == 180 and abs(float(again[1] - sums[1])) <= 3

@@ -67,7 +67,7 @@ class View:
 
     def __call__(self, x: torch.Tensor, boxes: torch.Tensor | None = None) -> torch.Tensor:
         """Float images N x C x H x W to N x C x size x size: the boxes given, else the centre crop."""
-        from torchvision.ops import roi_align
+        import torchvision  # noqa: F401  (registers torch.ops.torchvision)
 
         n, _, h, w = x.shape
         if boxes is None:
@@ -79,7 +79,9 @@ class View:
             for i, v in enumerate(((w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2)):
                 boxes[:, i] = v
         rois = torch.cat([torch.arange(n, device=x.device, dtype=boxes.dtype)[:, None], boxes], 1)
-        return roi_align(x.contiguous(), rois, self.size, sampling_ratio=-1, aligned=True)
+        # torchvision's operator itself: its forward is deterministic (no atomics), where torchvision.ops.roi_align
+        # in deterministic mode on a GPU turns to a torch.compile'd Python version (a compile at the first batch).
+        return torch.ops.torchvision.roi_align(x.contiguous(), rois, 1.0, self.size, self.size, -1, True)
 
 
 def draws(

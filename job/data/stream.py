@@ -250,7 +250,7 @@ class StreamLoader:
                     images, labels, place, group = got
                     names = tuple(f"{urls[s.shard]}:{s.key}" for s in group) if not self.shuffle else ()
                     if record is not None:  # kept in host memory, whatever decoded it
-                        record.append((images.cpu(), labels, names))
+                        record.append((host_copy(images), labels, names))
                         record_bytes += images.nbytes
                         record = record if record_bytes <= self.keep_bytes else None
                     last = self.make(images, labels, epoch, i, group)
@@ -307,6 +307,15 @@ class StreamLoader:
         if crops is not None or flips is not None:
             x = crop_flip(x, self.crop_padding, crops, flips, self.reflect)
         return x, boxes
+
+
+def host_copy(images: torch.Tensor) -> torch.Tensor:
+    """Images in host memory without the host waiting: a device's (the device decoder's) copied into page-locked
+    memory on the stream, where the next pass's copy back to the device is queued after it."""
+    if not images.is_cuda:
+        return images
+    out = torch.empty(images.shape, dtype=images.dtype, pin_memory=True)
+    return out.copy_(images, non_blocking=True)
 
 
 def submitted(group: list[Sample], urls: list[str], decoder: Decoder) -> tuple[Future, tuple[str, str], torch.Tensor]:
