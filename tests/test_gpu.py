@@ -165,37 +165,10 @@ def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_and_says_why(tmp_pat
     assert last["test_accuracy"] >= 0.9
 
 
-@pytest.mark.parametrize("fault", ["x.cpu()", "ValueError('not in a graph')"])
-def test_a_capture_that_fails_where_the_probe_cannot_see_it_falls_back_to_eager_and_trains_on(tmp_path, fault):
-    """A step that does, only while it is captured, what a graph cannot hold (a copy to the host: CUDA ends the
-    capture; a Python error): the run says why, the device is brought back, and it trains on eagerly to the end."""
-    act = f"raise {fault}" if fault.startswith("ValueError") else f"x = x + {fault}.to(x.device) * 0"
-    (tmp_path / "oncecaptured.py").write_text(
-        "import torch\n"
-        "from torch import nn\n"
-        "class Net(nn.Module):\n"
-        "    def __init__(self, num_classes):\n"
-        "        super().__init__()\n"
-        "        self.a, self.b, self.calls = nn.Linear(4, 16), nn.Linear(16, num_classes), 0\n"
-        "    def forward(self, x):\n"
-        "        self.calls += self.training\n"
-        "        if self.calls == 4:  # 3 eager warm-up steps, then the capture\n"
-        f"            {act}\n"
-        "        return self.b(torch.relu(self.a(x)))\n"
-    )
-    out = tmp_path / "run"
-    args = ["--device", "cuda", "--set", "model.name=oncecaptured:Net", "--set", "train.epochs=1500"]
-    r = run_job("train", *args, "--output", str(out), env={"PYTHONPATH": str(tmp_path)})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "could not be captured as a CUDA graph" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["epoch"] == 1500 and last["test_accuracy"] >= 0.9
-
-
-def test_after_a_failed_capture_the_allocator_is_whole_and_memory_stays_flat(tmp_path, monkeypatch):
-    """A capture CUDA ends (a copy to the host inside it) leaves no capture the memory allocator still thinks under
-    way: empty_cache works (find-batch-size and out-of-memory retries call it) and eager steps do not leak."""
-    (tmp_path / "failscapture.py").write_text(
+def model_failing_at_capture(folder, name: str, act: str) -> str:
+    """model.name of an Iris model whose forward does `act` at its fourth training call alone (three eager warm-up
+    steps, then the capture): what the host-wait probe before the capture cannot see."""
+    (folder / f"{name}.py").write_text(
         "import torch\n"
         "from torch import nn\n"
         "class Net(nn.Module):\n"
@@ -205,11 +178,35 @@ def test_after_a_failed_capture_the_allocator_is_whole_and_memory_stays_flat(tmp
         "    def forward(self, x):\n"
         "        self.calls += self.training\n"
         "        if self.calls == 4:\n"
-        "            x = x + x.cpu().to(x.device) * 0\n"
+        f"            {act}\n"
         "        return self.b(torch.relu(self.a(x)))\n"
     )
+    return f"{name}:Net"
+
+
+HOST_COPY = "x = x + x.cpu().to(x.device) * 0"  # a copy to the host inside a capture: CUDA ends the capture
+
+
+@pytest.mark.parametrize("act", [HOST_COPY, "raise ValueError('not in a graph')"])
+def test_a_capture_that_fails_where_the_probe_cannot_see_it_falls_back_to_eager_and_trains_on(tmp_path, act):
+    """A step that does, only while it is captured, what a graph cannot hold (a copy to the host: CUDA ends the
+    capture; a Python error): the run says why, the device is brought back, and it trains on eagerly to the end."""
+    name = model_failing_at_capture(tmp_path, "oncecaptured", act)
+    out = tmp_path / "run"
+    args = ["--device", "cuda", "--set", f"model.name={name}", "--set", "train.epochs=2000"]
+    r = run_job("train", *args, "--output", str(out), env={"PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "could not be captured as a CUDA graph" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["epoch"] == 2000 and last["test_accuracy"] >= 0.9
+
+
+def test_after_a_failed_capture_the_allocator_is_whole_and_memory_stays_flat(tmp_path, monkeypatch):
+    """A capture CUDA ends (a copy to the host inside it) leaves no capture the memory allocator still thinks under
+    way: empty_cache works (find-batch-size and out-of-memory retries call it) and eager steps do not leak."""
+    name = model_failing_at_capture(tmp_path, "failscapture", HOST_COPY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = load_config("iris", ["model.name=failscapture:Net"])
+    cfg = load_config("iris", [f"model.name={name}"])
     r = recipe.build(cfg, CUDA, load_data(cfg.data, tmp_path / "cache", say))
     log = LossLog(CUDA, 10)
     step = build_step(r, log.sums, plan_step(step_facts(r, "auto", 1e9)))
