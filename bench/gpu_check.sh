@@ -17,20 +17,83 @@
 #   bash bench/gpu_check.sh predict            there: `job predict` on 2,000 photos with ResNet-50, decoded on the
 #                                              host and on the GPU, against the model's forward pass on pre-decoded
 #                                              tensors on the GPU (predict_gpu.log)
+#   bash bench/gpu_check.sh all [SECONDS]      there: tests, fast, bench, stream, predict in that order in one call,
+#                                              each command's time limit cut to what is left of SECONDS (default
+#                                              570), a command with under 30 s left not started (noted in skipped.txt)
 #
 # Results go to $OUT (or bench/out/gpu). Each part runs even when one before it failed; the exit code is the
 # first failure's.
 set -u
 cd "$(dirname "$0")/.."
-G=.gpu
+G="$PWD/.gpu"  # absolute: the benchmarks run their baselines from folders of their own
 export PYTHONUNBUFFERED=1
 out=${OUT:-bench/out/gpu}
+mkdir -p "$out"
 rc=0
 note() { [ "$1" = 0 ] || [ "$rc" != 0 ] || rc=$1; }
+end=$((SECONDS + 100000))
+# A command's time limit: its own, or what is left before the end (all), less a margin for the logs.
+limit() {
+    local left=$((end - SECONDS - 15))
+    if [ "$left" -lt "$1" ]; then echo "$left"; else echo "$1"; fi
+}
+# run LIMIT LOG COMMAND...: the command under its limit, its output to LOG; not started with under 30 s left.
+run() {
+    local t
+    t=$(limit "$1")
+    if [ "$t" -lt 30 ]; then
+        echo "$(basename "$2"): not started, ${t} s left" >>"$out/skipped.txt"
+        return
+    fi
+    timeout "$t" "${@:3}" >>"$2" 2>&1
+    note $?
+}
 install() {
     mkdir -p "$out"
     python3 -m pip install -q --no-index --find-links "$G/wheels" -r "$G/requirements.txt" >>"$out/install.log" 2>&1
     note $?
+}
+tests() {
+    install
+    python3 -m job info >"$out/info.txt" 2>&1
+    note $?
+    run 500 "$out/tests.log" python3 -m pytest -q -rs --durations=25 tests/test_gpu.py tests/test_distributed.py \
+        -k "gpu or cuda or nccl"
+    tail -n 5 "$out/tests.log"
+}
+cifar_data() {
+    [ -f /tmp/gpu-cifar-pt/test.pt ] || python3 "$G/shared/baselines/prep_cifar.py" \
+        "$G/shared/datasets/cifar10-jpeg.tar.gz" /tmp/gpu-cifar-pt >"$out/prep.log" 2>&1
+    note $?
+    root=$(python3 "$G/cifar_fixture.py" "$G/shared" 50000 2>>"$out/prep.log")
+    note $?
+    cifar="$root/python-50000/cifar-10-batches-py"
+}
+fast() {
+    install
+    cifar_data
+    run 500 "$out/vs_airbench.log" python3 bench/vs_airbench.py --baselines "$G/shared/baselines" \
+        --airbench "$G/airbench-0.1.8" --cifar-python "$cifar" --cifar-pt /tmp/gpu-cifar-pt --runs 3
+    tail -n 12 "$out/vs_airbench.log"
+}
+bench() {
+    install
+    cifar_data
+    run 300 "$out/vs_tutorials.log" python3 bench/vs_tutorials.py --device cuda --baselines "$G/shared/baselines" \
+        --repeats 2 --cifar-epochs 10 --cifar-python "$cifar" --cifar-pt /tmp/gpu-cifar-pt
+    run 120 "$out/bench.log" python3 -m job bench --config iris --devices cpu,cuda
+    run 100 "$out/bench.log" python3 -m job bench --config cifar10 --devices cuda --epochs 3 --set "data.path=$cifar"
+    tail -n 12 "$out/vs_tutorials.log" "$out/bench.log"
+}
+stream() {
+    install
+    run 560 "$out/stream_gpu.log" python3 bench/stream_gpu.py "$G/shared/datasets/cifar10-jpeg.tar.gz" --images 20000
+    tail -n 8 "$out/stream_gpu.log"
+}
+predict() {
+    install
+    run 500 "$out/predict_gpu.log" python3 bench/predict_gpu.py "$G/shared/datasets/cifar10-jpeg.tar.gz"
+    tail -n 6 "$out/predict_gpu.log"
 }
 case "${1:-}" in
 prepare)
@@ -56,59 +119,24 @@ prepare)
     tar xzf "$G"/sdist/airbench-0.1.8.tar.gz -C "$G" && rm -rf "$G/sdist"
     du -sh "$G"
     ;;
-tests)
-    install
-    python3 -m job info >"$out/info.txt" 2>&1
-    note $?
-    timeout 500 python3 -m pytest -q -rs --durations=25 tests/test_gpu.py tests/test_distributed.py -k "gpu or cuda or nccl" \
-        >"$out/tests.log" 2>&1
-    note $?
-    tail -n 5 "$out/tests.log"
+tests | fast | bench | stream | predict)
+    "$1"
     exit "$rc"
     ;;
-bench | fast)
-    install
-    [ -f /tmp/gpu-cifar-pt/test.pt ] || python3 "$G/shared/baselines/prep_cifar.py" \
-        "$G/shared/datasets/cifar10-jpeg.tar.gz" /tmp/gpu-cifar-pt >"$out/prep.log" 2>&1
-    note $?
-    root=$(python3 "$G/cifar_fixture.py" "$G/shared" 50000 2>>"$out/prep.log")
-    note $?
-    cifar="$root/python-50000/cifar-10-batches-py"
-    if [ "$1" = fast ]; then
-        timeout 500 python3 bench/vs_airbench.py --baselines "$G/shared/baselines" --airbench "$G/airbench-0.1.8" \
-            --cifar-python "$cifar" --cifar-pt /tmp/gpu-cifar-pt --runs 3 >"$out/vs_airbench.log" 2>&1
-        note $?
-        tail -n 12 "$out/vs_airbench.log"
-        exit "$rc"
-    fi
-    timeout 300 python3 bench/vs_tutorials.py --device cuda --baselines "$G/shared/baselines" --repeats 2 \
-        --cifar-epochs 10 --cifar-python "$cifar" --cifar-pt /tmp/gpu-cifar-pt >"$out/vs_tutorials.log" 2>&1
-    note $?
-    timeout 120 python3 -m job bench --config iris --devices cpu,cuda >"$out/bench.log" 2>&1
-    note $?
-    timeout 100 python3 -m job bench --config cifar10 --devices cuda --epochs 3 --set "data.path=$cifar" \
-        >>"$out/bench.log" 2>&1
-    note $?
-    tail -n 12 "$out/vs_tutorials.log" "$out/bench.log"
-    exit "$rc"
-    ;;
-stream)
-    install
-    timeout 560 python3 bench/stream_gpu.py "$G/shared/datasets/cifar10-jpeg.tar.gz" --images 20000 \
-        >"$out/stream_gpu.log" 2>&1
-    note $?
-    tail -n 8 "$out/stream_gpu.log"
-    exit "$rc"
-    ;;
-predict)
-    install
-    timeout 500 python3 bench/predict_gpu.py "$G/shared/datasets/cifar10-jpeg.tar.gz" >"$out/predict_gpu.log" 2>&1
-    note $?
-    tail -n 6 "$out/predict_gpu.log"
+all)
+    end=$((SECONDS + ${2:-570}))
+    for part in tests fast bench stream predict; do
+        echo "== $part ($((end - SECONDS)) s left)"
+        if [ "$(limit 100000)" -lt 30 ]; then
+            echo "$part: not started, $((end - SECONDS)) s left" >>"$out/skipped.txt"
+            continue
+        fi
+        "$part"
+    done
     exit "$rc"
     ;;
 *)
-    sed -n '2,22p' "$0"
+    sed -n '2,25p' "$0"
     exit 2
     ;;
 esac
