@@ -93,6 +93,8 @@ def cpu_quotas(root: Path, own: str) -> list[float]:
         return []
     found = []
     for line in lines:
+        if line.count(":") < 2:  # not hierarchy:controllers:path
+            continue
         _, controllers, path = line.split(":", 2)
         if controllers and "cpu" not in controllers.split(","):
             continue

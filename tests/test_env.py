@@ -125,7 +125,7 @@ def cgroup_tree(tmp_path, v2: bool, quotas: dict[str, str]) -> tuple[str, str]:
             (folder / "cpu.cfs_quota_us").write_text(f"{quota}\n")
             (folder / "cpu.cfs_period_us").write_text("100000\n")
     own = tmp_path / "self-cgroup"
-    own.write_text("0::/job/run\n" if v2 else "12:memory:/job/run\n4:cpu,cpuacct:/job/run\n1:name=systemd:/\n")
+    own.write_text("0::/job/run\n" if v2 else "12:memory:/job/run\n4:cpu,cpuacct:/job/run\n1:name=systemd:/\n\n")
     return str(root), str(own)
 
 
