@@ -171,20 +171,25 @@ def evaluate(
 @app.command()
 def predict(
     inputs: list[str] = typer.Argument(
-        ..., help="Images: files, folders (recursive), glob patterns, .tar/.tar.gz archives, at any URL."
+        ...,
+        metavar="INPUT",
+        help="Images: files, folders (recursive), glob patterns, .tar/.tar.gz archives, folders of shards, "
+        "manifests (.csv/.jsonl with a path column), at any URL; for a model of a table, CSV tables.",
     ),
     model: str = typer.Option(..., "--model", "-m", help="A run folder, its model.pt, or a checkpoint, at any URL."),
     output: str = typer.Option("", "--output", "-o", help="A .csv or .jsonl file at any URL; default: CSV on stdout."),
     top_k: int = typer.Option(1, "--top-k", min=1, help="Labels and probabilities per image."),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="Images per batch."),
-    device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
+    device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N, mps."),
     nproc_per_node: int = typer.Option(
         1, "--nproc-per-node", min=1, help="Processes on this machine, each predicting its part (<output>.part-i-of-n)."
     ),
     decode: str = typer.Option(
         "auto",
         "--decode",
-        help="Where images are decoded: host (processes), device (JPEG images by a CUDA device's nvJPEG); auto: host.",
+        metavar="auto|host|device",
+        help="Where images are decoded: host (processes), or device: JPEG images by the CUDA device's nvJPEG, other "
+        "formats on the host; auto: host.",
     ),
 ) -> None:
     """Labels and probabilities for new images from a trained model, preprocessed as its evaluation was; a file that

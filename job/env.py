@@ -183,7 +183,8 @@ def format_info(report: dict[str, Any]) -> str:
     usable = f" ({report['cpus_usable']} usable here)" if report["cpus_usable"] != report["cpu_count"] else ""
     lines = [
         f"python {report['python']}, torch {report['torch']}, built for CUDA {report['cuda_version'] or '-'}",
-        f"CPU: {report['cpu_count']} cores{usable}, torch uses {report['torch_threads']} threads; "
+        f"CPU: {report['cpu_count']} cores{usable}, torch uses {report['torch_threads']} "
+        f"thread{'s' if report['torch_threads'] != 1 else ''}; "
         f"/dev/shm {report['shm_gib'] if report['shm_gib'] is not None else '?'} GiB",
     ]
     if report["cuda_available"]:

@@ -115,7 +115,7 @@ def image_fault(data: bytes, e: Exception) -> str:
         heic = not HEIF and data[4:12] in (b"ftypheic", b"ftypheix", b"ftypmif1", b"ftypmsf1")
         if heic:
             return "a HEIC photo: install pillow-heif to read it"
-        return f"not an image file ({SUFFIXES.replace('|', ', ')})"
+        return f"not an image file, or a damaged one (images read: {SUFFIXES.replace('|', ', ')})"
     if "truncated" in str(e).lower():
         return "truncated: the file ends before the image does"
     return one_line(e)
