@@ -61,6 +61,13 @@ class Passed:
     worst: torch.Tensor  # places of the WORST highest losses among the counted samples, highest first
     pictures: torch.Tensor | None  # the inputs at those places (None: a table, or no sample counted)
 
+    def totals(self) -> tuple[float, int, int]:
+        """The sum of the counted samples' losses, how many were right, and how many were counted (test_sums'
+        first three, from the same pass)."""
+        counted = self.labels != IGNORED
+        right = (self.predicted == self.labels) & counted
+        return float(self.losses[counted].double().sum()), int(right.sum()), int(counted.sum())
+
 
 @torch.no_grad()
 def per_sample(model, loader, amp, stats=None) -> Passed:

@@ -197,15 +197,17 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     from job.data.loader import BatchLoader
 
     loader = BatchLoader(data.split(split), 256, device, torch.device("cpu"), mean=p.mean, std=p.std, view=p.view)
-    loss_sum, correct, counted = test_sums(p.model, loader, contextlib.nullcontext).tolist()  # fp32
     split = "all" if split == "train" else split  # class folders with no split: every image scored
-    if report:
+    if report:  # one pass: the report's per-sample losses and predictions give the totals too
         from job import diagnostics
 
         stats = (p.mean.flatten().cpu(), p.std.flatten().cpu()) if p.mean is not None else (None, None)
         scored = diagnostics.per_sample(p.model, loader, contextlib.nullcontext, stats)
         diagnostics.write(lambda name, data: put_file(f"{report.rstrip('/')}/{split}/{name}", data), scored, split,
                           p.classes)  # fmt: skip
+        loss_sum, correct, counted = scored.totals()
+    else:
+        loss_sum, correct, counted = test_sums(p.model, loader, contextlib.nullcontext).tolist()  # fp32
     return {
         "model": model_url,
         "data": data_path,

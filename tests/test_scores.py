@@ -368,6 +368,12 @@ def test_evaluate_reports_on_any_labelled_data(tmp_path):
     with open(rep / "all" / "classes.csv", newline="") as f:
         assert sum(int(r["support"]) for r in csv.DictReader(f)) == 12
     assert (rep / "all" / "worst.png").stat().st_size > 0
+    from job.evaluate import evaluate_on
+
+    alone = evaluate_on(str(tmp_path / "run"), str(new), "cpu")  # the loss and accuracy of the report's own pass
+    reported = evaluate_on(str(tmp_path / "run"), str(new), "cpu", str(tmp_path / "rep2"))
+    assert alone["samples"] == reported["samples"] == 12 and alone["all_accuracy"] == reported["all_accuracy"]
+    assert abs(alone["all_loss"] - reported["all_loss"]) < 1e-5 * max(1.0, alone["all_loss"])
 
 
 def test_samples_without_names_are_named_by_their_place_in_the_split_across_processes():
