@@ -155,6 +155,8 @@ def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_and_says_why(tmp_pat
         "model.name=hostread:Net",
         "--set",
         "train.epochs=2000",
+        "--set",
+        "train.step_capture=on",  # a model of one's own is captured when asked (auto: eager, and says why)
         "--output",
         str(tmp_path / "run"),
         env={"PYTHONPATH": str(tmp_path)},
@@ -194,6 +196,7 @@ def test_a_capture_that_fails_where_the_probe_cannot_see_it_falls_back_to_eager_
     name = model_failing_at_capture(tmp_path, "oncecaptured", act)
     out = tmp_path / "run"
     args = ["--device", "cuda", "--set", f"model.name={name}", "--set", "train.epochs=2000"]
+    args += ["--set", "train.step_capture=on"]  # a model of one's own is captured when asked
     r = run_job("train", *args, "--output", str(out), env={"PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "could not be captured as a CUDA graph" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
@@ -209,7 +212,7 @@ def test_after_a_failed_capture_the_allocator_is_whole_and_memory_stays_flat(tmp
     cfg = load_config("iris", [f"model.name={name}"])
     r = recipe.build(cfg, CUDA, load_data(cfg.data, tmp_path / "cache", say))
     log = LossLog(CUDA, 10)
-    step = build_step(r, log.sums, plan_step(step_facts(r, "auto", 1e9)))
+    step = build_step(r, log.sums, plan_step(step_facts(r, "on", 1e9, own_model=True)))
     assert isinstance(step, CudaGraphStep)
     batch = next(iter(r.train.batches(0)))
     for _ in range(5):  # three warm-up steps, the capture that fails, an eager step
