@@ -421,7 +421,7 @@ def test_predict_decoding_on_the_device_labels_as_the_host_decoder_does(tmp_path
     new.mkdir()
     from PIL import Image, ImageOps
 
-    for i, p in enumerate(sorted(photos.rglob("IMG_0*.jpg"))[:40]):
+    for i, p in enumerate(sorted(photos.rglob("IMG_0*"))[:40]):  # .JPG and .jpeg, as phones name them
         turned = ImageOps.exif_transpose(Image.open(p)).convert("RGB") if i % 2 else None
         (new / f"{i:03d}.jpg").write_bytes(turned_jpeg(turned, 6) if turned is not None else p.read_bytes())
     (new / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut")
