@@ -52,7 +52,8 @@ def bound(run: Path, files: list[Path], batch: int, device: torch.device) -> flo
     with torch.no_grad():
         for x in held[:2]:  # warm-up: cuDNN picks its kernels
             p.model(to_float(x, torch.contiguous_format, p.mean, p.std, p.view)).argmax(1)
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         labels = [p.model(to_float(x, torch.contiguous_format, p.mean, p.std, p.view)).argmax(1) for x in held]
         torch.cat(labels).cpu()

@@ -410,8 +410,9 @@ def waits_reported() -> Iterator[list[str]]:
         if threading.get_ident() == me:  # where in the user's code: the op's Python line
             found.append(f"{one_line(str(message))} at {os.path.basename(filename)}:{lineno}")
 
-    warnings.filterwarnings("always", f".*{SYNC_WARNING}")  # every wait, also one seen before at the same line
-    rule = ("always", re.compile(f".*{SYNC_WARNING}", re.I), Warning, None, 0)  # as filterwarnings made it
+    pattern = f".*{SYNC_WARNING}"
+    warnings.filterwarnings("always", pattern)  # every wait, also one seen before at the same line
+    rule = ("always", re.compile(pattern, re.I), Warning, None, 0)  # as filterwarnings made it
     warnings.showwarning = show
     try:
         yield found
