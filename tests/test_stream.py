@@ -15,6 +15,7 @@ from conftest import encode, invoke, pattern_images, sets, stopping_model, write
 from job import evaluate
 from job.data.sample_stream import Part, SampleStream, saved
 from job.data.shards import open_shards, read_range
+from job.data.split import HoldOut, Roles
 from job.data.stream import Decoder, StreamLoader, sample_images
 from job.errors import DataError
 
@@ -44,8 +45,11 @@ def uneven(tmp_path_factory) -> Path:
     return wds_shards(tmp_path_factory.mktemp("wds"), [23, 5, 4, 3, 2], [9, 4])
 
 
-def splits(root: Path, cache: Path | None = None):
-    return open_shards(str(root), cache, lambda line: None).splits
+def splits(root: Path, cache: Path | None = None, hold: HoldOut | None = None):
+    return open_shards(str(root), cache, lambda line: None, hold).splits
+
+
+CARVED = HoldOut(0.3, 0.0, 42)  # val held out of train/ by each sample's key: shards from other tools have no val/
 
 
 def pixels(x: torch.Tensor) -> list[bytes]:
@@ -94,8 +98,9 @@ def test_every_sample_once_across_any_group_with_padding_weighed_zero(uneven, wo
 
 
 @pytest.mark.parametrize("world", [3, 7])
-def test_a_stream_resumes_exactly_from_any_step_the_padded_stretch_included(uneven, world):
-    shards = splits(uneven)["train"]
+@pytest.mark.parametrize("hold", [None, CARVED])
+def test_a_stream_resumes_exactly_from_any_step_the_padded_stretch_included(uneven, world, hold):
+    shards = splits(uneven, None, hold)["train"]
 
     def loader(rank: int) -> StreamLoader:
         return StreamLoader(
@@ -126,6 +131,80 @@ def test_a_stream_resumes_exactly_from_any_step_the_padded_stretch_included(unev
             assert len(rest) == len(run) - cut, (rank, cut)
             for a, b in zip(run[cut:], rest):
                 assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y) and (a.weight, a.own) == (b.weight, b.own)
+
+
+def keys(batches) -> list[str]:
+    return [name.rpartition(".tar:")[2] for b in batches for name in b.names]
+
+
+def test_shards_with_no_val_hold_val_out_of_train_by_key_streamed_held_and_on_any_group(uneven, tmp_path):
+    """Shards from another tool hold train/ and test/ but no val/: data.val_split of train/'s samples is held out
+    for val, each by a hash of its key and data.split_seed (as a folder's files are by their path), the same
+    samples whether streamed on any number of processes or held in memory; counted once, the count cached."""
+    from job.config import DataConfig
+    from job.data.read import load_data
+
+    every = [s.key for s in SampleStream([Part(s.url, s.samples) for s in splits(uneven)["train"]], 0, (0,))]
+    roles = Roles(42, 0.3, 0.0)
+    val = sorted(k for k in every if roles(k) == "val")
+    train = sorted(k for k in every if roles(k) == "train")
+    assert 4 <= len(val) <= 20 and len(val) + len(train) == 37
+    said: list[str] = []
+    carved = open_shards(str(uneven), tmp_path, said.append, CARVED)
+    assert carved.samples("val") == len(val) and carved.samples("train") == len(train) and carved.samples("test") == 13
+    assert any("held out for val" in line for line in said), said
+    for split, expected in (("train", train), ("val", val)):
+        for world in (1, 3, 7):  # 7 processes share the 5 shards sample by sample
+            shards = carved.splits[split]
+            loaders = [StreamLoader(shards, 2 * world, CPU, Decoder(0, None), rank=r, world=world) for r in range(world)]
+            seen = [k for loader in loaders for k in keys(loader.batches())]
+            assert sorted(seen) == expected, (split, world)
+    again: list[str] = []
+    assert open_shards(str(uneven), tmp_path, again.append, CARVED).splits == carved.splits
+    assert not any("counted" in line for line in again), again  # the cache's counts
+    other = open_shards(str(uneven), tmp_path, print, HoldOut(0.3, 0.0, 7)).splits["val"]
+    assert sorted(keys(StreamLoader(other, 64, CPU, Decoder(0, None)).batches())) != val
+    cfg = DataConfig(kind="shards", path=str(uneven), placement="host", val_split=0.3)
+    held = load_data(cfg, tmp_path, print)
+    assert sorted(n.rpartition(".tar:")[2] for n in held.val.names) == val
+    assert sorted(n.rpartition(".tar:")[2] for n in held.train.names) == train
+    inventory = held.inventory
+    assert sorted(n.rpartition(".tar:")[2] for n in inventory.held_out["val"]) == val
+    assert sum(inventory.counts["val"].values()) == len(val) and sum(inventory.counts["train"].values()) == len(train)
+    streamed = load_data(cfg.model_copy(update={"placement": "stream"}), tmp_path, print)
+    assert streamed.inventory.digest() == inventory.digest()
+    untouched = load_data(cfg.model_copy(update={"val_split": 0.0}), tmp_path, print)
+    assert untouched.val is None and untouched.inventory is None and len(untouched.train) == 37
+
+
+def test_a_run_on_shards_with_no_val_chooses_on_the_val_it_held_out_and_resumes_exactly(uneven, tmp_path):
+    """Streamed, stopped mid-epoch and resumed: the same run as one that never stopped, its evaluations on the val
+    held out of train/, its data.json naming those samples."""
+    from conftest import assert_same_run, metrics, run_job
+
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    args = [
+        "train",
+        *STREAM,
+        *sets(f"data.path={uneven}", "model.name=stopper:Net", "train.epochs=2", "data.batch_size=6"),
+        *sets("data.val_split=0.3", "train.step_capture=off", "data.shuffle_buffer=5", "train.log_every_steps=2"),
+    ]
+    env = {"PYTHONPATH": str(tmp_path)}
+    ref = run_job(*args, "--output", str(tmp_path / "ref"), env=env)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert "held out for val" in ref.stderr and "evaluations report test" not in ref.stderr, ref.stderr[-3000:]
+    out = str(tmp_path / "cut")
+    stopped = run_job(*args, "--output", out, env={**env, "STOP_AT_STEP": "6"})
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    again = run_job(*args, "--output", out, env=env)
+    assert again.returncode == 0 and "steps into epoch 2" in again.stderr, again.stderr[-3000:]
+    assert_same_run(str(tmp_path / "ref"), out)
+    last = metrics(out)[-1]
+    assert "val_accuracy" in last and "test_accuracy" in last, last
+    data = json.loads((tmp_path / "cut" / "data.json").read_text())
+    roles = Roles(42, 0.3, 0.0)
+    held = sorted(n.rpartition(".tar:")[2] for n in data["held_out"]["val"])
+    assert held and all(roles(k) == "val" for k in held) and data["splits"]["val"]["images"] == len(held)
 
 
 def test_evaluation_on_several_processes_counts_each_sample_once(uneven):

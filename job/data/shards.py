@@ -4,7 +4,8 @@
 A sample is the run of consecutive tar members sharing a key, the member's path up to the first dot of its file
 name: `<key>.jpg|jpeg|png|webp|heic|...` (job/data/split.py's suffixes) holds the image and `<key>.cls` its class
 index as text. Shards written by other tools in this convention load; without an index, each shard's samples are
-counted once and the count is cached.
+counted once and the count is cached. Where such shards hold no val/ (test/), the share data.val_split
+(data.test_split) of train/'s samples is that split, each sample by a hash of its key (open_shards, Carve).
 
 Members are read by a small tar reader of our own: tarfile spends about 34 us a member (TarInfo objects,
 checksums), this one about 2 us, which for a CIFAR-size epoch is 0.2 s of the training process's time, not 3 s.
@@ -23,13 +24,14 @@ import hashlib
 import json
 import tarfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from job.cloud import describe_storage_error, filesystem
 from job.data.files import Log, resolve
-from job.data.split import IMAGE_SUFFIXES
+from job.data.split import IMAGE_SUFFIXES, HoldOut, Inventory, Roles, count
 from job.errors import DataError, StorageError, one_line
 from job.sync import write_atomic
 
@@ -39,15 +41,30 @@ INDEX = "index.json"
 CLASSES = "classes.txt"
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
+COUNTS = "tallies 2"  # the counts cache's format: an earlier one's files are counted again
 READ_RETRIES = 5  # a read that fails mid-shard is retried from where it stopped this many times
+
+
+@dataclass(frozen=True)
+class Carve:
+    """A split held out of train/'s shards by key: the samples of a shard whose key job/data/split.py's Roles of
+    `hold` sends to `role`."""
+
+    role: str
+    hold: HoldOut
+
+    def roles(self) -> Roles:
+        return Roles(self.hold.seed, self.hold.val, self.hold.test)
 
 
 @dataclass(frozen=True)
 class Shard:
     url: str
-    samples: int
+    samples: int  # the split's samples in it: all of them, unless carved
     size: int  # bytes
     top_label: int = -1  # the largest class index in it, when counted (classes.txt or the index name the classes)
+    carve: Carve | None = None  # the split takes the samples of this role alone
+    stored: int = -1  # with carve: every sample in the file, which reading it is checked against
 
 
 @dataclass
@@ -285,9 +302,12 @@ class ShardSet:
         return sum(s.samples for s in self.splits.get(split, []))
 
 
-def open_shards(url: str, cache: Path | None, log: Log) -> ShardSet:
+def open_shards(url: str, cache: Path | None, log: Log, hold: HoldOut | None = None) -> ShardSet:
     """The shard folder at `url`: its index when it has one, else its listing with each shard counted once (the
-    count cached in `cache` under the listing's names, sizes and versions)."""
+    count cached in `cache` under the listing's names, sizes and versions). `hold`: the shares of train/'s samples
+    held out for val (and test) where the folder has no val/ (test/) and no split of job shard's record: shards from
+    other tools. A sample's split is then a hash of its key and the seed (job/data/split.py), as a folder's file's
+    is of its path: the same samples however the data is read, and a run's data.json names them."""
     fs, path = resolve(url)
     root = url.rstrip("/")
     index = read_json(fs, f"{path.rstrip('/')}/{INDEX}", url)
@@ -306,19 +326,70 @@ def open_shards(url: str, cache: Path | None, log: Log) -> ShardSet:
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"{url}/{INDEX}: not a shard index ({one_line(e)})") from None
         check_listed(fs, [s for split in SPLITS for s in splits[split]], root)
+        carve = carving(splits, inventory, hold)
+        listed = [(s.url, s.size, str(s.samples)) for s in splits["train"]]
+        tallied = {"train": counted(listed, root, "train", cache, log, carve)} if carve is not None else {}
     else:
-        splits = {s: count_split(fs, path, root, s, cache, log) for s in SPLITS}
+        listings = {s: listing(fs, path, root, s) for s in SPLITS}
+        carve = carving(listings, None, hold)
+        tallied = {s: counted(listings[s], root, s, cache, log, carve if s == "train" else None) for s in SPLITS}
+        splits = {
+            s: [Shard(u, t.samples, size, t.top) for (u, size, _), t in zip(listings[s], tallied[s])] for s in SPLITS
+        }
         classes, sizes, inventory = [], [], None
     if not splits["train"]:
         raise DataError(f"{url}: no train/*.tar shards")
-    if not splits["val"] and not splits["test"]:
-        raise DataError(f"{url}: no test/*.tar (or val/*.tar) shards")
+    if not splits["val"] and not splits["test"] and carve is None:
+        raise DataError(f"{url}: no test/*.tar (or val/*.tar) shards, and data.val_split holds none out of train/")
     names = read_text(fs, f"{path.rstrip('/')}/{CLASSES}", url)
     if names is not None:
         classes = [line.strip() for line in names.splitlines() if line.strip()]
     if not classes:  # neither file names them: classes 0..the largest index seen
         classes = [str(c) for c in range(1 + max(s.top_label for split in SPLITS for s in splits[split]))]
+    if carve is not None:
+        splits, inventory = carved(splits, tallied, carve, classes, root)
+        total = sum(t.samples for t in tallied["train"])
+        for role, share in (("val", carve.val), ("test", carve.test)):
+            if share:
+                log(
+                    f"data: {url} has no {role}/ shards: {sum(s.samples for s in splits[role])} of train/'s {total} "
+                    f"samples held out for {role} (data.{role}_split {share:g}, by a hash of each sample's key and "
+                    "data.split_seed)"
+                )
     return ShardSet(url, splits, classes, sizes, inventory)
+
+
+def carving(splits: dict[str, list], inventory: dict | None, hold: HoldOut | None) -> HoldOut | None:
+    """The shares of train/ held out for the splits the shards lack, where they record no split of their own."""
+    if hold is None or inventory is not None:
+        return None
+    val, test = (hold.val if not splits["val"] else 0.0), (hold.test if not splits["test"] else 0.0)
+    return HoldOut(val, test, hold.seed) if val or test else None
+
+
+def carved(
+    splits: dict[str, list[Shard]], tallied: dict[str, list[Tally]], carve: HoldOut, classes: list[str], root: str
+) -> tuple[dict[str, list[Shard]], dict]:
+    """The splits with val (and test) taken out of train/'s shards by key, and the split's record (data.json)."""
+    out: dict[str, list[Shard]] = {"train": [], "val": list(splits["val"]), "test": list(splits["test"])}
+    per_label: dict[str, Counter] = {role: Counter() for role in SPLITS}
+    held_out: dict[str, list[str]] = {"val": [], "test": []}
+    for shard, tally in zip(splits["train"], tallied["train"]):
+        name = shard.url[len(root) + 1 :]
+        for role, labels in tally.labels.items():
+            per_label[role].update(labels)
+            if labels:
+                top = max(labels)
+                out[role].append(
+                    Shard(shard.url, sum(labels.values()), shard.size, top, Carve(role, carve), shard.samples)
+                )
+        for role, keys in tally.held.items():
+            held_out[role] += [f"{name}:{key}" for key in keys]
+    for role in ("val", "test"):  # the splits the shards have, by class where they were counted
+        for tally in tallied.get(role, []):
+            per_label[role].update(tally.labels[role])
+    counts = {role: count(per_label[role], classes) for role in SPLITS if per_label[role]}
+    return out, Inventory(classes, counts, held_out, []).to_json()
 
 
 def check_listed(fs, shards: list[Shard], root: str) -> None:
@@ -364,52 +435,90 @@ def read_text(fs, path: str, url: str) -> str | None:
         raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
 
 
-def read_counts(kept: Path | None, shards: int) -> tuple[list[int], list[int]] | None:
+@dataclass
+class Tally:
+    """One shard read through: its samples, its largest class index, its samples by split and class (the split
+    the shard is in, or by key where train/ is carved), and the keys it holds out of train."""
+
+    samples: int
+    top: int
+    labels: dict[str, Counter]
+    held: dict[str, list[str]]
+
+    def to_json(self) -> list:
+        return [self.samples, self.top, {r: sorted(c.items()) for r, c in self.labels.items()}, self.held]
+
+    @classmethod
+    def from_json(cls, d: list) -> Tally:
+        samples, top, labels, held = d
+        return cls(int(samples), int(top), {r: Counter(dict(map(tuple, c))) for r, c in labels.items()}, held)
+
+
+def tally(url: str, split: str, carve: HoldOut | None) -> Tally:
+    """Read one shard through, its samples sorted by key where `carve` holds some out (job/data/split.py's Roles)."""
+    roles = Roles(carve.seed, carve.val, carve.test) if carve is not None else None
+    labels: dict[str, Counter] = {split: Counter()}
+    held: dict[str, list[str]] = {}
+    f = ShardFile(url)
+    try:
+        for sample in samples(f, 0, url):
+            role = roles(sample.key) if roles is not None else split
+            labels.setdefault(role, Counter())[sample.label()] += 1
+            if role != split:
+                held.setdefault(role, []).append(sample.key)
+    finally:
+        f.close()
+    every = [label for c in labels.values() for label in c]
+    return Tally(sum(sum(c.values()) for c in labels.values()), max(every, default=-1), labels, held)
+
+
+def listing(fs, path: str, root: str, split: str) -> list[tuple[str, int, str]]:
+    """A split's shards in name order, each as (URL, size, version)."""
+    try:
+        found = fs.find(f"{path.rstrip('/')}/{split}", maxdepth=1, detail=True)
+    except Exception as e:
+        raise StorageError(f"cannot list the data: {describe_storage_error(root, e)}") from None
+    tars = sorted((p, info) for p, info in found.items() if p.endswith(".tar"))
+    return [
+        (
+            f"{root}/{split}/{p.rsplit('/', 1)[-1]}",
+            int(info.get("size") or 0),
+            str(info.get("generation") or info.get("mtime")),
+        )
+        for p, info in tars
+    ]
+
+
+def counted(
+    shards: list[tuple[str, int, str]], root: str, split: str, cache: Path | None, log: Log, carve: HoldOut | None
+) -> list[Tally]:
+    """Each of a split's shards (URL, size, version) read through once (tally), kept in `cache` under their names,
+    sizes, versions and the shares carved."""
+    if not shards:
+        return []
+    described = "\n".join(f"{u.rsplit('/', 1)[-1]} {size} {version}" for u, size, version in shards)
+    key = hashlib.sha256(f"{COUNTS}\n{root}\n{split}\n{described}\n{carve}".encode()).hexdigest()[:32]
+    kept = cache / "shard-counts" / f"{key}.json" if cache is not None else None
+    tallies = read_tallies(kept, len(shards))
+    if tallies is None:
+        t0 = time.perf_counter()
+        tallies = [tally(u, split, carve) for u, _, _ in shards]
+        took = time.perf_counter() - t0
+        log(f"data: counted {sum(t.samples for t in tallies)} {split} samples in {len(shards)} shards in {took:.1f} s")
+        if kept is not None:
+            with contextlib.suppress(OSError):  # a read-only cache: count again next time
+                text = json.dumps([t.to_json() for t in tallies])
+                write_atomic(kept, text.encode())  # whole: a group's others may read it
+    return tallies
+
+
+def read_tallies(kept: Path | None, shards: int) -> list[Tally] | None:
     """The counts cache of a split's shards, or None where there is none or it cannot be used (an earlier
-    version's write cut short, or a file still being written when writes were not atomic): counted again."""
+    version's, or a write cut short): counted again."""
     if kept is None or not kept.is_file():
         return None
     try:
-        counts, labels = json.loads(kept.read_text())
-    except (OSError, ValueError, TypeError):
+        tallies = [Tally.from_json(d) for d in json.loads(kept.read_text())]
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
-    if len(counts) != shards or len(labels) != shards:
-        return None
-    return counts, labels
-
-
-def count_split(fs, path: str, root: str, split: str, cache: Path | None, log: Log) -> list[Shard]:
-    """A split's shards with their samples counted by reading them once; the counts kept in `cache`."""
-    try:
-        listing = fs.find(f"{path.rstrip('/')}/{split}", maxdepth=1, detail=True)
-    except Exception as e:
-        raise StorageError(f"cannot list the data: {describe_storage_error(root, e)}") from None
-    tars = sorted((p, info) for p, info in listing.items() if p.endswith(".tar"))
-    if not tars:
-        return []
-    described = "\n".join(f"{p} {info.get('size')} {info.get('generation') or info.get('mtime')}" for p, info in tars)
-    key = hashlib.sha256(f"{root}\n{described}".encode()).hexdigest()[:32]
-    kept = cache / "shard-counts" / f"{key}.json" if cache is not None else None
-    counted = read_counts(kept, len(tars))
-    if counted is not None:
-        counts, labels = counted
-    else:
-        t0 = time.perf_counter()
-        counts, labels = [], []
-        for p, _ in tars:
-            url = f"{root}/{split}/{p.rsplit('/', 1)[-1]}"
-            f = ShardFile(url)
-            try:
-                found = [s.label() for s in samples(f, 0, url)]
-            finally:
-                f.close()
-            counts.append(len(found))
-            labels.append(max(found, default=-1))
-        log(f"data: counted {sum(counts)} {split} samples in {len(tars)} shards in {time.perf_counter() - t0:.1f} s")
-        if kept is not None:
-            with contextlib.suppress(OSError):  # a read-only cache: count again next time
-                write_atomic(kept, json.dumps([counts, labels]).encode())  # whole: a group's others may read it
-    return [
-        Shard(f"{root}/{split}/{p.rsplit('/', 1)[-1]}", n, int(info.get("size") or 0), top)
-        for (p, info), n, top in zip(tars, counts, labels)
-    ]
+    return tallies if len(tallies) == shards else None

@@ -206,6 +206,7 @@ class Inventory:
         return out
 
 
-def count(labels: list[int], classes: list[str]) -> dict[str, int]:
+def count(labels: list[int] | Counter, classes: list[str]) -> dict[str, int]:
+    """Images per class name, from class indices (or their counts)."""
     tally = Counter(labels)
     return {c: tally.get(i, 0) for i, c in enumerate(classes)}

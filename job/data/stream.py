@@ -42,7 +42,7 @@ from job.data.decode import IGNORED, Decoder, DeviceDecoder, decode, decoded, de
 from job.data.placement import Streaming, decide_streaming
 from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved
 from job.data.shards import SPLITS, Sample, Shard, ShardFile, ShardSet, open_shards, samples
-from job.data.split import Inventory
+from job.data.split import HoldOut, Inventory
 from job.errors import CheckpointError, ConfigError, DataError
 
 
@@ -54,7 +54,7 @@ def deal(shards: list[Shard], world: int) -> list[list[Part]]:
         base = 0
         for s in shards:
             for r in range(world):
-                part = Part(s.url, s.samples, (r - base) % world, world)
+                part = Part.of(s, (r - base) % world, world)
                 if part.taken:
                     hands[r].append(part)
             base += s.samples
@@ -65,7 +65,7 @@ def deal(shards: list[Shard], world: int) -> list[list[Part]]:
         r = min(range(world), key=lambda r: (totals[r], r))
         whole[r].append(i)
         totals[r] += shards[i].samples
-    return [[Part(shards[i].url, shards[i].samples) for i in sorted(h)] for h in whole]
+    return [[Part.of(shards[i]) for i in sorted(h)] for h in whole]
 
 
 @dataclass
@@ -198,7 +198,10 @@ class StreamLoader:
     def digest(self, epoch: int) -> str:
         """What a saved place refers to: this process's parts of the shards in the epoch's order, by file name and
         sample count (a data set moved elsewhere keeps them)."""
-        named = "\n".join(f"{p.url.rsplit('/', 1)[-1]} {p.samples} {p.first} {p.step}" for p in self.parts(epoch))
+        named = "\n".join(
+            f"{p.url.rsplit('/', 1)[-1]} {p.samples} {p.first} {p.step}" + (f" {p.carve} {p.kept}" if p.carve else "")
+            for p in self.parts(epoch)
+        )
         return hashlib.sha256(named.encode()).hexdigest()[:16]
 
     def position(self) -> dict:
@@ -381,18 +384,13 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
     """The shard data set at cfg.path: streamed (placement stream, or auto when decoded it would not fit in
     device_share of free host memory, or as the run being resumed did), else decoded whole into memory like any
     other data set."""
-    shards = open_shards(cfg.path, cache, log)
+    shards = open_shards(cfg.path, cache, log, HoldOut.of(cfg))
     shape = image_shape(cfg, shards)
 
     def decoded() -> int:
         return sum(shards.samples(s) for s in SPLITS) * int(np.prod(shape))
 
     choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)
-    if cfg.val_split and not shards.splits["val"] and shards.inventory is None:
-        log(
-            f"data: {cfg.path} has no val/ shards: evaluations report test (data.val_split holds val out when a "
-            "folder is packed: `python -m job shard`, or data.placement=stream on the folder)"
-        )
     if choice.streamed:
         return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
     decoder = held_decoder(cfg)
@@ -443,7 +441,7 @@ def image_shape(cfg, shards: ShardSet) -> tuple[int, int, int]:
 
 def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
     """Every sample of the shards, in name order, decoded into memory."""
-    stream = iter(SampleStream([Part(s.url, s.samples) for s in shards], 0, (0,)))
+    stream = iter(SampleStream([Part.of(s) for s in shards], 0, (0,)))
     futures, labels, every = [], [], []
     while group := [s for _, s in zip(range(batch), stream)]:
         names = [f"{shards[s.shard].url}:{s.key}" for s in group]
@@ -470,7 +468,7 @@ def sample_images(shards: list[Shard], decoder: Decoder, n: int, seed: int) -> t
         if total >= 4 * n:
             break
     picked = set(torch.randperm(total, generator=g)[:n].tolist())  # drawn before reading: only n kept in memory
-    stream = SampleStream([Part(s.url, s.samples) for s in chosen], 0, (0,))
+    stream = SampleStream([Part.of(s) for s in chosen], 0, (0,))
     group = [sample for k, sample in enumerate(stream) if k in picked]
     marks = torch.zeros(len(group), dtype=torch.int64)
     images = decoded(decoder.submit([(s.key, *s.image()) for s in group]), (group[0].key, group[-1].key), marks)
