@@ -147,8 +147,8 @@ class DataConfig(Section):
     placement: Literal["auto", "device", "host", "stream"] = Field(
         "auto",
         description="Where the decoded data lives: on the training device (fast), in host memory, nowhere (stream: "
-        "shards are read and decoded as the run trains; an image folder or archive is packed into shards in the "
-        "job's cache first, once), or auto (shards and image folders stream when decoded they would not fit in "
+        "shards are read and decoded as the run trains; an image folder, archive or manifest is packed into shards in "
+        "the job's cache first, once), or auto (shards and image folders stream when decoded they would not fit in "
         "device_share of free host memory; data held in memory goes on the device when it fits in device_share of "
         "free device memory).",
     )

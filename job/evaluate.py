@@ -161,7 +161,7 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     images, preprocessed as its own evaluation was: class folders (every image), a folder of train/ val/ test/
     class folders (its test, else its val), a .tar/.tar.gz of either, or a manifest (.csv, .jsonl). `report`: a
     folder for its report (DIR/<split>/, job/diagnostics.py)."""
-    from job.data.files import read_entries
+    from job.data.files import is_manifest, read_entries
     from job.data.folder import Listing, held
     from job.data.split import HoldOut, sort_files
     from job.errors import DataError
@@ -174,7 +174,7 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     cfg = resolved(validate(raw))
     d = cfg.data.model_copy(update={"path": data_path, "val_split": 0.0, "test_split": None, "cache": False})
     lines: list[str] = []
-    if data_path.lower().endswith((".csv", ".jsonl", ".ndjson")):
+    if is_manifest(data_path):
         from job.data.manifest import load_manifest
 
         data = load_manifest(d.model_copy(update={"kind": "manifest"}), None, lines.append, p.classes)

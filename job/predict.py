@@ -34,7 +34,7 @@ from job.cloud import describe_storage_error, fetch_concurrency, filesystem
 from job.config import validate
 from job.data.augment import to_float
 from job.data.decode import Decoder, decoder_for
-from job.data.files import is_archive, iter_archive
+from job.data.files import is_archive, is_manifest, iter_archive
 from job.data.split import kind_of
 from job.errors import CheckpointError, ConfigError, DataError, StorageError, one_line
 from job.models import build_model
@@ -156,7 +156,7 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
                         found.append((f"{item.rstrip('/')}/{rel}", None))
             elif is_archive(path):
                 found.append((item, None))
-            elif path.lower().endswith((".csv", ".jsonl", ".ndjson")):
+            elif is_manifest(path):
                 found += manifest_paths(item)
             elif fs.exists(path):
                 found.append((item, item))

@@ -258,6 +258,82 @@ def test_a_manifest_of_paths_and_labels(tmp_path):
         assert [s["path"] for s in data.inventory.skipped] == ["photos/cats/gone.jpg"]
 
 
+def photo_manifest(tmp_path: Path) -> Path:
+    """labels.csv over photo_folder's images (columns file, kind, split): 9 rows marked test, a row naming a file that
+    is not there, and one naming by absolute path a photo stored under a name with no suffix."""
+    root = photo_folder(tmp_path / "photos")
+    blob = tmp_path / "elsewhere" / "d41d8cd98f00b204"
+    blob.parent.mkdir()
+    blob.write_bytes((root / "owls" / "IMG_001.JPG").read_bytes())
+    table = tmp_path / "labels.csv"
+    with open(table, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["file", "kind", "split"])
+        for k, name in enumerate(("cats", "dogs", "owls")):
+            for p in sorted((root / name).rglob("IMG_0*")):
+                w.writerow([p.relative_to(tmp_path).as_posix(), k, "test" if p.stem.endswith("7") else ""])
+        w.writerow(["photos/cats/gone.jpg", 0, ""])
+        w.writerow([str(blob), 2, "train"])
+    return table
+
+
+def test_a_manifest_packed_into_shards_splits_and_decodes_as_it_reads(tmp_path):
+    """`job shard labels.csv DST` packs a manifest's images, in the classes and splits its rows give (val held out by
+    the same hash of each path): read back from the shards, each split holds the same pixels as the manifest read
+    into memory; the missing file is skipped and named; a photo named with no suffix is stored under its format's."""
+    import tarfile
+
+    from job.data.manifest import load_manifest
+    from job.data.stream import load_shards
+
+    table = photo_manifest(tmp_path)
+    dst = tmp_path / "shards"
+    columns = ["--path-column", "file", "--label-column", "kind"]
+    code, err = invoke(["shard", str(table), str(dst), *columns, "--val-split", "0.2", "--samples-per-shard", "16"])
+    assert code == 0, err
+    index = json.loads((dst / "index.json").read_text())
+    assert index["classes"] == ["0", "1", "2"] and index["columns"]["path"] == "file"
+    assert [s["path"] for s in index["inventory"]["skipped"]] == ["photos/cats/gone.jpg"]
+    members = []
+    for shard in dst.glob("train/*.tar"):
+        with tarfile.open(shard) as tar:
+            members += tar.getnames()
+    assert sum(1 for m in members if not m.endswith(".cls")) == index["inventory"]["splits"]["train"]["images"]
+    assert all(m.rsplit(".", 1)[1] in ("jpg", "jpeg", "cls") for m in members), members[:4]
+    cfg = DataConfig(
+        kind="manifest", path=str(table), path_column="file", label_column="kind", val_split=0.2, image_size=24
+    )
+    held = load_manifest(cfg, None, lambda _: None)
+    packed = load_shards(cfg.model_copy(update={"kind": "shards", "path": str(dst), "placement": "host"}), None, print)
+    assert packed.inventory.held_out == held.inventory.held_out and len(packed.test) == 9
+    for split in ("train", "val", "test"):
+        a, b = held.split(split), packed.split(split)
+        assert sorted(zip(a.y.tolist(), map(bytes, a.x.numpy()))) == sorted(zip(b.y.tolist(), map(bytes, b.x.numpy())))
+    code, err = invoke(
+        ["shard", str(table), str(dst), "--path-column", "file", "--label-column", "split", "--val-split", "0.2"]
+    )
+    assert code == 2 and "--label-column kind" in err and "Traceback" not in err, err
+
+
+def test_a_manifest_streams_with_data_placement_stream(tmp_path):
+    """data.placement=stream on a manifest packs its images into the job's cache once and trains from the shards,
+    choosing on the val its rows hold out; a second run reads the same pack."""
+    table = photo_manifest(tmp_path)
+    over = sets(
+        "data.kind=manifest", f"data.path={table}", "data.path_column=file", "data.label_column=kind",
+        "data.val_split=0.2", "data.image_size=32", "data.placement=stream", "train.epochs=2", "data.batch_size=16",
+    )  # fmt: skip
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "a"), *over])
+    assert code == 0, err
+    assert "packing it into shards" in err and "streamed" in err and "skipped photos/cats/gone.jpg" in err, err
+    last = metrics(str(tmp_path / "a"))[-1]
+    assert "val_accuracy" in last and "test_accuracy" in last, last
+    data = json.loads((tmp_path / "a" / "data.json").read_text())
+    assert data["splits"]["test"]["images"] == 9 and [s["path"] for s in data["skipped"]] == ["photos/cats/gone.jpg"]
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "b"), *over])
+    assert code == 0 and "from its shards in" in err, err
+
+
 def test_balanced_class_weights(tmp_path):
     from job.data.dataset import Dataset, Split
     from job.recipe import CountedLoss, balanced_weights

@@ -156,7 +156,8 @@ def test_shards_with_no_val_hold_val_out_of_train_by_key_streamed_held_and_on_an
     for split, expected in (("train", train), ("val", val)):
         for world in (1, 3, 7):  # 7 processes share the 5 shards sample by sample
             shards = carved.splits[split]
-            loaders = [StreamLoader(shards, 2 * world, CPU, Decoder(0, None), rank=r, world=world) for r in range(world)]
+            batch = 2 * world
+            loaders = [StreamLoader(shards, batch, CPU, Decoder(0, None), rank=r, world=world) for r in range(world)]
             seen = [k for loader in loaders for k in keys(loader.batches())]
             assert sorted(seen) == expected, (split, world)
     again: list[str] = []

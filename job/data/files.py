@@ -29,6 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 from job.cloud import describe_storage_error, fetch_concurrency, filesystem, fuse_path
 from job.errors import DataError, StorageError, one_line
 
+MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson")
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FETCH_CHUNK = 2000  # files fetched concurrently per request batch (and held in memory at once)
 VERSION_KEYS = ("generation", "etag", "md5Hash", "ETag", "mtime", "LastModified", "created")
@@ -50,6 +51,11 @@ def resolve(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 def is_archive(path: str) -> bool:
     return path.lower().endswith(ARCHIVE_SUFFIXES)
+
+
+def is_manifest(path: str) -> bool:
+    """A table of image paths and labels (data.kind manifest), by its suffix."""
+    return path.lower().endswith(MANIFEST_SUFFIXES)
 
 
 def read_entries(

@@ -7,7 +7,8 @@ the file has it (train, val or valid, test; an empty cell is train). Rows with n
 for val and test by a hash of their path as written (job/data/split.py), as a folder's files are.
 
 Images under the manifest's folder are read through the folder reader's fetch and cache (one listing, concurrent
-requests, a local copy of remote data); others, by URL, one request each.
+requests, a local copy of remote data); others, by URL, one request each. `job shard` and data.placement=stream
+pack the same images, classes and splits into shards (job/data/pack.py), reading them one at a time (Images).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from job.cloud import describe_storage_error, filesystem
@@ -25,36 +28,24 @@ from job.data.split import SPLIT_FOLDERS, Files, HoldOut, Roles
 from job.errors import DataError, StorageError
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Which columns of a manifest hold an image's path, its label and (when there is one) its split."""
+
+    path: str = "path"
+    label: str = "label"
+    split: str = "split"
+
+    @classmethod
+    def of(cls, cfg) -> Columns:
+        return cls(cfg.path_column, cfg.label_column, cfg.split_column)
+
+
 def load_manifest(cfg, cache: Path | None, log: Log, classes: list[str] | None = None) -> Dataset:
     """The manifest's images in memory, split; `classes`: a trained model's (its images are scored, not trained on:
     every row is read, with no split required)."""
     url = cfg.path
-    rows = read_rows(url, read_bytes(url, cache, log))
-    if not rows:
-        raise DataError(f"{url}: no rows")
-    for column in (cfg.path_column, cfg.label_column):
-        if column not in rows[0]:
-            raise DataError(
-                f"{url}: no column '{column}' (columns: {', '.join(rows[0])}); set data.path_column and "
-                "data.label_column"
-            )
-    files, labels = Files(), []
-    hold = HoldOut.of(cfg)
-    role_of = Roles(hold.seed, hold.val, hold.test)
-    for n, row in enumerate(rows, start=1):
-        path, label = cell(row, cfg.path_column).removeprefix("./"), cell(row, cfg.label_column)
-        if not path or not label:
-            raise DataError(f"{url} row {n}: no {cfg.path_column if not path else cfg.label_column}")
-        written = cell(row, cfg.split_column).lower()
-        role = SPLIT_FOLDERS.get(written) if written else "train"
-        if role is None:
-            raise DataError(f"{url} row {n}: split '{written}': expected train, val or test")
-        if not written:
-            role = role_of(path)
-            if role != "train":
-                files.held_out[role].append(path)
-        files.roles[role].append((path, label))
-        labels.append(label)
+    files, labels = manifest_files(url, read_bytes(url, cache, log), Columns.of(cfg), HoldOut.of(cfg))
     scoring = classes is not None
     if classes is None:
         classes = class_order(labels, {label for _, label in files.roles["train"]})
@@ -65,6 +56,37 @@ def load_manifest(cfg, cache: Path | None, log: Log, classes: list[str] | None =
     for role in files.roles:  # a file that is not there is skipped and named, like one that cannot be decoded
         files.roles[role] = [(p, c) for p, c in files.roles[role] if p in content]
     return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped, scoring=scoring)
+
+
+def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tuple[Files, list[str]]:
+    """The manifest's rows as (path, label) per split, rows with no split of their own held out by a hash of their
+    path as written; and every row's label."""
+    rows = read_rows(url, raw)
+    if not rows:
+        raise DataError(f"{url}: no rows")
+    for column in (columns.path, columns.label):
+        if column not in rows[0]:
+            raise DataError(
+                f"{url}: no column '{column}' (columns: {', '.join(rows[0])}); set data.path_column and "
+                "data.label_column"
+            )
+    files, labels = Files(), []
+    role_of = Roles(hold.seed, hold.val, hold.test)
+    for n, row in enumerate(rows, start=1):
+        path, label = cell(row, columns.path).removeprefix("./"), cell(row, columns.label)
+        if not path or not label:
+            raise DataError(f"{url} row {n}: no {columns.path if not path else columns.label}")
+        written = cell(row, columns.split).lower()
+        role = SPLIT_FOLDERS.get(written) if written else "train"
+        if role is None:
+            raise DataError(f"{url} row {n}: split '{written}': expected train, val or test")
+        if not written:
+            role = role_of(path)
+            if role != "train":
+                files.held_out[role].append(path)
+        files.roles[role].append((path, label))
+        labels.append(label)
+    return files, labels
 
 
 def cell(row: dict, column: str) -> str:
@@ -103,20 +125,41 @@ def class_order(labels: list[str], trained: set[str]) -> list[str]:
 
 def fetched(url: str, paths: list[str], cache: Path | None, log: Log) -> tuple[dict[str, bytes], list[dict]]:
     """Each path's bytes (paths relative to the manifest's folder, or URLs); those not found, as skipped files."""
-    base = url.rsplit("/", 1)[0] if "/" in url else "."
-    inside = {p for p in paths if "://" not in p and not p.startswith(("/", "../"))}
-    content: dict[str, bytes] = {}
-    if inside:
-        content.update(read_entries(base, lambda name: name in inside, cache, log))
-    for p in sorted(set(paths) - inside):
-        fs, path = filesystem(p)
-        try:
-            content[p] = fetch(fs, [path], p)[0] if fs.exists(path) else None
-        except StorageError:
-            raise
-        except Exception as e:  # the stores' clients raise many types
-            raise StorageError(f"cannot read {p}: {describe_storage_error(p, e)}") from None
-    missing = sorted({p for p in paths if content.get(p) is None})
-    if len(missing) == len(set(paths)):
-        raise DataError(f"{url}: none of its {len(missing)} image paths exists (e.g. {missing[0]}; relative to {base})")
-    return {p: b for p, b in content.items() if b is not None}, [{"path": p, "reason": "no such file"} for p in missing]
+    images = Images(url, paths, cache, log)
+    content = dict(images)
+    return content, images.missing()
+
+
+class Images:
+    """(path, bytes) of the images a manifest names, read one at a time: those under the manifest's folder through
+    the folder reader (one listing, concurrent requests, the cache), others by URL, one request each. After the
+    pass, `missing()` names the paths that are not there; none there at all is an error."""
+
+    def __init__(self, url: str, paths: list[str], cache: Path | None, log: Log) -> None:
+        self.url, self.paths, self.cache, self.log = url, set(paths), cache, log
+        self.base = url.rsplit("/", 1)[0] if "/" in url else "."
+        self.found: set[str] = set()
+
+    def __iter__(self) -> Iterator[tuple[str, bytes]]:
+        inside = {p for p in self.paths if "://" not in p and not p.startswith(("/", "../"))}
+        if inside:
+            for name, data in read_entries(self.base, lambda name: name in inside, self.cache, self.log):
+                self.found.add(name)
+                yield name, data
+        for p in sorted(self.paths - inside):
+            fs, path = filesystem(p)
+            try:
+                data = fetch(fs, [path], p)[0] if fs.exists(path) else None
+            except StorageError:
+                raise
+            except Exception as e:  # the stores' clients raise many types
+                raise StorageError(f"cannot read {p}: {describe_storage_error(p, e)}") from None
+            if data is not None:
+                self.found.add(p)
+                yield p, data
+        if self.paths and not self.found:
+            n, first = len(self.paths), min(self.paths)
+            raise DataError(f"{self.url}: none of its {n} image paths exists (e.g. {first}; relative to {self.base})")
+
+    def missing(self) -> list[dict[str, str]]:
+        return [{"path": p, "reason": "no such file"} for p in sorted(self.paths - self.found)]

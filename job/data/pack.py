@@ -18,6 +18,8 @@ import shutil
 import tarfile
 import tempfile
 from array import array
+from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +28,17 @@ from PIL import Image
 from tqdm import tqdm
 
 from job.cloud import describe_storage_error, filesystem
-from job.data.files import VERSION_KEYS, Log, is_archive, read_entries, resolve
-from job.data.folder import Listing, report_skipped, sorted_files
+from job.data.files import VERSION_KEYS, Log, is_archive, is_manifest, read_bytes, read_entries, resolve
+from job.data.folder import Listing, check_files, report_skipped, sorted_files
 from job.data.image import UnreadableImage, image_size
+from job.data.manifest import Columns
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
-from job.data.split import HoldOut, Inventory, count, kind_of
+from job.data.split import Files, HoldOut, Inventory, count, is_image_name, kind_of
 from job.errors import ConfigError, DataError, StorageError, one_line
 
+Spooled = tuple[
+    "Spool", set[tuple[int, int]], list[dict[str, str]], Files, list[str]
+]  # spool, sizes, skipped, files, classes
 SIZE_UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1}
 
 
@@ -57,17 +63,19 @@ class Spool:
         self.f = open(self.path, "wb")  # noqa: SIM115 (closed by spool() once every image is in)
         self.offsets, self.sizes = array("q"), array("q")
         self.names: list[str] = []
+        self.exts: list[str] = []
         self.end = 0
 
-    def add(self, name: str, data: bytes) -> None:
+    def add(self, name: str, data: bytes, ext: str) -> None:
         self.offsets.append(self.end)
         self.sizes.append(len(data))
         self.names.append(name)
+        self.exts.append(ext)
         self.f.write(data)
         self.end += len(data)
 
     def ext(self, i: int) -> str:
-        return self.names[i].rsplit(".", 1)[-1].lower()
+        return self.exts[i]
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -83,11 +91,13 @@ def pack(
     seed: int = 0,
     min_shards: int = 1,
     hold: HoldOut = HoldOut(),
+    columns: Columns = Columns(),
 ) -> dict:
     """Pack SRC into shards at DST; returns DST's index. A DST already packed from SRC is left as it is. Each split
     gets at least `min_shards` shards where it has that many samples (torchrun's processes each need some). `hold`:
     the val and test shares held out of the training images where SRC has no val/ or test/ folder (by a hash of each
-    file's path: job/data/split.py), so a folder packed and the same folder read into memory split alike."""
+    file's path: job/data/split.py), so a folder packed and the same folder read into memory split alike. A
+    manifest (.csv, .jsonl) as SRC: its images, classes and splits as data.kind manifest reads them (`columns`)."""
     if shard_samples < 1:
         raise ConfigError(f"--samples-per-shard: expected a positive number, got {shard_samples}")
     out_fs, out_path = filesystem(dst)
@@ -102,6 +112,10 @@ def pack(
                 f"{dst} was packed with --val-split {was['val']} --test-split {was['test']} --split-seed "
                 f"{was['split_seed']}: pack into another destination for another split"
             )
+        read = done.get("columns")
+        if read is not None and read != asdict(columns):
+            shown = " ".join(f"--{k}-column {v}" for k, v in read.items())
+            raise ConfigError(f"{dst} was packed with {shown}: pack into another destination for other columns")
         counts = " / ".join(f"{sum(e['nsamples'] for e in done['splits'].get(s, []))} {s}" for s in SPLITS)
         log(f"shard: {dst} is already packed from {src} ({counts} samples)")
         return done
@@ -111,7 +125,7 @@ def pack(
     if local is not None:
         local.mkdir(parents=True, exist_ok=True)
     try:
-        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards, hold)
+        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards, hold, columns)
     except BaseException:
         if made and not any(local.iterdir()):  # a failed start leaves no empty folder behind
             local.rmdir()
@@ -135,12 +149,13 @@ def pack_into(
     seed: int,
     min_shards: int,
     hold: HoldOut,
+    columns: Columns,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix=".spool-", dir=local) as tmp:
-        sp, sizes, skipped, listing = spool(src, Path(tmp), log)
-        files = sorted_files(list(sp.names), hold, src)
-        listing.report(src, files, log)
-        classes = files.classes()
+        if is_manifest(src):
+            sp, sizes, skipped, files, classes = spool_manifest(src, Path(tmp), log, hold, columns)
+        else:
+            sp, sizes, skipped, files, classes = spool_folder(src, Path(tmp), log, hold)
         at = {name: i for i, name in enumerate(sp.names)}
         rng = np.random.default_rng(seed)
         inventory = Inventory(
@@ -158,6 +173,7 @@ def pack_into(
             "splits": {},
             "hold_out": {"val": hold.val, "test": hold.test, "split_seed": hold.seed},
             "inventory": inventory.to_json(),
+            **({"columns": asdict(columns)} if is_manifest(src) else {}),
         }
         for split in SPLITS:
             items = [(at[name], classes.index(c)) for name, c in files.roles[split]]
@@ -169,16 +185,46 @@ def pack_into(
     return index
 
 
-def spool(src: str, folder: Path, log: Log) -> tuple[Spool, set[tuple[int, int]], list[dict[str, str]], Listing]:
-    """Every image of SRC decoded once to check it (a truncated photo is found here, not mid-epoch) and appended
-    to the spool; the image sizes seen (up to 17 of them); the files that could not be decoded, skipped; the
-    files that are not images."""
-    sp, listing = Spool(folder), Listing()
+def spool_folder(src: str, folder: Path, log: Log, hold: HoldOut) -> Spooled:
+    """An image folder's (or archive's) images spooled, sorted into classes and splits by their paths."""
+    listing = Listing()
+    sp, sizes, skipped = spool(read_entries(src, listing.keep, None, log), folder, log, src)
+    report_skipped(skipped, log)
+    files = sorted_files(list(sp.names), hold, src)
+    listing.report(src, files, log)
+    return sp, sizes, skipped, files, files.classes()
+
+
+def spool_manifest(src: str, folder: Path, log: Log, hold: HoldOut, columns: Columns) -> Spooled:
+    """A manifest's images spooled, in the classes and splits its rows give (job/data/manifest.py); an image it
+    names that is not there is skipped and named, as one that cannot be decoded is."""
+    from job.data.manifest import Images, class_order, manifest_files
+
+    files, labels = manifest_files(src, read_bytes(src, None, log), columns, hold)
+    classes = class_order(labels, {label for _, label in files.roles["train"]})
+    check_files(files, classes, src)
+    images = Images(src, [p for role in files.roles.values() for p, _ in role], None, log)
+    sp, sizes, skipped = spool(images, folder, log, src)
+    there = set(sp.names)
+    files.roles = {role: [(p, c) for p, c in items if p in there] for role, items in files.roles.items()}
+    files.held_out = {role: [p for p in names if p in there] for role, names in files.held_out.items()}
+    skipped = images.missing() + skipped
+    report_skipped(skipped, log)
+    return sp, sizes, skipped, files, classes
+
+
+def spool(
+    entries: Iterable[tuple[str, bytes]], folder: Path, log: Log, src: str
+) -> tuple[Spool, set[tuple[int, int]], list[dict[str, str]]]:
+    """Every image decoded once to check it (a truncated photo is found here, not mid-epoch) and appended to the
+    spool; the image sizes seen (up to 17 of them); the files that could not be decoded, skipped (the caller
+    names them)."""
+    sp = Spool(folder)
     sizes: set[tuple[int, int]] = set()
     skipped: list[dict[str, str]] = []
     log(f"shard: reading {src}")
     with tqdm(desc="reading", unit=" images", disable=None, mininterval=1) as bar:
-        for name, data in read_entries(src, listing.keep, None, log):
+        for name, data in entries:
             try:
                 size = image_size(data, name)
             except UnreadableImage as e:
@@ -186,11 +232,23 @@ def spool(src: str, folder: Path, log: Log) -> tuple[Spool, set[tuple[int, int]]
                 continue
             if len(sizes) <= 16:
                 sizes.add(size)
-            sp.add(name, data)
+            sp.add(name, data, member_ext(name, data))
             bar.update()
     sp.f.close()
-    report_skipped(skipped, log)
-    return sp, sizes, skipped, listing
+    return sp, sizes, skipped
+
+
+# A shard member's extension for an image whose name has none of ours (a manifest may name images any way). The
+# host decoder reads any image by its content; the name routes JPEGs to the GPU's decoder.
+FORMAT_EXTS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp", "HEIF": "heic", "AVIF": "avif", "GIF": "gif"}
+
+
+def member_ext(name: str, data: bytes) -> str:
+    """The extension an image is stored under in a shard: its own, else that of its format."""
+    if is_image_name(name):
+        return name.rsplit(".", 1)[-1].lower()
+    with Image.open(io.BytesIO(data)) as img:
+        return FORMAT_EXTS.get(img.format or "", "png")
 
 
 def write_shards(
@@ -262,10 +320,11 @@ def put(local: Path, dst: str, rel: str) -> None:
 STREAM_SHARDS = 16  # shards per split at least, for a folder packed to stream: enough to deal over 16 processes
 
 
-def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut) -> str:
-    """The shard folder an image folder or archive streams from (data.placement=stream): packed once into `cache`,
-    keyed by SRC's URL and its listing (names, sizes, versions), so a later run, or a resumed one, reads the same
-    shards, and a changed SRC is packed again (its old pack removed).
+def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut, columns: Columns = Columns()) -> str:
+    """The shard folder an image folder, archive or manifest streams from (data.placement=stream): packed once into
+    `cache`, keyed by SRC's URL and its listing (names, sizes, versions; a manifest's own and its folder's images),
+    so a later run, or a resumed one, reads the same shards, and a changed SRC is packed again (its old pack
+    removed).
 
     Why a copy rather than reading the files as they are: a bucket serves many small objects slowly in any
     order but one pass, a .tar.gz cannot be read from a saved position, and shards give every process of a group
@@ -273,8 +332,8 @@ def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut) -> str:
     while packing); a pack is the same bytes on any machine (SRC's order and seed 0), so a run resumed elsewhere
     packs it again and goes on where it stopped."""
     fs, path = resolve(src)
-    version, size = fingerprint(fs, path, src)
-    version += f"-{hashlib.sha256(repr(hold).encode()).hexdigest()[:6]}"  # another split is another pack
+    version, size = fingerprint(fs, path, src, columns)
+    version += f"-{hashlib.sha256(repr((hold, columns)).encode()).hexdigest()[:6]}"  # another split: another pack
     stem = hashlib.sha256(fs.unstrip_protocol(path).encode()).hexdigest()[:16]
     folder = cache / "shards"
     dst = folder / f"{stem}-{version}"
@@ -299,7 +358,7 @@ def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut) -> str:
             for old in folder.glob(f"{stem}-*"):
                 if old != dst and old.is_dir():
                     shutil.rmtree(old, ignore_errors=True)  # the pack of an earlier version of SRC
-            pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold)
+            pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns)
     return str(dst)
 
 
@@ -337,12 +396,29 @@ def decoded_size(src: str, held: int | None) -> int:
     return len(infos) * 3 * held_w * held_h
 
 
-def fingerprint(fs, path: str, url: str) -> tuple[str, int]:
-    """A digest of what SRC holds (each file's name, size and version; an archive's own) and its size in bytes."""
-    infos = listing(fs, path, url)
+def fingerprint(fs, path: str, url: str, columns: Columns) -> tuple[str, int]:
+    """A digest of what SRC holds (each file's name, size and version; an archive's own; a manifest's own and those
+    of the images it names in its folder) and its size in bytes."""
+    infos = named(fs, path, url, columns) if is_manifest(path) else listing(fs, path, url)
     lines = []
     for p, info in sorted(infos.items()):
         version = next((str(info[k]) for k in VERSION_KEYS if info.get(k)), "")
         lines.append(f"{p} {info.get('size')} {version}")
     digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
     return digest, sum(int(i.get("size") or 0) for i in infos.values())
+
+
+def named(fs, path: str, url: str, columns: Columns) -> dict[str, dict]:
+    """A manifest and the images under its folder that its rows name (one listing): path -> info. Images it names
+    by URL elsewhere are not watched: a change to one is not seen."""
+    from job.data.manifest import cell, read_rows
+
+    folder = path.rsplit("/", 1)[0]
+    try:
+        rows = read_rows(url, fs.cat_file(path))
+        paths = {f"{folder}/{cell(row, columns.path).removeprefix('./')}" for row in rows}
+        return {path: fs.info(path)} | {p: i for p, i in fs.find(folder, detail=True).items() if p in paths}
+    except DataError:
+        raise
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None

@@ -16,19 +16,20 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
     section; remote data are kept in the folder `cache` (unless cfg.cache is off); `log` prints one line for the
     user; `started`: whether the run being resumed streamed (job/data/placement.py keeps it)."""
     kept = cache if cfg.cache else None
-    if cfg.placement == "stream" and cfg.kind in ("csv", "cifar10", "manifest"):
+    if cfg.placement == "stream" and cfg.kind in ("csv", "cifar10"):
         raise ConfigError(
-            f"data.placement=stream: streams image folders, archives of one and shards; {cfg.kind} data are read "
-            "into memory (data.placement auto; pack a large manifest's images into class folders to stream them)"
+            f"data.placement=stream: streams image folders, archives of one, manifests and shards; {cfg.kind} data "
+            "are read into memory (data.placement auto)"
         )
     choice = HELD
-    if cfg.kind == "folder":
-        choice = folder_streaming(cfg, log, started)
+    if cfg.kind in ("folder", "manifest"):
+        choice = folder_streaming(cfg, log, started) if cfg.kind == "folder" else manifest_streaming(cfg, log, started)
         if choice.streamed:
+            from job.data.manifest import Columns
             from job.data.pack import packed_for_streaming
             from job.data.split import HoldOut
 
-            packed = packed_for_streaming(cfg.path, cache, log, HoldOut.of(cfg))
+            packed = packed_for_streaming(cfg.path, cache, log, HoldOut.of(cfg), Columns.of(cfg))
             cfg = cfg.model_copy(update={"kind": "shards", "path": packed})
             cfg = cfg.model_copy(update={"placement": "stream"})
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
@@ -71,3 +72,11 @@ def folder_streaming(cfg, log: Callable[[str], None], started: Streaming | None)
         return decoded_size(cfg.path, cfg.resize_size or cfg.image_size)
 
     return decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)
+
+
+def manifest_streaming(cfg, log: Callable[[str], None], started: Streaming | None) -> Streaming:
+    """Whether a manifest's images are packed into shards and streamed: when data.placement says stream, or a run
+    resumed under auto started so. Auto otherwise holds them (the manifest reader fetches them whole)."""
+    if cfg.placement == "auto" and (started is None or not started.streamed):
+        return HELD
+    return decide_streaming(cfg.placement, lambda: 0, cfg.device_share, started, log, cfg.path)
