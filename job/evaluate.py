@@ -4,6 +4,7 @@ tests a saved checkpoint with the data and model its config names."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -161,10 +162,6 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     images, preprocessed as its own evaluation was: class folders (every image), a folder of train/ val/ test/
     class folders (its test, else its val), a .tar/.tar.gz of either, or a manifest (.csv, .jsonl). `report`: a
     folder for its report (DIR/<split>/, job/diagnostics.py)."""
-    from job.data.files import is_manifest, read_entries
-    from job.data.folder import Listing, held
-    from job.data.split import HoldOut, sort_files
-    from job.errors import DataError
     from job.predict import load_predictor, model_files
     from job.recipe import resolved
 
@@ -174,30 +171,17 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     cfg = resolved(validate(raw))
     d = cfg.data.model_copy(update={"path": data_path, "val_split": 0.0, "test_split": None, "cache": False})
     lines: list[str] = []
-    if is_manifest(data_path):
-        from job.data.manifest import load_manifest
-
-        data = load_manifest(d.model_copy(update={"kind": "manifest"}), None, lines.append, p.classes)
-    elif is_shards(data_path):
-        from job.data.stream import load_shards
-
-        data = load_shards(d.model_copy(update={"kind": "shards", "placement": "host"}), None, lines.append)
-        if data.classes != p.classes:
-            raise DataError(f"{data_path}: its classes {data.classes[:5]} are not the model's {p.classes[:5]}")
+    if is_shards(data_path):  # streamed: its held-out split alone is read, a few batches in memory at a time
+        loader, split, skipped = streamed_split(d, data_path, device, p, lines.append)
     else:
-        listing = Listing()
-        entries = dict(read_entries(data_path, listing.keep, None, lines.append))
-        files = sort_files(sorted(entries), HoldOut(0.0, 0.0, d.split_seed))
-        unknown = sorted({c for role in files.roles.values() for _, c in role} - set(p.classes))
-        if unknown:
-            raise DataError(f"{data_path}: classes the model does not know: {', '.join(unknown[:5])}")
-        source = f"folder {data_path}"
-        data = held(files, entries.__getitem__, p.classes, d, data_path, source, lines.append, scoring=True)
-    split = next(s for s in ("test", "val", "train") if data.split(s) is not None and data.samples(s))
-    from job.data.loader import BatchLoader
+        data = labelled(d, data_path, p, lines.append)
+        split = next(s for s in ("test", "val", "train") if data.split(s) is not None and data.samples(s))
+        from job.data.loader import BatchLoader
 
-    loader = BatchLoader(data.split(split), 256, device, torch.device("cpu"), mean=p.mean, std=p.std, view=p.view)
-    split = "all" if split == "train" else split  # class folders with no split: every image scored
+        loader = BatchLoader(data.split(split), 256, device, torch.device("cpu"), mean=p.mean, std=p.std, view=p.view)
+        split = "all" if split == "train" else split  # class folders with no split: every image scored
+        found = len(data.inventory.skipped) if data.inventory is not None else 0
+        skipped = lambda: found  # noqa: E731 (read after the pass, as a stream's count is)
     if report:  # one pass: the report's per-sample losses and predictions give the totals too
         from job import diagnostics
 
@@ -215,6 +199,44 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
         f"{split}_loss": loss_sum / max(counted, 1),
         f"{split}_accuracy": correct / max(counted, 1),
         "samples": int(counted),
-        "skipped": len(data.inventory.skipped) if data.inventory is not None else 0,
+        "skipped": skipped(),
         "device": str(device),
     }
+
+
+def streamed_split(d, url: str, device: torch.device, p, log) -> tuple[Loader, str, Callable[[], int]]:
+    """The loader of a shard folder's test split (else its val) as the model's evaluation read it, the split's
+    name, and how many of its samples were skipped (packing's, and those found undecodable as it is read)."""
+    from job.data.shards import open_shards
+    from job.data.split import Inventory
+    from job.data.stream import StreamLoader, held_decoder
+    from job.errors import DataError
+
+    shards = open_shards(url, None, log)
+    if shards.classes != p.classes:
+        raise DataError(f"{url}: its classes {shards.classes[:5]} are not the model's {p.classes[:5]}")
+    split = "test" if shards.samples("test") else "val"
+    decoder = held_decoder(d, device)
+    loader = StreamLoader(shards.splits[split], 256, device, decoder, mean=p.mean, std=p.std, view=p.view, log=log)
+    packed = len(Inventory.from_json(shards.inventory).skipped) if shards.inventory is not None else 0
+    return loader, split, lambda: packed + len(loader.skipped.names)
+
+
+def labelled(d, url: str, p, log):
+    """Labelled images held in memory for scoring: a manifest's, or a folder's (or archive's)."""
+    from job.data.files import is_manifest, read_entries
+    from job.data.folder import Listing, held
+    from job.data.split import HoldOut, sort_files
+    from job.errors import DataError
+
+    if is_manifest(url):
+        from job.data.manifest import load_manifest
+
+        return load_manifest(d.model_copy(update={"kind": "manifest"}), None, log, p.classes)
+    listing = Listing()
+    entries = dict(read_entries(url, listing.keep, None, log))
+    files = sort_files(sorted(entries), HoldOut(0.0, 0.0, d.split_seed))
+    unknown = sorted({c for role in files.roles.values() for _, c in role} - set(p.classes))
+    if unknown:
+        raise DataError(f"{url}: classes the model does not know: {', '.join(unknown[:5])}")
+    return held(files, entries.__getitem__, p.classes, d, url, f"folder {url}", log, scoring=True)

@@ -376,6 +376,39 @@ def test_evaluate_reports_on_any_labelled_data(tmp_path):
     assert abs(alone["all_loss"] - reported["all_loss"]) < 1e-5 * max(1.0, alone["all_loss"])
 
 
+def test_evaluate_streams_the_held_out_split_of_shards_and_reads_nothing_else(tmp_path):
+    """`evaluate --data SHARDS`: their test split streamed (memory holds a few batches, whatever its size) and the
+    training shards never read, so one damaged in place changes nothing; the scores are those of the folder the
+    shards were packed from, with --report as without."""
+    import csv
+
+    from job.evaluate import evaluate_on
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=8, size=16, test_per_class=4)
+    run = str(tmp_path / "run")
+    code, err = invoke(
+        ["train", "--device", "cpu", "--config", "cifar10", "--output", run,
+         *sets("data.kind=folder", f"data.path={root}", "model.name=mlp", "train.epochs=1")]
+    )  # fmt: skip
+    assert code == 0, err
+    shards = tmp_path / "shards"
+    code, err = invoke(["shard", str(root), str(shards), "--val-split", "0", "--samples-per-shard", "5"])
+    assert code == 0, err
+    for tar in (shards / "train").glob("*.tar"):  # the same size, so the index's check passes; unreadable
+        tar.write_bytes(b"\xff" * tar.stat().st_size)
+    folder = evaluate_on(run, str(root), "cpu")
+    streamed = evaluate_on(run, str(shards), "cpu")
+    reported = evaluate_on(run, str(shards), "cpu", str(tmp_path / "rep"))
+    assert folder["split"] == streamed["split"] == reported["split"] == "test"
+    assert folder["samples"] == streamed["samples"] == reported["samples"] == 12
+    assert folder["test_accuracy"] == streamed["test_accuracy"] == reported["test_accuracy"]
+    assert streamed["test_loss"] == pytest.approx(folder["test_loss"], rel=1e-5)
+    assert reported["test_loss"] == pytest.approx(folder["test_loss"], rel=1e-5)
+    with open(tmp_path / "rep" / "test" / "worst.csv", newline="") as f:
+        named = [row["path"] for row in csv.DictReader(f)]
+    assert named and all("/test/" in name and ".tar:" in name for name in named), named[:2]
+
+
 def test_samples_without_names_are_named_by_their_place_in_the_split_across_processes():
     """A split with no file names (CIFAR-10's batches): each process's worst samples are named by their place in the
     whole split, so the parts of two processes merge into one process's report."""
