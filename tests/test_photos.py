@@ -231,33 +231,6 @@ def test_early_stopping_ends_the_run_with_the_best_weights_and_resumes_exactly(t
     assert code == 0 and "complete: early stopping" in err and "another --output" in err
 
 
-def test_a_manifest_of_paths_and_labels(tmp_path):
-    root = photo_folder(tmp_path / "photos")
-    table = tmp_path / "labels.csv"
-    with open(table, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["file", "kind", "split"])
-        for k, name in enumerate(("cats", "dogs", "owls")):
-            for p in sorted((root / name).rglob("IMG_0*")):
-                w.writerow([p.relative_to(tmp_path).as_posix(), k, "test" if p.stem.endswith("7") else ""])
-        w.writerow(["photos/cats/gone.jpg", 0, ""])
-    jsonl = tmp_path / "labels.jsonl"
-    with open(table, newline="") as f:
-        rows = list(csv.DictReader(f))
-    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for path in (table, jsonl):
-        cfg = DataConfig(
-            kind="manifest", path=str(path), path_column="file", label_column="kind", val_split=0.2, image_size=24
-        )
-        from job.data.manifest import load_manifest
-
-        data = load_manifest(cfg, None, lambda _: None)
-        assert data.classes == ["0", "1", "2"]
-        assert len(data.test) == 9  # IMG_007, 017, 027 of each class
-        assert len(data.train) + len(data.val) + len(data.test) == 90
-        assert [s["path"] for s in data.inventory.skipped] == ["photos/cats/gone.jpg"]
-
-
 def photo_manifest(tmp_path: Path) -> Path:
     """labels.csv over photo_folder's images (columns file, kind, split): 9 rows marked test, a row naming a file that
     is not there, and one naming by absolute path a photo stored under a name with no suffix."""
@@ -275,6 +248,25 @@ def photo_manifest(tmp_path: Path) -> Path:
         w.writerow(["photos/cats/gone.jpg", 0, ""])
         w.writerow([str(blob), 2, "train"])
     return table
+
+
+def test_a_manifest_of_paths_and_labels(tmp_path):
+    table = photo_manifest(tmp_path)
+    jsonl = tmp_path / "labels.jsonl"
+    with open(table, newline="") as f:
+        rows = list(csv.DictReader(f))
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for path in (table, jsonl):
+        cfg = DataConfig(
+            kind="manifest", path=str(path), path_column="file", label_column="kind", val_split=0.2, image_size=24
+        )
+        from job.data.manifest import load_manifest
+
+        data = load_manifest(cfg, None, lambda _: None)
+        assert data.classes == ["0", "1", "2"]
+        assert len(data.test) == 9  # IMG_007, 017, 027 of each class
+        assert len(data.train) + len(data.val) + len(data.test) == 91  # and the photo named by its path alone
+        assert [s["path"] for s in data.inventory.skipped] == ["photos/cats/gone.jpg"]
 
 
 def test_a_manifest_packed_into_shards_splits_and_decodes_as_it_reads(tmp_path):
