@@ -168,8 +168,9 @@ def check_split(started: dict | None, inventory: Inventory | None) -> None:
     if saved is None or inventory is None or saved == inventory.digest():
         return
     raise DataError(
-        "cannot resume: the data's files differ from those the run started with (its train/val/test split would "
-        "change): resume with the same files, or start a new run (another --output, or --overwrite)"
+        "cannot resume: the data's files, or the settings that split them (data.val_split, data.test_split, "
+        "data.split_seed), differ from those the run started with (its train/val/test split would change): resume "
+        "with the same files and settings, or start a new run (another --output, or --overwrite)"
     )
 
 

@@ -307,6 +307,27 @@ def test_a_manifest_packed_into_shards_splits_and_decodes_as_it_reads(tmp_path):
     assert code == 2 and "--label-column kind" in err and "Traceback" not in err, err
 
 
+def test_a_manifest_with_bad_or_missing_images_or_a_misspelt_split_column_under_strict_settings(tmp_path):
+    """data.skip_bad_samples=false stops at a missing or undecodable image however the manifest is read (held, or
+    packed to stream); a split column named in the config that the manifest lacks is named, not passed over."""
+    from job.data.manifest import load_manifest
+
+    table = photo_manifest(tmp_path)  # it names photos/cats/gone.jpg, which is not there
+    over = sets(
+        "data.kind=manifest", f"data.path={table}", "data.path_column=file", "data.label_column=kind",
+        "data.val_split=0.2", "data.image_size=32", "train.epochs=1", "data.skip_bad_samples=false",
+    )  # fmt: skip
+    for placement in ("host", "stream"):
+        out = tmp_path / placement
+        code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over,
+                            *sets(f"data.placement={placement}")])  # fmt: skip
+        assert code == 3 and "gone.jpg" in err and "skip_bad_samples" in err and "Traceback" not in err, err
+        assert not out.exists() or not any(out.iterdir())
+    cfg = DataConfig(kind="manifest", path=str(table), path_column="file", label_column="kind", split_column="part")
+    with pytest.raises(DataError, match="no column 'part'"):
+        load_manifest(cfg, None, print)
+
+
 def test_a_manifest_streams_with_data_placement_stream(tmp_path):
     """data.placement=stream on a manifest packs its images into the job's cache once and trains from the shards,
     choosing on the val its rows hold out; a second run reads the same pack."""

@@ -174,8 +174,10 @@ def test_shards_with_no_val_hold_val_out_of_train_by_key_streamed_held_and_on_an
     assert sum(inventory.counts["val"].values()) == len(val) and sum(inventory.counts["train"].values()) == len(train)
     streamed = load_data(cfg.model_copy(update={"placement": "stream"}), tmp_path, print)
     assert streamed.inventory.digest() == inventory.digest()
-    untouched = load_data(cfg.model_copy(update={"val_split": 0.0}), tmp_path, print)
+    said.clear()
+    untouched = load_data(cfg.model_copy(update={"val_split": 0.0}), tmp_path, said.append)
     assert untouched.val is None and untouched.inventory is None and len(untouched.train) == 37
+    assert any("no val/" in line and "chosen on test" in line and "data.val_split" in line for line in said), said
 
 
 def test_a_run_on_shards_with_no_val_chooses_on_the_val_it_held_out_and_resumes_exactly(uneven, tmp_path):

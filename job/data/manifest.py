@@ -53,6 +53,8 @@ def load_manifest(cfg, cache: Path | None, log: Log, classes: list[str] | None =
     elif unknown := sorted(set(labels) - set(classes)):
         raise DataError(f"{url}: labels the model does not know: {', '.join(unknown[:5])}")
     content, skipped = fetched(url, [p for r in files.roles.values() for p, _ in r], cache, log)
+    if skipped and not cfg.skip_bad_samples:
+        raise DataError(f"{url}: {skipped[0]['path']}: {skipped[0]['reason']} (data.skip_bad_samples is false)")
     for role in files.roles:  # a file that is not there is skipped and named, like one that cannot be decoded
         files.roles[role] = [(p, c) for p, c in files.roles[role] if p in content]
     return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped, scoring=scoring)
@@ -64,11 +66,12 @@ def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tup
     rows = read_rows(url, raw)
     if not rows:
         raise DataError(f"{url}: no rows")
-    for column in (columns.path, columns.label):
+    named = (columns.path, columns.label) + ((columns.split,) if columns.split != Columns().split else ())
+    for column in named:  # the split column may be absent, unless it was given another name than the default
         if column not in rows[0]:
             raise DataError(
-                f"{url}: no column '{column}' (columns: {', '.join(rows[0])}); set data.path_column and "
-                "data.label_column"
+                f"{url}: no column '{column}' (columns: {', '.join(rows[0])}); set data.path_column, "
+                "data.label_column and data.split_column (job shard: --path-column, --label-column, --split-column)"
             )
     files, labels = Files(), []
     role_of = Roles(hold.seed, hold.val, hold.test)

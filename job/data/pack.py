@@ -131,7 +131,8 @@ def pack(
             local.rmdir()
         raise
     made_splits = ", ".join(
-        f"{sum(e['nsamples'] for e in index['splits'][s])} {s} samples in {len(index['splits'][s])} shards"
+        f"{sum(e['nsamples'] for e in index['splits'][s])} {s} samples in {len(index['splits'][s])} shard"
+        + ("s" if len(index["splits"][s]) != 1 else "")
         for s in SPLITS
         if index["splits"][s]
     )
@@ -320,11 +321,14 @@ def put(local: Path, dst: str, rel: str) -> None:
 STREAM_SHARDS = 16  # shards per split at least, for a folder packed to stream: enough to deal over 16 processes
 
 
-def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut, columns: Columns = Columns()) -> str:
+def packed_for_streaming(
+    src: str, cache: Path, log: Log, hold: HoldOut, columns: Columns = Columns(), skip: bool = True
+) -> str:
     """The shard folder an image folder, archive or manifest streams from (data.placement=stream): packed once into
     `cache`, keyed by SRC's URL and its listing (names, sizes, versions; a manifest's own and its folder's images),
     so a later run, or a resumed one, reads the same shards, and a changed SRC is packed again (its old pack
-    removed).
+    removed). `skip` false (data.skip_bad_samples): a file the pack skipped (undecodable, or named and not there)
+    stops the run, named.
 
     Why a copy rather than reading the files as they are: a bucket serves many small objects slowly in any
     order but one pass, a .tar.gz cannot be read from a saved position, and shards give every process of a group
@@ -333,8 +337,8 @@ def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut, columns
     packs it again and goes on where it stopped."""
     fs, path = resolve(src)
     version, size = fingerprint(fs, path, src, columns)
-    version += f"-{hashlib.sha256(repr((hold, columns)).encode()).hexdigest()[:6]}"  # another split: another pack
-    stem = hashlib.sha256(fs.unstrip_protocol(path).encode()).hexdigest()[:16]
+    settings = repr((hold, columns)) if is_manifest(path) else repr(hold)  # another split: a pack of its own
+    stem = hashlib.sha256(f"{fs.unstrip_protocol(path)}\n{settings}".encode()).hexdigest()[:16]
     folder = cache / "shards"
     dst = folder / f"{stem}-{version}"
     try:
@@ -346,6 +350,7 @@ def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut, columns
         fcntl.flock(lock, fcntl.LOCK_EX)  # torchrun's processes on one machine: one packs, the others wait for it
         if (dst / INDEX).is_file():
             log(f"data: streaming {src} from its shards in {dst}")
+            index = read_json(LocalFileSystem(), str(dst / INDEX), str(dst))
         else:
             free = shutil.disk_usage(folder).free
             if free < 2 * size:
@@ -355,11 +360,36 @@ def packed_for_streaming(src: str, cache: Path, log: Log, hold: HoldOut, columns
                     "pack it with `python -m job shard SRC DST` and train on DST"
                 )
             log(f"data: streaming {src}: packing it into shards in {dst} once (later runs read them)")
-            for old in folder.glob(f"{stem}-*"):
-                if old != dst and old.is_dir():
-                    shutil.rmtree(old, ignore_errors=True)  # the pack of an earlier version of SRC
-            pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns)
+            index = pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns)
+        reading(dst)
+        for old in folder.glob(f"{stem}-*"):
+            if old != dst and old.is_dir():
+                remove_unread(old)  # the pack of an earlier version of SRC, unless a run still reads it
+    bad = index["inventory"]["skipped"]
+    if bad and not skip:
+        raise DataError(f"{src}: {bad[0]['path']}: {bad[0]['reason']} (data.skip_bad_samples is false)")
     return str(dst)
+
+
+READING: list = []  # the packs this process reads, each with a shared lock held until the process ends
+
+
+def reading(pack: Path) -> None:
+    """Mark a pack as read by this process (a shared lock on <pack>/.reading, held until it exits), so that no run
+    packing a changed SRC removes it under a run still training from it."""
+    f = open(pack / ".reading", "a")  # noqa: SIM115 (held for the life of the process)
+    fcntl.flock(f, fcntl.LOCK_SH)
+    READING.append(f)
+
+
+def remove_unread(pack: Path) -> None:
+    """A stale pack removed, when no process reads it (its lock taken at once, or it is left for a later run)."""
+    with open(pack / ".reading", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        shutil.rmtree(pack, ignore_errors=True)
 
 
 def listing(fs, path: str, url: str) -> dict[str, dict]:

@@ -21,7 +21,7 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
             f"data.placement=stream: streams image folders, archives of one, manifests and shards; {cfg.kind} data "
             "are read into memory (data.placement auto)"
         )
-    choice = HELD
+    choice, given = HELD, cfg
     if cfg.kind in ("folder", "manifest"):
         choice = folder_streaming(cfg, log, started) if cfg.kind == "folder" else manifest_streaming(cfg, log, started)
         if choice.streamed:
@@ -29,7 +29,8 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
             from job.data.pack import packed_for_streaming
             from job.data.split import HoldOut
 
-            packed = packed_for_streaming(cfg.path, cache, log, HoldOut.of(cfg), Columns.of(cfg))
+            hold, columns = HoldOut.of(cfg), Columns.of(cfg)
+            packed = packed_for_streaming(cfg.path, cache, log, hold, columns, cfg.skip_bad_samples)
             cfg = cfg.model_copy(update={"kind": "shards", "path": packed})
             cfg = cfg.model_copy(update={"placement": "stream"})
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
@@ -49,6 +50,8 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
 
         data = load_shards(cfg, kept, log, None if choice.streamed else started)
         choice = choice if choice.streamed else data.streaming  # a folder packed to stream: why it streams
+        if given.kind != "shards":  # packed to stream: named as the user named it
+            data.source = f"{given.kind} {given.path} (packed in {cfg.path})"
         if data.streamed:
             data.streaming = choice
             return data  # nothing read yet (open_shards has checked both splits have shards)

@@ -346,6 +346,11 @@ def open_shards(url: str, cache: Path | None, log: Log, hold: HoldOut | None = N
         classes = [line.strip() for line in names.splitlines() if line.strip()]
     if not classes:  # neither file names them: classes 0..the largest index seen
         classes = [str(c) for c in range(1 + max(s.top_label for split in SPLITS for s in splits[split]))]
+    if hold is not None and not hold.val and not splits["val"] and inventory is None:
+        log(
+            f"data: {url} has no val/ shards and data.val_split is 0: evaluations report test and the model is "
+            "chosen on test (data.val_split=0.1 holds a tenth of train/ out for val)"
+        )
     if carve is not None:
         splits, inventory = carved(splits, tallied, carve, classes, root)
         total = sum(t.samples for t in tallied["train"])
@@ -504,7 +509,8 @@ def counted(
         t0 = time.perf_counter()
         tallies = [tally(u, split, carve) for u, _, _ in shards]
         took = time.perf_counter() - t0
-        log(f"data: counted {sum(t.samples for t in tallies)} {split} samples in {len(shards)} shards in {took:.1f} s")
+        n = f"{len(shards)} shard{'s' if len(shards) != 1 else ''}"
+        log(f"data: counted {sum(t.samples for t in tallies)} {split} samples in {n} in {took:.1f} s")
         if kept is not None:
             with contextlib.suppress(OSError):  # a read-only cache: count again next time
                 text = json.dumps([t.to_json() for t in tallies])

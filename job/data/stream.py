@@ -391,11 +391,13 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
         return sum(shards.samples(s) for s in SPLITS) * int(np.prod(shape))
 
     choice = decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)
+    inventory = Inventory.from_json(shards.inventory) if shards.inventory is not None else None
+    for line in inventory.lines() if inventory is not None else ():
+        log(line)
     if choice.streamed:
         return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
     decoder = held_decoder(cfg)
     train, val, test = (read_all(shards.splits[s], decoder) if shards.splits[s] else None for s in SPLITS)
-    inventory = Inventory.from_json(shards.inventory) if shards.inventory is not None else None
     return Dataset(train, test, shards.classes, f"shards {cfg.path}", choice, val=val, inventory=inventory)
 
 
