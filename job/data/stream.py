@@ -396,8 +396,7 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
         log(line)
     if choice.streamed:
         return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
-    decoder = held_decoder(cfg)
-    train, val, test = (read_all(shards.splits[s], decoder) if shards.splits[s] else None for s in SPLITS)
+    train, val, test = read_splits(shards, held_decoder(cfg))
     return Dataset(train, test, shards.classes, f"shards {cfg.path}", choice, val=val, inventory=inventory)
 
 
@@ -454,6 +453,39 @@ def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
     x = torch.cat([decoded(f, names, y[i * batch : (i + 1) * batch]) for i, (f, names) in enumerate(futures)])
     good = y != IGNORED  # held in memory: a sample that cannot be decoded is left out, as a folder's file is
     return Split(x[good], y[good], [name for name, g in zip(every, good.tolist()) if g])
+
+
+def read_splits(shards: ShardSet, decoder: Decoder) -> tuple[Split | None, ...]:
+    """Each split (SPLITS' order) decoded into memory, None where it has no shards; train/'s shards read once where
+    splits are held out of them by key (Carve), each sample then put in its split."""
+    read = [read_all(shards.splits[s], decoder) if shards.splits[s] and not carved(shards.splits[s]) else None
+            for s in SPLITS]  # fmt: skip
+    held = {s.url: s for split in SPLITS for s in shards.splits[split] if s.carve is not None}
+    if not held:
+        return tuple(read)
+    urls = sorted(held)
+    every = read_all([Shard(url, held[url].stored, held[url].size) for url in urls], decoder)
+    role = held[urls[0]].carve.roles()
+    roles = [role(key) for key in keys(every.names, urls)]
+    for i, split in enumerate(SPLITS):
+        if carved(shards.splits[split]):
+            pick = [k for k, r in enumerate(roles) if r == split]
+            read[i] = Split(every.x[pick], every.y[pick], [every.names[k] for k in pick])
+    return tuple(read)
+
+
+def carved(shards: list[Shard]) -> bool:
+    """Whether a split is held out of train/'s shards by key (all of its shards are, or none)."""
+    return bool(shards) and shards[0].carve is not None
+
+
+def keys(names: list[str], urls: list[str]) -> Iterator[str]:
+    """The sample keys of names "<shard URL>:<key>" listed in the order of `urls` (read_all's)."""
+    at = 0
+    for name in names:
+        while not name.startswith(f"{urls[at]}:"):
+            at += 1
+        yield name[len(urls[at]) + 1 :]
 
 
 def sample_images(shards: list[Shard], decoder: Decoder, n: int, seed: int) -> torch.Tensor:
