@@ -211,8 +211,9 @@ def streamed_split(d, url: str, device: torch.device, p, log) -> tuple[Loader, s
     from job.data.split import Inventory
     from job.data.stream import StreamLoader, held_decoder
     from job.errors import DataError
+    from job.storage import cache_dir
 
-    shards = open_shards(url, None, log)
+    shards = open_shards(url, cache_dir("data"), log)  # other tools' shards: counted once, as a run counts them
     if shards.classes != p.classes:
         raise DataError(f"{url}: its classes {shards.classes[:5]} are not the model's {p.classes[:5]}")
     split = "test" if shards.samples("test") else "val"

@@ -307,6 +307,29 @@ def test_a_manifest_packed_into_shards_splits_and_decodes_as_it_reads(tmp_path):
     assert code == 2 and "--label-column kind" in err and "Traceback" not in err, err
 
 
+def test_a_manifest_naming_an_image_twice_packs_it_twice(tmp_path):
+    """Rows may repeat an image (oversampling): packed, each row is a sample of its own key, so copies that the
+    shuffle puts side by side are not read back as one sample; streamed as many as held."""
+    from job.data.manifest import load_manifest
+    from job.data.stream import load_shards
+
+    table = photo_manifest(tmp_path)
+    with open(table, "a", newline="") as f:
+        csv.writer(f).writerows([["photos/owls/IMG_002.JPG", 2, "train"]] * 6)
+    dst = tmp_path / "shards"
+    columns = ["--path-column", "file", "--label-column", "kind", "--val-split", "0.2"]
+    code, err = invoke(["shard", str(table), str(dst), *columns, "--samples-per-shard", "200"])  # one train shard
+    assert code == 0, err
+    cfg = DataConfig(
+        kind="manifest", path=str(table), path_column="file", label_column="kind", val_split=0.2, image_size=24
+    )
+    held = load_manifest(cfg, None, print)
+    streamed = load_shards(
+        cfg.model_copy(update={"kind": "shards", "path": str(dst), "placement": "host"}), None, print
+    )
+    assert len(streamed.train) == len(held.train) >= 68 + 6
+
+
 def test_a_manifest_with_bad_or_missing_images_or_a_misspelt_split_column_under_strict_settings(tmp_path):
     """data.skip_bad_samples=false stops at a missing or undecodable image however the manifest is read (held, or
     packed to stream); a split column named in the config that the manifest lacks is named, not passed over."""

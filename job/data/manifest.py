@@ -24,8 +24,13 @@ from job.cloud import describe_storage_error, filesystem
 from job.data.dataset import Dataset
 from job.data.files import Log, fetch, read_bytes, read_entries
 from job.data.folder import check_files, held
-from job.data.split import SPLIT_FOLDERS, Files, HoldOut, Roles
+from job.data.split import SPLIT_FOLDERS, Files, HoldOut
 from job.errors import DataError, StorageError
+
+COLUMNS_HINT = (
+    "set data.path_column, data.label_column and data.split_column (job shard: --path-column, --label-column, "
+    "--split-column)"
+)
 
 
 @dataclass(frozen=True)
@@ -69,12 +74,9 @@ def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tup
     named = (columns.path, columns.label) + ((columns.split,) if columns.split != Columns().split else ())
     for column in named:  # the split column may be absent, unless it was given another name than the default
         if column not in rows[0]:
-            raise DataError(
-                f"{url}: no column '{column}' (columns: {', '.join(rows[0])}); set data.path_column, "
-                "data.label_column and data.split_column (job shard: --path-column, --label-column, --split-column)"
-            )
+            raise DataError(f"{url}: no column '{column}' (columns: {', '.join(rows[0])}); {COLUMNS_HINT}")
     files, labels = Files(), []
-    role_of = Roles(hold.seed, hold.val, hold.test)
+    role_of = hold.roles()
     for n, row in enumerate(rows, start=1):
         path, label = cell(row, columns.path).removeprefix("./"), cell(row, columns.label)
         if not path or not label:

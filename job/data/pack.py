@@ -18,6 +18,7 @@ import shutil
 import tarfile
 import tempfile
 from array import array
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -266,6 +267,11 @@ def write_shards(
     """The split's samples (spool index, label) in a shuffled order, cut into shards, each written to DST/<split>/
     when full."""
     order = rng.permutation(len(items))
+    seen: Counter = Counter()
+    copy = []  # a manifest may name an image twice: each row a sample of its own key (<split><image>-<copy>)
+    for i, _ in items:
+        copy.append(seen[i])
+        seen[i] += 1
     entries: list[dict] = []
     pending: list[int] = []
     pending_bytes = 0
@@ -277,7 +283,7 @@ def write_shards(
             for n in pending:
                 i, label = items[n]
                 spooled.seek(sp.offsets[i])
-                key = f"{split}{i:08d}"
+                key = f"{split}{i:08d}" + (f"-{copy[n]}" if copy[n] else "")  # a folder's: as ever
                 add(tar, f"{key}.{sp.ext(i)}", spooled.read(sp.sizes[i]))
                 add(tar, f"{key}.cls", str(label).encode())
         entries.append({"url": name, "nsamples": len(pending), "filesize": part.stat().st_size})
@@ -325,9 +331,10 @@ def packed_for_streaming(
     src: str, cache: Path, log: Log, hold: HoldOut, columns: Columns = Columns(), skip: bool = True
 ) -> str:
     """The shard folder an image folder, archive or manifest streams from (data.placement=stream): packed once into
-    `cache`, keyed by SRC's URL and its listing (names, sizes, versions; a manifest's own and its folder's images),
-    so a later run, or a resumed one, reads the same shards, and a changed SRC is packed again (its old pack
-    removed). `skip` false (data.skip_bad_samples): a file the pack skipped (undecodable, or named and not there)
+    `cache`, keyed by SRC's URL and its listing (names, sizes, versions; a manifest's own and those of the images
+    it names in its folder) and the split settings, so a later run, or a resumed one, reads the same shards, and a
+    changed SRC is packed again. SRC's other packs (earlier versions, other settings) are removed once no run reads
+    them. `skip` false (data.skip_bad_samples): a file the pack skipped (undecodable, or named and not there)
     stops the run, named.
 
     Why a copy rather than reading the files as they are: a bucket serves many small objects slowly in any
@@ -337,8 +344,9 @@ def packed_for_streaming(
     packs it again and goes on where it stopped."""
     fs, path = resolve(src)
     version, size = fingerprint(fs, path, src, columns)
-    settings = repr((hold, columns)) if is_manifest(path) else repr(hold)  # another split: a pack of its own
-    stem = hashlib.sha256(f"{fs.unstrip_protocol(path)}\n{settings}".encode()).hexdigest()[:16]
+    settings = repr((hold, columns)) if is_manifest(path) else repr(hold)
+    version += f"-{hashlib.sha256(settings.encode()).hexdigest()[:6]}"  # another split is another pack
+    stem = hashlib.sha256(fs.unstrip_protocol(path).encode()).hexdigest()[:16]
     folder = cache / "shards"
     dst = folder / f"{stem}-{version}"
     try:
@@ -348,6 +356,9 @@ def packed_for_streaming(
         raise StorageError(f"data.placement=stream: cannot use the job's cache {cache}: {one_line(e)}") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # torchrun's processes on one machine: one packs, the others wait for it
+        for old in folder.glob(f"{stem}-*"):
+            if old != dst and old.is_dir():
+                remove_unread(old)  # SRC's pack of an earlier version or other settings, unless a run reads it
         if (dst / INDEX).is_file():
             log(f"data: streaming {src} from its shards in {dst}")
             index = read_json(LocalFileSystem(), str(dst / INDEX), str(dst))
@@ -361,10 +372,7 @@ def packed_for_streaming(
                 )
             log(f"data: streaming {src}: packing it into shards in {dst} once (later runs read them)")
             index = pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns)
-        reading(dst)
-        for old in folder.glob(f"{stem}-*"):
-            if old != dst and old.is_dir():
-                remove_unread(old)  # the pack of an earlier version of SRC, unless a run still reads it
+        reading(dst, cache)
     bad = index["inventory"]["skipped"]
     if bad and not skip:
         raise DataError(f"{src}: {bad[0]['path']}: {bad[0]['reason']} (data.skip_bad_samples is false)")
@@ -374,22 +382,28 @@ def packed_for_streaming(
 READING: list = []  # the packs this process reads, each with a shared lock held until the process ends
 
 
-def reading(pack: Path) -> None:
+def reading(pack: Path, cache: Path) -> None:
     """Mark a pack as read by this process (a shared lock on <pack>/.reading, held until it exits), so that no run
-    packing a changed SRC removes it under a run still training from it."""
-    f = open(pack / ".reading", "a")  # noqa: SIM115 (held for the life of the process)
-    fcntl.flock(f, fcntl.LOCK_SH)
+    packing SRC again (changed, or with other split settings) removes it under a run still training from it."""
+    try:
+        f = open(pack / ".reading", "a")  # noqa: SIM115 (held for the life of the process)
+        fcntl.flock(f, fcntl.LOCK_SH)
+    except OSError as e:
+        raise StorageError(f"data.placement=stream: cannot use the job's cache {cache}: {one_line(e)}") from None
     READING.append(f)
 
 
 def remove_unread(pack: Path) -> None:
-    """A stale pack removed, when no process reads it (its lock taken at once, or it is left for a later run)."""
-    with open(pack / ".reading", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
-        shutil.rmtree(pack, ignore_errors=True)
+    """A pack removed when no process reads it (its lock taken at once); else, or where it cannot be, left."""
+    try:
+        with open(pack / ".reading", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            shutil.rmtree(pack, ignore_errors=True)
+    except OSError:
+        return
 
 
 def listing(fs, path: str, url: str) -> dict[str, dict]:
@@ -441,11 +455,14 @@ def fingerprint(fs, path: str, url: str, columns: Columns) -> tuple[str, int]:
 def named(fs, path: str, url: str, columns: Columns) -> dict[str, dict]:
     """A manifest and the images under its folder that its rows name (one listing): path -> info. Images it names
     by URL elsewhere are not watched: a change to one is not seen."""
-    from job.data.manifest import cell, read_rows
+    from job.data.manifest import COLUMNS_HINT, cell, read_rows
 
     folder = path.rsplit("/", 1)[0]
     try:
         rows = read_rows(url, fs.cat_file(path))
+        missing = [c for c in (columns.path, columns.label) if rows and c not in rows[0]]
+        if missing:  # named before any pack of SRC is touched
+            raise DataError(f"{url}: no column '{missing[0]}' (columns: {', '.join(rows[0])}); {COLUMNS_HINT}")
         paths = {f"{folder}/{cell(row, columns.path).removeprefix('./')}" for row in rows}
         return {path: fs.info(path)} | {p: i for p, i in fs.find(folder, detail=True).items() if p in paths}
     except DataError:

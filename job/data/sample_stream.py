@@ -37,14 +37,14 @@ def mix(*parts: int) -> int:
 @dataclass(frozen=True)
 class Part:
     """Samples first, first + step, ... of a shard of `samples` samples (step 1: the whole shard); with `carve`,
-    of the `kept` samples of the shard its split takes (their keys' role), counted among those alone."""
+    of the `in_split` samples of the shard its split takes (their keys' role), counted among those alone."""
 
     url: str
     samples: int  # in the whole shard: what its reading is checked against
     first: int = 0
     step: int = 1
     carve: Carve | None = None
-    kept: int = -1  # with carve: the samples of the split in the shard
+    in_split: int = -1  # with carve: the samples of the split in the shard
 
     @classmethod
     def of(cls, shard: Shard, first: int = 0, step: int = 1) -> Part:
@@ -55,7 +55,7 @@ class Part:
 
     @property
     def taken(self) -> int:
-        return len(range(self.first, self.samples if self.carve is None else self.kept, self.step))
+        return len(range(self.first, self.samples if self.carve is None else self.in_split, self.step))
 
 
 class SampleStream:
@@ -64,19 +64,19 @@ class SampleStream:
 
     def __init__(self, parts: list[Part], buffer: int, key: tuple[int, ...], at: dict | None = None) -> None:
         self.parts, self.size, self.key = parts, buffer, key
-        self.shard, self.offset, self.index, self.kept, self.draws = 0, 0, 0, 0, 0
+        self.shard, self.offset, self.index, self.in_split, self.draws = 0, 0, 0, 0, 0
         self.buffer: list[Sample] = []
         self.remote = not isinstance(filesystem(parts[0].url)[0], LocalFileSystem) if parts else False
         if at is not None:
             self.shard, self.offset, self.draws = at["shard"], at["offset"], at["draws"]
             self.index = at.get("index", 0)  # None: not saved (an earlier version's place); not checked
-            self.kept = at.get("kept", self.index)  # saved with no carve (earlier versions): every sample is kept
+            self.in_split = at.get("in_split", self.index)  # earlier versions: no carve, every sample counts
             self.buffer = refill([p.url for p in parts], at["buffer"])
 
     def position(self) -> tuple:
         """Where the stream stands, cheaply (taken after every batch): the buffer's samples as they are now.
         `saved()` turns it into what a checkpoint keeps."""
-        return self.shard, self.offset, self.index, self.kept, self.draws, tuple(self.buffer)
+        return self.shard, self.offset, self.index, self.in_split, self.draws, tuple(self.buffer)
 
     def draw(self, n: int) -> int:
         self.draws += 1
@@ -113,22 +113,22 @@ class SampleStream:
                 try:
                     for sample in samples(f, self.shard, part.url):
                         ours = roles is None or roles(sample.key) == part.carve.role
-                        mine = ours and (part.step == 1 or self.kept % part.step == part.first)
+                        mine = ours and (part.step == 1 or self.in_split % part.step == part.first)
                         self.offset, self.index = sample.end, None if self.index is None else self.index + 1
-                        self.kept = None if self.kept is None else self.kept + ours
+                        self.in_split = None if self.in_split is None else self.in_split + ours
                         if mine:
                             yield sample
                 finally:
                     f.close()
-                expected = part.samples, part.kept if roles is not None else self.kept
-                if self.index is not None and (self.index, self.kept) != expected:
-                    split = f" ({self.kept} of its split)" if roles is not None else ""
-                    said = f" ({part.kept})" if roles is not None else ""
+                expected = part.samples, part.in_split if roles is not None else self.in_split
+                if self.index is not None and (self.index, self.in_split) != expected:
+                    split = f" ({self.in_split} of its split)" if roles is not None else ""
+                    said = f" ({part.in_split})" if roles is not None else ""
                     raise DataError(
                         f"{part.url}: holds {self.index} samples{split} where its count says {part.samples}{said} "
                         "(changed since it was counted or packed? pack it again)"
                     )
-                self.shard, self.offset, self.index, self.kept = self.shard + 1, 0, 0, 0
+                self.shard, self.offset, self.index, self.in_split = self.shard + 1, 0, 0, 0
         finally:
             if fetch:
                 fetch.close()
@@ -136,12 +136,12 @@ class SampleStream:
 
 def saved(position: tuple) -> dict:
     """A stream position as a checkpoint holds it: the buffer as references to its samples' bytes."""
-    shard, offset, index, kept, draws, buffer = position
+    shard, offset, index, in_split, draws, buffer = position
     return {
         "shard": shard,
         "offset": offset,
         "index": index,
-        "kept": kept,
+        "in_split": in_split,
         "draws": draws,
         "buffer": refs(buffer),
     }

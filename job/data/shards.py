@@ -54,7 +54,7 @@ class Carve:
     hold: HoldOut
 
     def roles(self) -> Roles:
-        return Roles(self.hold.seed, self.hold.val, self.hold.test)
+        return self.hold.roles()
 
 
 @dataclass(frozen=True)
@@ -340,7 +340,8 @@ def open_shards(url: str, cache: Path | None, log: Log, hold: HoldOut | None = N
     if not splits["train"]:
         raise DataError(f"{url}: no train/*.tar shards")
     if not splits["val"] and not splits["test"] and carve is None:
-        raise DataError(f"{url}: no test/*.tar (or val/*.tar) shards, and data.val_split holds none out of train/")
+        held = ", and data.val_split holds none out of train/" if hold is not None else ""
+        raise DataError(f"{url}: no test/*.tar (or val/*.tar) shards{held}")
     names = read_text(fs, f"{path.rstrip('/')}/{CLASSES}", url)
     if names is not None:
         classes = [line.strip() for line in names.splitlines() if line.strip()]
@@ -461,7 +462,7 @@ class Tally:
 
 def tally(url: str, split: str, carve: HoldOut | None) -> Tally:
     """Read one shard through, its samples sorted by key where `carve` holds some out (job/data/split.py's Roles)."""
-    roles = Roles(carve.seed, carve.val, carve.test) if carve is not None else None
+    roles = carve.roles() if carve is not None else None
     labels: dict[str, Counter] = {split: Counter()}
     held: dict[str, list[str]] = {}
     f = ShardFile(url)

@@ -68,6 +68,9 @@ class HoldOut:
         """data.val_split, data.test_split (none unless set, for files) and data.split_seed."""
         return cls(cfg.val_split, cfg.test_split or 0.0, cfg.split_seed)
 
+    def roles(self) -> Roles:
+        return Roles(self.seed, self.val, self.test)
+
 
 class Roles:
     """train, val or test for a sample with no split of its own, by its key: the first 8 bytes of BLAKE2b of

@@ -83,7 +83,8 @@ class StreamData:
 
     @property
     def inventory(self) -> Inventory | None:
-        """The split as `job shard` recorded it in the index (none for shards from other tools)."""
+        """The split as `job shard` recorded it in the index, or as held out of train/ by key (open_shards); none
+        for shards from other tools that hold their own val/ and test/."""
         saved = self.shards.inventory
         return Inventory.from_json(saved) if saved is not None else None
 
@@ -199,7 +200,8 @@ class StreamLoader:
         """What a saved place refers to: this process's parts of the shards in the epoch's order, by file name and
         sample count (a data set moved elsewhere keeps them)."""
         named = "\n".join(
-            f"{p.url.rsplit('/', 1)[-1]} {p.samples} {p.first} {p.step}" + (f" {p.carve} {p.kept}" if p.carve else "")
+            f"{p.url.rsplit('/', 1)[-1]} {p.samples} {p.first} {p.step}"
+            + (f" {p.carve} {p.in_split}" if p.carve else "")  # a split held out by key: which, and its count
             for p in self.parts(epoch)
         )
         return hashlib.sha256(named.encode()).hexdigest()[:16]
