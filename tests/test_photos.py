@@ -307,6 +307,34 @@ def test_a_manifest_packed_into_shards_splits_and_decodes_as_it_reads(tmp_path):
     assert code == 2 and "--label-column kind" in err and "Traceback" not in err, err
 
 
+def test_a_manifest_naming_images_in_a_bucket_packs_them_as_it_reads_them(tmp_path, bucket):
+    """Rows naming images by gs:// URL (fetched many at once), one of them not there: packed and held alike, the
+    missing one skipped and named."""
+    from job.data.manifest import load_manifest
+    from job.data.stream import load_shards
+
+    root = photo_folder(tmp_path / "photos")
+    bucket.put_tree(root / "owls", "owls")
+    table = tmp_path / "labels.csv"
+    with open(table, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "label"])
+        for name in ("cats", "dogs"):
+            w.writerows([p.relative_to(tmp_path).as_posix(), name] for p in sorted((root / name).rglob("IMG_0*")))
+        w.writerows([bucket.url(f"owls/{p.relative_to(root / 'owls').as_posix()}"), "owls"]
+                    for p in sorted((root / "owls").rglob("IMG_0*")))  # fmt: skip
+        w.writerow([bucket.url("owls/IMG_999.jpg"), "owls"])
+    dst = tmp_path / "shards"
+    code, err = invoke(["shard", str(table), str(dst), "--val-split", "0.2"])
+    assert code == 0, err
+    cfg = DataConfig(kind="manifest", path=str(table), val_split=0.2, image_size=24)
+    held = load_manifest(cfg, None, print)
+    packed = load_shards(cfg.model_copy(update={"kind": "shards", "path": str(dst)}), None, print)
+    assert [s["path"] for s in held.inventory.skipped] == [bucket.url("owls/IMG_999.jpg")]
+    assert [s["path"] for s in packed.inventory.skipped] == [bucket.url("owls/IMG_999.jpg")]
+    assert held.inventory.counts == packed.inventory.counts and held.inventory.counts["train"]["owls"] > 20
+
+
 def test_a_manifest_naming_an_image_twice_packs_it_twice(tmp_path):
     """Rows may repeat an image (oversampling): packed, each row is a sample of its own key, so copies that the
     shuffle puts side by side are not read back as one sample; streamed as many as held."""

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from job.cloud import describe_storage_error, filesystem
+from job.cloud import describe_storage_error, fetch_concurrency, filesystem
 from job.data.dataset import Dataset
-from job.data.files import Log, fetch, read_bytes, read_entries
+from job.data.files import FETCH_CHUNK, Log, read_bytes, read_entries
 from job.data.folder import check_files, held
 from job.data.split import SPLIT_FOLDERS, Files, HoldOut
 from job.errors import DataError, StorageError
@@ -151,20 +151,33 @@ class Images:
             for name, data in read_entries(self.base, lambda name: name in inside, self.cache, self.log):
                 self.found.add(name)
                 yield name, data
-        for p in sorted(self.paths - inside):
-            fs, path = filesystem(p)
-            try:
-                data = fetch(fs, [path], p)[0] if fs.exists(path) else None
-            except StorageError:
-                raise
-            except Exception as e:  # the stores' clients raise many types
-                raise StorageError(f"cannot read {p}: {describe_storage_error(p, e)}") from None
-            if data is not None:
-                self.found.add(p)
-                yield p, data
+        outside = sorted(self.paths - inside)
+        for start in range(0, len(outside), FETCH_CHUNK):
+            yield from self.by_url(outside[start : start + FETCH_CHUNK])
         if self.paths and not self.found:
             n, first = len(self.paths), min(self.paths)
             raise DataError(f"{self.url}: none of its {n} image paths exists (e.g. {first}; relative to {self.base})")
+
+    def by_url(self, urls: list[str]) -> Iterator[tuple[str, bytes]]:
+        """Images named by URL (or by a path outside the manifest's folder), each store's fetched concurrently in
+        one call, as a folder's are (files.fetch); one that is not there is left for missing()."""
+        stores: dict[int, tuple] = {}
+        for url in urls:
+            fs, path = filesystem(url)
+            stores.setdefault(id(fs), (fs, []))[1].append((url, path))
+        for fs, named in stores.values():
+            try:
+                got = fs.cat([path for _, path in named], on_error="return", **fetch_concurrency(named[0][0]))
+            except Exception as e:  # the stores' clients raise many types
+                raise StorageError(f"cannot read the data: {describe_storage_error(named[0][0], e)}") from None
+            for url, path in named:
+                data = got.get(path)  # bytes, or the error reading it gave (fsspec's on_error="return")
+                if isinstance(data, FileNotFoundError) or data is None:
+                    continue
+                if isinstance(data, BaseException):
+                    raise StorageError(f"cannot read {url}: {describe_storage_error(url, data)}")
+                self.found.add(url)
+                yield url, data
 
     def missing(self) -> list[dict[str, str]]:
         return [{"path": p, "reason": "no such file"} for p in sorted(self.paths - self.found)]
