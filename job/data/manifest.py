@@ -7,8 +7,9 @@ the file has it (train, val or valid, test; an empty cell is train). Rows with n
 for val and test by a hash of their path as written (job/data/split.py), as a folder's files are.
 
 Images under the manifest's folder are read through the folder reader's fetch and cache (one listing, concurrent
-requests, a local copy of remote data); others, by URL, one request each. `job shard` and data.placement=stream
-pack the same images, classes and splits into shards (job/data/pack.py), reading them one at a time (Images).
+requests, a local copy of remote data); others, by URL, many at once from each store (no cache). `job shard` and
+data.placement=stream pack the same images, classes and splits into shards (job/data/pack.py), reading them one
+at a time (Images).
 """
 
 from __future__ import annotations
@@ -136,8 +137,8 @@ def fetched(url: str, paths: list[str], cache: Path | None, log: Log) -> tuple[d
 
 
 class Images:
-    """(path, bytes) of the images a manifest names, read one at a time: those under the manifest's folder through
-    the folder reader (one listing, concurrent requests, the cache), others by URL, one request each. After the
+    """(path, bytes) of the images a manifest names, handed out one at a time: those under the manifest's folder
+    through the folder reader (one listing, concurrent requests, the cache), others by URL (by_url). After the
     pass, `missing()` names the paths that are not there; none there at all is an error."""
 
     def __init__(self, url: str, paths: list[str], cache: Path | None, log: Log) -> None:
