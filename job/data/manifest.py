@@ -70,12 +70,7 @@ def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tup
     """The manifest's rows as (path, label) per split, rows with no split of their own held out by a hash of their
     path as written; and every row's label."""
     rows = read_rows(url, raw)
-    if not rows:
-        raise DataError(f"{url}: no rows")
-    named = (columns.path, columns.label) + ((columns.split,) if columns.split != Columns().split else ())
-    for column in named:  # the split column may be absent, unless it was given another name than the default
-        if column not in rows[0]:
-            raise DataError(f"{url}: no column '{column}' (columns: {', '.join(rows[0])}); {COLUMNS_HINT}")
+    check_columns(url, rows, columns)
     files, labels = Files(), []
     role_of = hold.roles()
     for n, row in enumerate(rows, start=1):
@@ -93,6 +88,17 @@ def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tup
         files.roles[role].append((path, label))
         labels.append(label)
     return files, labels
+
+
+def check_columns(url: str, rows: list[dict], columns: Columns) -> None:
+    """Rows to read, with the columns named (the split column may be absent, unless given another name than the
+    default's)."""
+    if not rows:
+        raise DataError(f"{url}: no rows")
+    named = (columns.path, columns.label) + ((columns.split,) if columns.split != Columns().split else ())
+    for column in named:
+        if column not in rows[0]:
+            raise DataError(f"{url}: no column '{column}' (columns: {', '.join(rows[0])}); {COLUMNS_HINT}")
 
 
 def cell(row: dict, column: str) -> str:

@@ -37,9 +37,8 @@ from job.data.shards import CLASSES, INDEX, SPLITS, read_json
 from job.data.split import Files, HoldOut, Inventory, count, is_image_name, kind_of
 from job.errors import ConfigError, DataError, StorageError, one_line
 
-Spooled = tuple[
-    "Spool", set[tuple[int, int]], list[dict[str, str]], Files, list[str]
-]  # spool, sizes, skipped, files, classes
+# What a source spools: the spool, the image sizes seen, the files skipped, the files by split, and the classes.
+Spooled = tuple["Spool", set[tuple[int, int]], list[dict[str, str]], Files, list[str]]
 SIZE_UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1}
 
 
@@ -455,14 +454,12 @@ def fingerprint(fs, path: str, url: str, columns: Columns) -> tuple[str, int]:
 def named(fs, path: str, url: str, columns: Columns) -> dict[str, dict]:
     """A manifest and the images under its folder that its rows name (one listing): path -> info. Images it names
     by URL elsewhere are not watched: a change to one is not seen."""
-    from job.data.manifest import COLUMNS_HINT, cell, read_rows
+    from job.data.manifest import cell, check_columns, read_rows
 
     folder = path.rsplit("/", 1)[0]
     try:
         rows = read_rows(url, fs.cat_file(path))
-        missing = [c for c in (columns.path, columns.label) if rows and c not in rows[0]]
-        if missing:  # named before any pack of SRC is touched
-            raise DataError(f"{url}: no column '{missing[0]}' (columns: {', '.join(rows[0])}); {COLUMNS_HINT}")
+        check_columns(url, rows, columns)  # a misspelt column named before any pack of SRC is touched
         paths = {f"{folder}/{cell(row, columns.path).removeprefix('./')}" for row in rows}
         return {path: fs.info(path)} | {p: i for p, i in fs.find(folder, detail=True).items() if p in paths}
     except DataError:

@@ -369,8 +369,7 @@ def carving(splits: dict[str, list], inventory: dict | None, hold: HoldOut | Non
     """The shares of train/ held out for the splits the shards lack, where they record no split of their own."""
     if hold is None or inventory is not None:
         return None
-    val, test = (hold.val if not splits["val"] else 0.0), (hold.test if not splits["test"] else 0.0)
-    return HoldOut(val, test, hold.seed) if val or test else None
+    return hold.lacking(not splits["val"], not splits["test"])
 
 
 def carved(

@@ -71,6 +71,12 @@ class HoldOut:
     def roles(self) -> Roles:
         return Roles(self.seed, self.val, self.test)
 
+    def lacking(self, val: bool, test: bool) -> HoldOut | None:
+        """The shares held out where the data lacks a split of its own (`val`, `test`: it has none), or None when
+        nothing is held out: a split the data has is never added to."""
+        shares = HoldOut(self.val if val else 0.0, self.test if test else 0.0, self.seed)
+        return shares if shares.val or shares.test else None
+
 
 class Roles:
     """train, val or test for a sample with no split of its own, by its key: the first 8 bytes of BLAKE2b of
@@ -119,9 +125,8 @@ def sort_files(names: list[str], hold: HoldOut) -> Files:
     cut, files = len(prefix), Files()
     tops = {h.lower() for h in first_folders(ordered, cut, deep=True)}
     files.folders = tuple(r for r in ROLES if r in {SPLIT_FOLDERS[t] for t in tops if t in SPLIT_FOLDERS})
-    carve_val = hold.val if "val" not in files.folders else 0.0
-    carve_test = hold.test if "test" not in files.folders else 0.0
-    carve = Roles(hold.seed, carve_val, carve_test) if carve_val or carve_test else None
+    lacking = hold.lacking("val" not in files.folders, "test" not in files.folders)
+    carve = lacking.roles() if lacking is not None else None
     roles, held_out, outside, split_folders = files.roles, files.held_out, files.outside, bool(files.folders)
     seeded, to_int = (carve.seeded, int.from_bytes) if carve is not None else (None, None)
     for name in names:

@@ -460,7 +460,7 @@ def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
 def read_splits(shards: ShardSet, decoder: Decoder) -> tuple[Split | None, ...]:
     """Each split (SPLITS' order) decoded into memory, None where it has no shards; train/'s shards read once where
     splits are held out of them by key (Carve), each sample then put in its split."""
-    read = [read_all(shards.splits[s], decoder) if shards.splits[s] and not carved(shards.splits[s]) else None
+    read = [read_all(shards.splits[s], decoder) if shards.splits[s] and not by_key(shards.splits[s]) else None
             for s in SPLITS]  # fmt: skip
     held = {s.url: s for split in SPLITS for s in shards.splits[split] if s.carve is not None}
     if not held:
@@ -470,13 +470,13 @@ def read_splits(shards: ShardSet, decoder: Decoder) -> tuple[Split | None, ...]:
     role = held[urls[0]].carve.roles()
     roles = [role(key) for key in keys(every.names, urls)]
     for i, split in enumerate(SPLITS):
-        if carved(shards.splits[split]):
+        if by_key(shards.splits[split]):
             pick = [k for k, r in enumerate(roles) if r == split]
             read[i] = Split(every.x[pick], every.y[pick], [every.names[k] for k in pick])
     return tuple(read)
 
 
-def carved(shards: list[Shard]) -> bool:
+def by_key(shards: list[Shard]) -> bool:
     """Whether a split is held out of train/'s shards by key (all of its shards are, or none)."""
     return bool(shards) and shards[0].carve is not None
 
