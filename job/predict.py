@@ -30,11 +30,11 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from job import bundle, checkpoint
-from job.cloud import describe_storage_error, fetch_concurrency, filesystem
+from job.cloud import describe_storage_error, filesystem
 from job.config import validate
 from job.data.augment import to_float
 from job.data.decode import Decoder, decoder_for
-from job.data.files import is_archive, is_manifest, iter_archive
+from job.data.files import fetch_named, is_archive, is_manifest, iter_archive
 from job.data.split import kind_of
 from job.errors import CheckpointError, ConfigError, DataError, StorageError, one_line
 from job.models import build_model
@@ -141,9 +141,10 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
     for item in inputs:
         fs, path = filesystem(item)
         try:
-            if any(c in path for c in "*?["):
-                matches = sorted(fs.glob(path))
-                found += [(fs.unstrip_protocol(p), fs.unstrip_protocol(p)) for p in matches if not fs.isdir(p)]
+            if any(c in path for c in "*?[") and not fs.exists(path):  # a file named scan[1].png is a name
+                matches = [p for p in sorted(fs.glob(path)) if not fs.isdir(p)]
+                # named in the form given: a local path stays a path, a store's a URL
+                found += [(fs.unstrip_protocol(p) if "://" in item else p,) * 2 for p in matches]
                 if not matches:
                     raise DataError(f"{item}: no file matches")
             elif fs.isdir(path):
@@ -202,80 +203,43 @@ def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log) -> dict:
 
 
 def manifest_paths(url: str) -> list[tuple[str, str]]:
-    """(path as written, its URL) of a manifest's rows: its `path` column, relative to the manifest's folder."""
-    from job.data.files import read_bytes
+    """(path as written, its URL) of a manifest's rows: its `path` column, beside the manifest (files.beside)."""
+    from job.data.files import beside, read_bytes
     from job.data.manifest import read_rows
 
     rows = read_rows(url, read_bytes(url, None, lambda _: None))
     if rows and "path" not in rows[0]:
         raise DataError(f"{url}: no column 'path' (columns: {', '.join(rows[0])})")
-    base = url.rsplit("/", 1)[0] if "/" in url else "."
     paths = [str(r["path"]).strip() for r in rows if r.get("path")]
-    return [(p, p if "://" in p or p.startswith("/") else f"{base}/{p.removeprefix('./')}") for p in paths]
+    return [(p, beside(url, p)) for p in paths]
 
 
 Read = tuple[str, bytes, str]  # an input's name, its bytes, and why it could not be read ("" when it was)
 
 
 GONE = "not found (moved or removed since it was listed?)"
-PATTERN = set("*?[")
 
 
-def read_local(url: str) -> tuple[bytes, str]:
-    """A local file's bytes, or why it could not be read."""
-    try:
-        with open(url.removeprefix("file://"), "rb") as f:
-            return f.read(), ""
-    except FileNotFoundError:
-        return b"", GONE
-    except OSError as e:
-        return b"", f"cannot read it: {one_line(e)}"
-
-
-def fetched(fs, group: list[tuple[str, str]]) -> list[Read]:
-    """A store's files fetched concurrently in one call: each file's bytes, or why that one could not be read. A name
-    holding *, ? or [ is fetched alone (fsspec's cat expands such paths as patterns)."""
-    paths = [fs._strip_protocol(u) for _, u in group]
-    plain = [p for p in paths if not PATTERN & set(p)]
-    got: dict = {}
-    if plain:
-        try:
-            got = fs.cat(plain, on_error="return", **fetch_concurrency(group[0][1]))
-        except FileNotFoundError:  # none of them there: each is asked for alone below, and named
-            got = {}
-        except Exception as e:  # the call itself failed (no such bucket, no credentials): nothing can be read
-            raise StorageError(f"cannot read the inputs: {describe_storage_error(group[0][1], e)}") from None
-    out = []
-    for (name, url), path in zip(group, paths):
-        data = got.get(path)
-        if data is None:
-            try:
-                data = fs.cat_file(path)
-            except Exception as e:  # the stores' clients raise many types: the row names it
-                data = e
-        if isinstance(data, bytes):
-            out.append((name, data, ""))
-        else:
-            out.append((name, b"", GONE if isinstance(data, FileNotFoundError) else describe_storage_error(url, data)))
-    return out
+def why(url: str, error: Exception) -> str:
+    """A row's words for a file that could not be read."""
+    if isinstance(error, FileNotFoundError):
+        return GONE
+    if "://" not in url or url.startswith("file://"):
+        return f"cannot read it: {one_line(error)}"
+    return describe_storage_error(url, error)
 
 
 def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[Read]]:
-    """The inputs' bytes, `chunk` files at a time (fetched concurrently from a store); an archive's images as its
-    members come. A file that cannot be read says why, and the rest go on."""
+    """The inputs' bytes, `chunk` files at a time (each store's fetched concurrently: files.fetch_named); an
+    archive's images as its members come. A file that cannot be read says why, and the rest go on."""
     pending: list[tuple[str, str]] = []
 
-    def flush() -> Iterator[list[Read]]:
-        by_store: dict[str, list[tuple[str, str]]] = {}
-        for name, url in pending:  # by the URL's scheme: one filesystem, and one concurrent fetch, per store
-            by_store.setdefault(url.split("://", 1)[0] if "://" in url else "", []).append((name, url))
-        for group in by_store.values():
-            fs = filesystem(group[0][1])[0]
-            if isinstance(fs, LocalFileSystem):  # local files read directly: fsspec's per-path work costs more
-                yield [(name, *read_local(url)) for name, url in group]
-            else:
-                yield fetched(fs, group)
+    def flush() -> list[Read]:
+        got = fetch_named([url for _, url in pending])
+        batch = [(name, b"", why(url, data)) if isinstance(data, Exception) else (name, data, "")
+                 for (name, url), data in zip(pending, got)]  # fmt: skip
         pending.clear()
+        return batch
 
     for name, url in found:
         if url is None:
@@ -291,9 +255,9 @@ def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[Read]
             continue
         pending.append((name, url))
         if len(pending) == chunk:
-            yield from flush()
+            yield flush()
     if pending:
-        yield from flush()
+        yield flush()
 
 
 def predict(

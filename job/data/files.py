@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import io
 import os
+import posixpath
 import tarfile
 import time
 import zlib
@@ -155,21 +156,75 @@ def writable(folder: Path) -> bool:
 
 
 def fetch_all(fs, root: str, names: list[str], url: str) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of each file root + name, fetched FETCH_CHUNK at a time (concurrently within a chunk)."""
+    """(name, bytes) of each file root + name, fetched FETCH_CHUNK at a time (concurrently within a chunk); a file
+    that cannot be read (gone since it was listed) stops the read, named."""
     for start in range(0, len(names), FETCH_CHUNK):
         chunk = names[start : start + FETCH_CHUNK]
-        yield from zip(chunk, fetch(fs, [root + n for n in chunk], url))
+        for name, data in zip(chunk, cat_many(fs, [root + n for n in chunk], url)):
+            if isinstance(data, BaseException):
+                raise StorageError(f"cannot read {url.rstrip('/')}/{name}: {describe_storage_error(url, data)}")
+            yield name, data
 
 
-def fetch(fs, paths: list[str], url: str) -> list[bytes]:
-    """Contents of many files, in order; remote filesystems fetch them concurrently in one call."""
+def cat_many(fs, paths: list[str], url: str) -> list[bytes | Exception]:
+    """Contents of many files of one store, in order: each file's bytes, or the error reading it gave
+    (FileNotFoundError when it is not there). A name is a name: `[`, `]`, `*`, `?` are characters of it (fsspec's
+    cat expands them as patterns; cat_ranges reads each path as given). Remote stores read them concurrently."""
     if not paths:
         return []
     try:
-        got = fs.cat(paths, on_error="raise", **fetch_concurrency(url))
-    except Exception as e:
+        return fs.cat_ranges(paths, None, None, on_error="return", **fetch_concurrency(url))
+    except Exception as e:  # the call itself failed (no such bucket, no credentials): the stores raise many types
         raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
-    return [got[p] for p in paths]
+
+
+def fetch_named(urls: list[str]) -> list[bytes | Exception]:
+    """Contents of many files named by URL or local path, in order: each one's bytes, or the error reading it gave
+    (FileNotFoundError when it is not there). Local files are read directly (fsspec's per-path work costs more than
+    the read); each store's files are fetched concurrently in one call (cat_many: names as they are)."""
+    out: list[bytes | Exception] = [b""] * len(urls)
+    stores: dict[int, tuple[fsspec.AbstractFileSystem, list[int], list[str]]] = {}
+    for i, url in enumerate(urls):
+        if "://" not in url or url.startswith("file://"):
+            out[i] = read_local(url.removeprefix("file://"))
+            continue
+        fs, path = filesystem(url)
+        at = stores.setdefault(id(fs), (fs, [], []))
+        at[1].append(i)
+        at[2].append(path)
+    for fs, at, paths in stores.values():
+        for i, data in zip(at, cat_many(fs, paths, urls[at[0]])):
+            out[i] = data
+    return out
+
+
+def read_local(path: str) -> bytes | OSError:
+    """A local file's bytes, or the error reading it gave."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        return e
+
+
+def beside(named_by: str, path: str) -> str:
+    """Where a path written in a file (a manifest's row) points: a URL as it is; otherwise resolved against the
+    folder of the file that names it, and normalised (`./`, `../`), as a URL resolves a relative reference: never
+    against the working directory. An absolute path is a local file's beside a local file, and from the store's
+    root (the bucket) beside a remote one."""
+    if "://" in path:
+        return path
+    scheme, rest = named_by.split("://", 1) if "://" in named_by else ("", named_by)
+    if scheme in ("", "file"):
+        where = posixpath.normpath(path if path.startswith("/") else posixpath.join(posixpath.dirname(rest), path))
+        return f"file://{where}" if scheme else where
+    bucket, _, key = rest.partition("/")
+    where = posixpath.normpath(
+        path.lstrip("/") if path.startswith("/") else posixpath.join(posixpath.dirname(key), path)
+    )
+    if where == ".." or where.startswith("../"):
+        raise DataError(f"{named_by}: {path} climbs above the bucket {scheme}://{bucket}")
+    return f"{scheme}://{bucket}/{where}"
 
 
 def iter_archive(url: str) -> Iterator[tuple[str, bytes]]:

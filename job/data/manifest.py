@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from job.cloud import describe_storage_error, fetch_concurrency, filesystem
+from job.cloud import describe_storage_error
 from job.data.dataset import Dataset
-from job.data.files import FETCH_CHUNK, Log, read_bytes, read_entries
+from job.data.files import FETCH_CHUNK, Log, beside, fetch_named, read_bytes, read_entries
 from job.data.folder import check_files, held
 from job.data.split import SPLIT_FOLDERS, Files, HoldOut
 from job.errors import DataError, StorageError
@@ -143,48 +143,58 @@ def fetched(url: str, paths: list[str], cache: Path | None, log: Log) -> tuple[d
 
 
 class Images:
-    """(path, bytes) of the images a manifest names, handed out one at a time: those under the manifest's folder
-    through the folder reader (one listing, concurrent requests, the cache), others by URL (by_url). After the
-    pass, `missing()` names the paths that are not there; none there at all is an error."""
+    """(path, bytes) of the images a manifest names, handed out one at a time. Each path is resolved beside the
+    manifest (files.beside: `../` included, never against the working directory); those under the manifest's
+    folder are read through the folder reader (one listing, concurrent requests, the cache), others by URL, each
+    store's many at once (files.fetch_named). After the pass, `missing()` names the paths that are not there; none
+    there at all is an error."""
 
     def __init__(self, url: str, paths: list[str], cache: Path | None, log: Log) -> None:
         self.url, self.paths, self.cache, self.log = url, set(paths), cache, log
-        self.base = url.rsplit("/", 1)[0] if "/" in url else "."
+        self.where = {p: beside(url, p) for p in self.paths}
+        self.base = beside(url, ".")
         self.found: set[str] = set()
 
     def __iter__(self) -> Iterator[tuple[str, bytes]]:
-        inside = {p for p in self.paths if "://" not in p and not p.startswith(("/", "../"))}
+        inside: dict[str, list[str]] = {}  # a name under the manifest's folder -> the paths written for it
+        outside = []
+        for p in sorted(self.paths):
+            name = self.under_base(self.where[p])
+            if name is None:
+                outside.append(p)
+            else:
+                inside.setdefault(name, []).append(p)
         if inside:
-            for name, data in read_entries(self.base, lambda name: name in inside, self.cache, self.log):
-                self.found.add(name)
-                yield name, data
-        outside = sorted(self.paths - inside)
+            for name, data in read_entries(self.base, inside.__contains__, self.cache, self.log):
+                for p in inside[name]:
+                    self.found.add(p)
+                    yield p, data
         for start in range(0, len(outside), FETCH_CHUNK):
             yield from self.by_url(outside[start : start + FETCH_CHUNK])
         if self.paths and not self.found:
             n, first = len(self.paths), min(self.paths)
-            raise DataError(f"{self.url}: none of its {n} image paths exists (e.g. {first}; relative to {self.base})")
+            raise DataError(
+                f"{self.url}: none of its {n} image paths exists (e.g. {self.where[first]}, written {first})"
+            )
 
-    def by_url(self, urls: list[str]) -> Iterator[tuple[str, bytes]]:
-        """Images named by URL (or by a path outside the manifest's folder), each store's fetched concurrently in
-        one call, as a folder's are (files.fetch); one that is not there is left for missing()."""
-        stores: dict[int, tuple] = {}
-        for url in urls:
-            fs, path = filesystem(url)
-            stores.setdefault(id(fs), (fs, []))[1].append((url, path))
-        for fs, named in stores.values():
-            try:
-                got = fs.cat([path for _, path in named], on_error="return", **fetch_concurrency(named[0][0]))
-            except Exception as e:  # the stores' clients raise many types
-                raise StorageError(f"cannot read the data: {describe_storage_error(named[0][0], e)}") from None
-            for url, path in named:
-                data = got.get(path)  # bytes, or the error reading it gave (fsspec's on_error="return")
-                if isinstance(data, FileNotFoundError) or data is None:
-                    continue
-                if isinstance(data, BaseException):
-                    raise StorageError(f"cannot read {url}: {describe_storage_error(url, data)}")
-                self.found.add(url)
-                yield url, data
+    def under_base(self, where: str) -> str | None:
+        """A resolved path's name under the manifest's folder, or None when it lies elsewhere."""
+        if self.base == ".":
+            return None if where.startswith(("../", "/")) or "://" in where else where
+        prefix = self.base.rstrip("/") + "/"
+        return where[len(prefix) :] if where.startswith(prefix) else None
+
+    def by_url(self, paths: list[str]) -> Iterator[tuple[str, bytes]]:
+        """Images outside the manifest's folder, each store's fetched concurrently in one call; one that is not
+        there is left for missing()."""
+        for p, data in zip(paths, fetch_named([self.where[p] for p in paths])):
+            if isinstance(data, FileNotFoundError):
+                continue
+            if isinstance(data, Exception):
+                url = self.where[p]
+                raise StorageError(f"cannot read {url}: {describe_storage_error(url, data)}")
+            self.found.add(p)
+            yield p, data
 
     def missing(self) -> list[dict[str, str]]:
         return [{"path": p, "reason": "no such file"} for p in sorted(self.paths - self.found)]

@@ -29,7 +29,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from job.cloud import describe_storage_error, filesystem
-from job.data.files import VERSION_KEYS, Log, is_archive, is_manifest, read_bytes, read_entries, resolve
+from job.data.files import VERSION_KEYS, Log, beside, is_archive, is_manifest, read_bytes, read_entries, resolve
 from job.data.folder import Listing, check_files, report_skipped, sorted_files
 from job.data.image import UnreadableImage, image_size
 from job.data.manifest import Columns
@@ -460,7 +460,7 @@ def named(fs, path: str, url: str, columns: Columns) -> dict[str, dict]:
     try:
         rows = read_rows(url, fs.cat_file(path))
         check_columns(url, rows, columns)  # a misspelt column named before any pack of SRC is touched
-        paths = {f"{folder}/{cell(row, columns.path).removeprefix('./')}" for row in rows}
+        paths = {fs._strip_protocol(beside(url, cell(row, columns.path))) for row in rows}
         return {path: fs.info(path)} | {p: i for p, i in fs.find(folder, detail=True).items() if p in paths}
     except DataError:
         raise
