@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import typer.main
+from typer import rich_utils
 from typer.testing import CliRunner
 
 from job.cli import app
@@ -16,10 +17,17 @@ WIDTH = 100  # the help's line width; fixed, so the page is the same whatever te
 
 
 def help_text(*args: str) -> str:
-    """`python -m job ARGS --help` as a user reads it, at WIDTH columns, without trailing spaces."""
-    result = CliRunner().invoke(app, [*args, "--help"], prog_name="python -m job", terminal_width=WIDTH)
+    """`python -m job ARGS --help` as a user reads it, at WIDTH columns, without colours or trailing spaces."""
+    # typer reads TERMINAL_WIDTH, FORCE_COLOR and GITHUB_ACTIONS once, at import: pinned here, so that no
+    # environment (a CI runner, a wide terminal) changes the page
+    saved = rich_utils.MAX_WIDTH, rich_utils.FORCE_TERMINAL
+    rich_utils.MAX_WIDTH, rich_utils.FORCE_TERMINAL = WIDTH, False
+    try:
+        result = CliRunner().invoke(app, [*args, "--help"], prog_name="python -m job", terminal_width=WIDTH)
+    finally:
+        rich_utils.MAX_WIDTH, rich_utils.FORCE_TERMINAL = saved
     assert result.exit_code == 0, result.output
-    return "\n".join(line.rstrip() for line in result.output.strip("\n").splitlines())
+    return "\n".join(line.rstrip() for line in result.output.splitlines()).strip("\n")
 
 
 def reference() -> str:
