@@ -10,12 +10,21 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, write_image_folder
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 NOTEBOOK = ROOT / "colab" / "train.ipynb"
-PARAMETERS = ("CONFIG", "DATA_PATH", "OUTPUT_DIR", "OVERRIDES", "MOUNT_DRIVE", "INSTALL_SPEC")
+PARAMETERS = (
+    "CONFIG",
+    "DATA_PATH",
+    "OUTPUT_DIR",
+    "OVERRIDES",
+    "MOUNT_DRIVE",
+    "INSTALL_SPEC",
+    "PREDICT_INPUTS",
+    "EXPORT_FORMAT",
+)
 
 
 def test_notebook_is_valid_and_committed_without_outputs():
@@ -89,10 +98,14 @@ def test_notebook_trains_to_drive_then_resumes(tmp_path):
         "OVERRIDES": ["train.epochs=2000"],
         "MOUNT_DRIVE": True,
         "INSTALL_SPEC": "",
+        "PREDICT_INPUTS": [str(ROOT / "job" / "presets" / "iris.csv")],
     }
     first = execute(tmp_path, **params)
     assert "running on Colab" in first and "[1 images]" in first
     assert "final (epoch 2000, step 2000)" in first and "stub: Drive flushed" in first
+    assert "predict: 150 rows labelled" in first and "a table's model is not exported" in first
+    rows = (drive_run / "labels.csv").read_text().splitlines()
+    assert rows[0].startswith("path,label,probability,") and len(rows) == 151
     for name in ("config.yaml", "metrics.jsonl", "model.pt", "curves.png", "checkpoints/latest.json"):
         assert (drive_run / name).is_file(), name
     assert list((drive_run / "tensorboard").glob("events.out.tfevents.*"))
@@ -119,3 +132,27 @@ def test_the_default_install_source_is_a_copy_of_the_repository_on_drive(tmp_pat
     with pytest.raises(CellExecutionError, match=f"INSTALL_SPEC: no copy of the job's repository at {missing}"):
         execute(tmp_path, **params)
     assert not (tmp_path / "content" / "drive" / "MyDrive" / "runs").exists()  # stopped before training
+
+
+def test_notebook_labels_new_photos_and_exports_the_model(tmp_path):
+    """A photo run in the notebook goes on to its predict and export cells: labels.csv and a checked model.onnx on
+    "Drive"."""
+    photos = write_image_folder(tmp_path / "photos", n_classes=2, per_class=8, size=32, test_per_class=3)
+    drive_run = tmp_path / "content" / "drive" / "MyDrive" / "runs" / "photos"
+    params = {
+        "CONFIG": "cifar10",
+        "DATA_PATH": str(photos),
+        "OUTPUT_DIR": str(drive_run),
+        "OVERRIDES": ["data.kind=folder", "data.image_size=32", "train.epochs=1"],
+        "MOUNT_DRIVE": True,
+        "INSTALL_SPEC": "",
+        "PREDICT_INPUTS": [str(photos / "test")],
+        "EXPORT_FORMAT": "onnx",
+    }
+    out = execute(tmp_path, **params)
+    assert "predict: 6 images labelled" in out and "checked on 6 images with onnxruntime" in out, out[-2000:]
+    rows = (drive_run / "labels.csv").read_text().splitlines()
+    assert rows[0].startswith("path,label,probability,label_2,probability_2,") and len(rows) == 7
+    check = json.loads((drive_run / "model.onnx.check.json").read_text())
+    assert check["labels_agree"] and check["images"] == 6
+    assert (drive_run / "model.onnx").stat().st_size > 0
