@@ -24,15 +24,16 @@ from job.memory import memory_guard
 from job.report import say
 
 if TYPE_CHECKING:
-    from job.config import Config
+    from job.config import TrainConfig
     from job.train import Loop, Progress
 
 
 class Chooser:
-    """The best evaluation so far and its weights. `on`: the split evaluations report (val, or test)."""
+    """The best evaluation so far, its weights and its confusion matrix. `on`: the split evaluations report (val, or
+    test). A model that predicts one class for every sample is never chosen over one that tells classes apart,
+    whatever their accuracies (always saying the largest class can score the higher)."""
 
-    def __init__(self, cfg: Config, on: str) -> None:
-        t = cfg.train
+    def __init__(self, t: TrainConfig, on: str) -> None:
         if t.early_stopping_patience and on != "val":
             raise ConfigError(
                 "train.early_stopping_patience: stops on the val split's accuracy, and this data has none; hold some "
@@ -40,13 +41,21 @@ class Chooser:
             )
         self.on, self.patience, self.min_delta = on, t.early_stopping_patience, t.early_stopping_min_delta
         self.weights: dict[str, torch.Tensor] | None = None  # the best model's, on the host; None: the model's own
-        self.confusion: torch.Tensor | None = None  # of the latest evaluation (the final test's, at the end)
+        self.best_confusion: torch.Tensor | None = None  # the best evaluation's
+        self.latest_confusion: torch.Tensor | None = None
+        self.test_confusion: torch.Tensor | None = None  # the chosen model's on test, at the end
 
-    def judge(self, state, accuracy: float, model: torch.nn.Module) -> str:
-        """Record an evaluation's accuracy in the run's state (best_accuracy, best_epoch, evals_since_best); the
-        reason to stop early, or ''."""
-        if accuracy > state.best_accuracy + (self.min_delta if state.best_epoch else 0.0):
+    def judge(self, state, accuracy: float, model: torch.nn.Module, confusion: torch.Tensor) -> str:
+        """Record an evaluation (its accuracy and confusion matrix) in the run's state (best_accuracy, best_epoch,
+        best_one_class, evals_since_best); the reason to stop early, or ''."""
+        self.latest_confusion = confusion
+        one = scores.one_class(confusion) is not None
+        better = accuracy > state.best_accuracy + (self.min_delta if state.best_epoch else 0.0)
+        if state.best_epoch and one != state.best_one_class:
+            better = not one  # telling classes apart beats any accuracy of saying one class
+        if better:
             state.best_accuracy, state.best_epoch, state.evals_since_best = accuracy, state.epoch, 0
+            state.best_one_class, self.best_confusion = one, confusion
             if self.on == "val":
                 self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             return ""
@@ -60,14 +69,17 @@ class Chooser:
         return ""
 
     def saved(self, state) -> dict:
-        """What a checkpoint holds of the choice: the best weights while the model has moved past them."""
+        """What a checkpoint holds of the choice: the best evaluation's confusion matrix, and the best weights while
+        the model has moved past them."""
+        out = {"best_confusion": self.best_confusion} if self.best_confusion is not None else {}
         if self.on != "val" or self.weights is None or is_best(state):
-            return {}
-        return {"best_model": self.weights}
+            return out
+        return out | {"best_model": self.weights}
 
     def restore(self, payload: dict, model: torch.nn.Module) -> None:
         """The best weights from the checkpoint a run continues from: its own copy, or the model's where the
         checkpoint was taken at the best evaluation."""
+        self.best_confusion = payload.get("best_confusion")
         if self.on != "val":
             return
         best, progress = payload.get("best_model"), payload.get("progress", {})
@@ -82,6 +94,19 @@ class Chooser:
             return False
         model.load_state_dict(self.weights)
         return True
+
+    def chosen_confusion(self) -> torch.Tensor | None:
+        """The confusion matrix of the model the run ends with: the chosen one's on test when tested, else on val;
+        without a val split, the final model's latest."""
+        if self.test_confusion is not None:
+            return self.test_confusion
+        return self.best_confusion if self.on == "val" else self.latest_confusion
+
+    def chosen_one_class(self) -> int | None:
+        """The class the chosen model predicts for every val sample, when it tells no class from another."""
+        if self.on != "val" or self.best_confusion is None:
+            return None
+        return scores.one_class(self.best_confusion)
 
 
 def is_best(state) -> bool:
@@ -114,13 +139,12 @@ def test_and_report(loop: Loop) -> str:
         "samples_per_s": state.samples_since_eval / max(now - loop.t_eval, 1e-9),
         "wall_s": round(now - loop.t_start, 3),
     }
-    loop.chooser.confusion = scored.confusion
     show(loop, on, scored.confusion)
-    if (only := scores.one_class(scored.confusion)) is not None:
-        say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
-    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], r.model)
+    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], r.model, scored.confusion)
     state.steps_since_eval = state.samples_since_eval = 0
     loop.report.evaluation(record)
+    if (only := scores.one_class(scored.confusion)) is not None:  # under the epoch line it belongs to
+        say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
     loop.t_eval = now
     return reason
 
@@ -175,7 +199,7 @@ def final_test(loop: Loop) -> dict:
     if not tested:
         return {}
     scored = evaluate_split(loop, "test")
-    chooser.confusion = scored.confusion  # the weakest classes are the chosen model's on test
+    chooser.test_confusion = scored.confusion  # the weakest classes are the chosen model's on test
     show(loop, "test", scored.confusion)
     record = {"epoch": state.epoch, "step": state.step, "chosen_epoch": state.best_epoch}
     record |= {"val_accuracy": state.best_accuracy, **scored.record("test")}
@@ -193,12 +217,20 @@ def outcome(on: str, final: dict, state: Progress) -> str:
     return f"{best}, its weights in model.pt{tested}"
 
 
-def weakest_line(chooser: Chooser, classes: list[str]) -> str:
-    """The three classes of the lowest F1 in the latest evaluation (the chosen model's on test, at the end), or ''."""
-    if chooser.confusion is None or len(classes) < 2:
-        return ""
-    shown = ", ".join(f"{name} {f1:.2f}" for name, f1 in scores.weakest(chooser.confusion, classes))
-    return f"weakest classes by F1: {shown}"
+def chosen_lines(chooser: Chooser, classes: list[str], best_epoch: int) -> list[str]:
+    """What the end of a run says of the model it ends with: that it tells no class from another, when so; the three
+    classes of its lowest F1 (on test when tested, else on val)."""
+    lines = []
+    if (only := chooser.chosen_one_class()) is not None:
+        lines.append(
+            f"warning: the chosen model (epoch {best_epoch}) predicts {classes[only]} for every val sample: it tells "
+            "no class from another (more epochs, another learning rate, or class weights: train.class_weights=balanced)"
+        )
+    confusion = chooser.chosen_confusion()
+    if confusion is not None and len(classes) >= 2:
+        shown = ", ".join(f"{name} {f1:.2f}" for name, f1 in scores.weakest(confusion, classes))
+        lines.append(f"weakest classes by F1: {shown}")
+    return lines
 
 
 def write_reports(loop: Loop) -> None:

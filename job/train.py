@@ -18,7 +18,7 @@ import torch
 
 from job import bundle, checkpoint, distributed, recipe, schedule
 from job.attempts import Attempt
-from job.choose import Chooser, final_test, is_best, outcome, test_and_report, weakest_line, write_reports
+from job.choose import Chooser, chosen_lines, final_test, is_best, outcome, test_and_report, write_reports
 from job.config import Config, flat_items, to_yaml
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
@@ -46,6 +46,7 @@ class Progress:
     samples_since_eval: int = 0
     best_accuracy: float = -1.0  # of the split evaluations report: val, else test (job/choose.py)
     best_epoch: int = 0
+    best_one_class: bool = False  # whether the best evaluation's model predicted one class for every sample
     evals_since_best: int = 0
     stopped_early: str = ""  # why early stopping ended the run; empty while it goes on
     run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
@@ -144,7 +145,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
-    chooser = Chooser(cfg, r.evaluated_on)
+    chooser = Chooser(cfg.train, r.evaluated_on)
     params, stem = sum(p.numel() for p in r.model.parameters()), describe_model(cfg.model, r.input_shape)
     say(f"model {cfg.model.name}{stem}: {params:,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
@@ -386,8 +387,8 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     if stop.signal or stop.received:  # it came during the last step or while the results were written
         reason = stop.describe(stop.signal or stop.received)
         say(f"{reason} came as the run was ending: it finished, there is nothing to continue")
-    if weakest := weakest_line(loop.chooser, loop.r.classes):
-        say(weakest)  # before the last line, which says where the outputs are
+    for line in chosen_lines(loop.chooser, loop.r.classes, state.best_epoch):
+        say(line)  # before the last line, which says where the outputs are
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; {outcome(on, final, state)}; "
         f"outputs in {run_dir.url}" + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")

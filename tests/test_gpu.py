@@ -55,7 +55,7 @@ def test_an_epoch_never_waits_for_the_gpu(tmp_path, placement, precision, captur
     run_dir = RunDir(str(tmp_path / "run"))
     report = Report(run_dir, {}, 2, len(r.train), 0)
     with StopRequest(20) as stop:
-        clock, chooser = TrainClock(CUDA), Chooser(cfg, r.evaluated_on)
+        clock, chooser = TrainClock(CUDA), Chooser(cfg.train, r.evaluated_on)
         loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, 0.0, 0.0, Attempt(None), chooser)
         for _ in range(2):  # warm-up: cuDNN picks its kernels, then each batch shape is captured
             train_epoch(loop, 0)
@@ -241,7 +241,7 @@ def test_the_fast_preset_on_cuda_never_waits_in_an_epoch_and_captures_as_it_runs
     run_dir = RunDir(str(tmp_path / "run"))
     with StopRequest(20) as stop:
         report = Report(run_dir, {}, 2, len(r.train), 0)
-        clock, chooser = TrainClock(CUDA), Chooser(cfg, r.evaluated_on)
+        clock, chooser = TrainClock(CUDA), Chooser(cfg.train, r.evaluated_on)
         loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, 0.0, 0.0, Attempt(None), chooser)
         train_epoch(loop, 0)  # warm-up and capture
         torch.cuda.synchronize()
@@ -395,7 +395,7 @@ def test_a_streamed_epoch_with_a_view_never_waits_for_the_gpu(tmp_path, decode, 
     run_dir = RunDir(str(tmp_path / "run"))
     report = Report(run_dir, {}, 2, len(r.train), 0)
     with StopRequest(20) as stop:
-        clock, chooser = TrainClock(CUDA), Chooser(cfg, r.evaluated_on)
+        clock, chooser = TrainClock(CUDA), Chooser(cfg.train, r.evaluated_on)
         loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, 0.0, 0.0, Attempt(None), chooser)
         for epoch in range(2):  # warm-up: cuDNN picks its kernels, each batch shape is captured
             train_epoch(loop, epoch)

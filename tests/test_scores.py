@@ -432,3 +432,45 @@ def test_a_sample_whose_loss_is_not_a_number_stays_among_the_worst():
     x[0] = float("nan")
     s = diagnostics.per_sample(model, BatchLoader(Split(x, y), 4, CPU, CPU), torch.no_grad)
     assert sorted(s.worst.tolist()) == list(range(10))
+
+
+def confusion_of(*rows: list[int]) -> torch.Tensor:
+    return torch.tensor(rows)
+
+
+def test_a_one_class_model_is_never_chosen_over_one_that_separates_classes():
+    """Val accuracy 0.38 by always saying the largest class must not beat 0.30 of a model that tells classes apart; a
+    separating model beats a one-class best whatever its accuracy; the chosen model's confusion is the one reported
+    at the end, across a resume too."""
+    from job.choose import Chooser
+    from job.config import TrainConfig
+    from job.train import Progress
+
+    model = torch.nn.Linear(2, 3)
+    separating = confusion_of([3, 2, 3], [2, 3, 3], [2, 2, 3])  # 9 of 23 right: 0.39... here accuracy is given
+    constant = confusion_of([0, 0, 8], [0, 0, 8], [0, 0, 7])
+    for first, second, chosen in ((separating, constant, 1), (constant, separating, 2)):
+        chooser, state = Chooser(TrainConfig(), "val"), Progress()
+        state.epoch = 1
+        chooser.judge(state, 0.30 if first is separating else 0.38, model, first)
+        state.epoch = 2
+        chooser.judge(state, 0.38 if second is constant else 0.30, model, second)
+        assert state.best_epoch == chosen and torch.equal(chooser.chosen_confusion(), separating)
+        state.epoch = 3
+        chooser.judge(state, 0.2, model, constant)  # the latest evaluation is not what the end describes
+        payload = {"progress": {"best_epoch": state.best_epoch, "epoch": 3, "epoch_step": 0}} | chooser.saved(state)
+        again = Chooser(TrainConfig(), "val")
+        again.restore(payload, model)
+        assert torch.equal(again.chosen_confusion(), separating) and again.chosen_one_class() is None
+
+
+def test_a_one_class_warning_follows_its_epoch_line_and_the_end_says_the_chosen_model_is_one(tmp_path):
+    out = tmp_path / "run"
+    over = sets("optim.lr=1e-9", "train.epochs=3", "train.eval_every_epochs=1", "data.val_split=0.2")
+    code, err = invoke(["train", "--device", "cpu", "--output", str(out), *over])
+    assert code == 0, err
+    lines = err.splitlines()
+    warned = [i for i, line in enumerate(lines) if line.startswith("warning: the model predicts")]
+    assert len(warned) == 3 and all(lines[i - 1].startswith(f"epoch {n + 1}/3") for n, i in enumerate(warned)), err
+    end = next(line for line in lines if line.startswith("warning: the chosen model"))
+    assert "(epoch 1) predicts versicolor for every val sample" in end, err
