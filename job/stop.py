@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from job.duration import format_duration
-from job.errors import Interrupted
+from job.errors import Cancelled, ConfigError, Interrupted, JobError
 from job.report import say
 
 # The reason a time limit gives, in the same integer as a signal number so that a process group combines both in one
@@ -39,6 +39,7 @@ class StopRequest:
         self.time_limit: float | None = None  # seconds, counted from when this request was made
         self.started = time.monotonic()
         self._signalled = False
+        self._at_once = False  # a signal ends the process at once (reading the data: nothing to save)
         self._previous: dict[int, Any] = {}
         self._timer: threading.Timer | None = None
         self._limit_timer: threading.Timer | None = None
@@ -59,6 +60,28 @@ class StopRequest:
             # other processes as soon as one exits) must not turn that exit into a kill.
             stopping = self.exits_after and sig == signal.SIGTERM and kind is not None and issubclass(kind, Interrupted)
             signal.signal(sig, signal.SIG_IGN if stopping else handler)
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """A block before training that a signal ends at once, with unstarted()'s error: reading the data can take
+        minutes, and nothing is written or saved yet. The time limit still waits for the block's end."""
+        if self.received not in (None, TIME_LIMIT):
+            raise self.unstarted(self.received)
+        self._at_once = True
+        try:
+            yield
+        finally:
+            self._at_once = False
+
+    def unstarted(self, reason: int | None = None) -> JobError:
+        """The error that ends a run stopped before training began (by default for the reason the loop acts on)."""
+        reason = self.signal if reason is None else reason
+        said = self.describe(reason)
+        if reason == TIME_LIMIT:  # the next attempt would set up as long: a setting to change, not a retry
+            return ConfigError(f"{said} ran out before training began: allow more with train.time_limit")
+        if reason == signal.SIGINT:  # the user's Ctrl-C: nothing to continue, and 75 would promise a checkpoint
+            return Cancelled(f"stopped by {said} before training began; nothing was saved")
+        return Interrupted(f"stopped by {said} before training began: run the same command again to start")
 
     def limit(self, seconds: float | None) -> None:
         """Stop, as on SIGTERM, once `seconds` have passed since this request was made (None: no limit)."""
@@ -136,6 +159,9 @@ class StopRequest:
             raise KeyboardInterrupt
         self._signalled = True
         self._note(sig)
+        if self._at_once:
+            self._at_once = False
+            raise self.unstarted(sig)
 
     def _note(self, reason: int) -> None:
         """A signal (in the main thread) or the time limit (in its timer's thread): the first one counts. In a group

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import signal
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -22,7 +21,7 @@ from job.choose import Chooser, chosen_lines, final_test, is_best, outcome, test
 from job.config import Config, flat_items, to_yaml
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
-from job.errors import Cancelled, ConfigError, Interrupted, StorageError, exit_code
+from job.errors import Interrupted, StorageError, exit_code
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
 from job.models import describe as describe_model
@@ -31,8 +30,9 @@ from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
 from job.resume import Request, check_split, complete, find_checkpoint, left_alone, open_run, preflight
 from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops, plan_step, step_facts
-from job.stop import TIME_LIMIT, StopRequest
-from job.storage import RunDir
+from job.stop import StopRequest
+from job.storage import RunDir, cache_dir
+from job.weights import at_hand as weights_at_hand
 
 
 @dataclass
@@ -138,7 +138,10 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
         return complete(cfg, run_dir, found)
     started = found[0] if found is not None else None
-    data = recipe.read_data(cfg, restored((started or {}).get("placement")))
+    if started is None:  # the weights are at hand before the data is read: a failed download takes seconds to find
+        weights_at_hand(cfg.model, cache_dir("weights"))
+    with stop.at_once():
+        data = recipe.read_data(cfg, restored((started or {}).get("placement")))
     check_split(started, data.inventory)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
@@ -158,11 +161,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         say(f"resuming {cfg.name} from epoch {state.epoch}, step {state.step}{into} ({source}){replanned}")
     stop.sync()
     if stop.signal is not None:  # stopped while setting up: nothing new to save, nothing written yet
-        if stop.signal == TIME_LIMIT:  # the next attempt would set up as long: a setting to change, not a retry
-            raise ConfigError(f"{stop.describe()} ran out before training began: allow more with train.time_limit")
-        if stop.signal == signal.SIGINT:  # the user's Ctrl-C: nothing to continue, and 75 would promise a checkpoint
-            raise Cancelled(f"stopped by {stop.describe()} before training began; nothing was saved")
-        raise Interrupted(f"stopped by {stop.describe()} before training began: run the same command again to start")
+        raise stop.unstarted()
     report = FollowerReport()
     if distributed.is_writer():
         run_dir.write("config.yaml", to_yaml(cfg).encode())

@@ -103,6 +103,26 @@ def read_state(w: Weights, cache: Path) -> dict[str, torch.Tensor]:
     return to_state_dict(data, w.source)
 
 
+def at_hand(cfg, cache: Path) -> None:
+    """model.weights ready before anything else is read: downloaded into `cache` (http, https), or found at its URL;
+    one that cannot be had is one line within seconds, not after the data is decoded."""
+    w = resolve(cfg.name, cfg.weights)
+    if w is None:
+        return
+    if urlparse(w.url).scheme in ("http", "https"):
+        download(w, cache)
+        return
+    try:
+        fs, path = filesystem(w.url)
+        kind = fs.info(path)["type"]
+    except FileNotFoundError:
+        raise ConfigError(f"model.weights: {w.url}: no such file") from None
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"model.weights: cannot read it: {describe_storage_error(w.url, e)}") from None
+    if kind == "directory":
+        raise ConfigError(f"model.weights: {w.url} is a folder, not a weights file")
+
+
 def cache_path(w: Weights, cache: Path) -> Path:
     """Where the file at w.url is kept in `cache`: keyed by the URL, so two files of one name do not collide."""
     name = Path(urlparse(w.url).path).name or "weights.pt"

@@ -713,3 +713,22 @@ def test_keep_best_keeps_the_checkpoint_of_the_chosen_model(tmp_path):
     chosen = torch.load(out / "checkpoints" / kept[0].replace(".json", ".pt"), weights_only=True)["model"]
     final = torch.load(out / "model.pt", weights_only=True)
     assert all(torch.equal(chosen[k], final[k]) for k in final)
+
+
+def test_weights_that_cannot_be_downloaded_are_found_before_the_data_is_read(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = photo_folder(tmp_path / "photos")
+    over = sets(
+        "data.kind=folder",
+        f"data.path={root}",
+        "model.name=resnet18",
+        f"model.weights=http://127.0.0.1:{port}/resnet18-f37072fd.pth",
+        "data.val_split=0.2",
+    )
+    code, err = invoke(["train", "--device", "cpu", "--config", "finetune", "--output", str(tmp_path / "run"), *over])
+    assert code == 4 and "cannot download" in err, err
+    assert "data:" not in err and "skipped" not in err, err  # not a photo decoded first

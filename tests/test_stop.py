@@ -301,3 +301,35 @@ def test_in_a_group_a_signal_is_acted_on_one_step_later_by_every_process():
         stop.settle()
         stop.cancel()
     assert started == [0, 0, signal.SIGTERM]
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 75)])
+def test_a_signal_while_the_data_is_read_stops_at_once(tmp_path, sig, code):
+    """Reading a folder can take minutes: a signal then ends the run at once, not when the read is over. The folder
+    holds a named pipe that the reader blocks on until this test writes to it (it never does): the signal is sent
+    once the reader has opened it, the state, not a time."""
+    from conftest import start_job, write_image_folder
+
+    root = write_image_folder(tmp_path / "imgs", per_class=4)
+    pipe = root / "train" / "class2" / "zzz.png"  # read last, after every real image
+    os.mkfifo(pipe)
+    out = tmp_path / "run"
+    args = ["train", "--device", "cpu", "--config", "cifar10", "--output", str(out)]
+    proc = start_job(*args, *sets("data.kind=folder", f"data.path={root}", "data.image_size=32"))
+    writer, deadline = None, time.monotonic() + 300
+    try:
+        while writer is None:  # opening the write end succeeds once the reader holds the read end
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "late"
+            try:
+                writer = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.05)
+        proc.send_signal(getattr(signal, sig))
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        proc.kill()
+        if writer is not None:
+            os.close(writer)
+    assert proc.returncode == code, err[-2000:]
+    assert f"stopped by {sig} before training began" in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not out.exists()

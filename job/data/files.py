@@ -172,6 +172,8 @@ def cat_many(fs, paths: list[str], url: str) -> list[bytes | Exception]:
     cat expands them as patterns; cat_ranges reads each path as given). Remote stores read them concurrently."""
     if not paths:
         return []
+    if isinstance(fs, LocalFileSystem):  # read directly: fsspec's per-path work costs more than the read
+        return [read_local(p) for p in paths]
     try:
         return fs.cat_ranges(paths, None, None, on_error="return", **fetch_concurrency(url))
     except Exception as e:  # the call itself failed (no such bucket, no credentials): the stores raise many types
