@@ -85,8 +85,11 @@ def train(
     from job.stop import StopRequest
 
     with user_errors():
+        from job.env import torchvision_problem
         from job.launch import launch_plan
 
+        if problem := torchvision_problem():  # before anything is made: a mismatched build fails mid-run otherwise
+            raise ConfigError(problem)
         limit = [f"train.time_limit={seconds(time_limit)}"] if time_limit else []
         group = launch_plan(nproc_per_node, nnodes, node_rank, master_addr, master_port, device)
     if group:  # this process starts the workers and waits for them (under torchrun it is a worker, and trains)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from job.errors import ConfigError
+from job.errors import ConfigError, one_line
 
 GIB = 1024**3
 
@@ -137,6 +137,26 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def torchvision_problem() -> str:
+    """'' when torchvision imports and is the release made for this torch; else one line naming what to install.
+    torchvision 0.N+15 is built for torch 2.N (0.19 for 2.4, 0.29 for 2.14); another release fails at import
+    ("operator torchvision::nms does not exist") or in the middle of a run."""
+    made = torch.__version__.split("+")[0]
+    major, minor = (int(p) for p in made.split(".")[:2])
+    wanted = f"0.{minor + 15}" if major == 2 else ""
+    fix = f": pip install torchvision=={wanted}.* (the release for torch {made})" if wanted else ""
+    try:
+        import torchvision
+    except ModuleNotFoundError:
+        return f"torchvision is not installed{fix}"
+    except Exception as e:  # a build for another torch fails in its native operators' registration
+        return f"torchvision does not load beside torch {made} ({one_line(e)}){fix}"
+    found = str(getattr(torchvision, "__version__", "")).split("+")[0]
+    if wanted and not found.startswith(f"{wanted}."):
+        return f"torchvision {found or '(no version)'} is not the release for torch {made}{fix}"
+    return ""
+
+
 def info() -> dict[str, Any]:
     """The tutorials' GPU check done properly: versions, devices with memory and capability, CPU and shm."""
     cuda = torch.cuda.is_available()
@@ -163,6 +183,8 @@ def info() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "torchvision": torchvision_version(),
+        "torchvision_problem": torchvision_problem(),
         "cuda_available": cuda,
         "cuda_version": torch.version.cuda,
         "cudnn_version": torch.backends.cudnn.version() if cuda else None,
@@ -179,10 +201,19 @@ def info() -> dict[str, Any]:
     }
 
 
+def torchvision_version() -> str | None:
+    try:
+        import torchvision
+    except Exception:  # torchvision_problem() says why
+        return None
+    return getattr(torchvision, "__version__", None)
+
+
 def format_info(report: dict[str, Any]) -> str:
     usable = f" ({report['cpus_usable']} usable here)" if report["cpus_usable"] != report["cpu_count"] else ""
     lines = [
-        f"python {report['python']}, torch {report['torch']}, built for CUDA {report['cuda_version'] or '-'}",
+        f"python {report['python']}, torch {report['torch']}, built for CUDA {report['cuda_version'] or '-'}, "
+        f"torchvision {report['torchvision'] or '-'}",
         f"CPU: {report['cpu_count']} cores{usable}, torch uses {report['torch_threads']} "
         f"thread{'s' if report['torch_threads'] != 1 else ''}; "
         f"/dev/shm {report['shm_gib'] if report['shm_gib'] is not None else '?'} GiB",
@@ -208,5 +239,7 @@ def format_info(report: dict[str, Any]) -> str:
         lines.append(f"CUDA_VISIBLE_DEVICES={report['cuda_visible_devices']}")
     if report["mps_available"]:
         lines.append("Apple MPS available")
+    if report["torchvision_problem"]:
+        lines.append(f"warning: {report['torchvision_problem']}")
     lines.append(f"training would use: {report['default_device']}")
     return "\n".join(lines)

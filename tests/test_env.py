@@ -156,3 +156,30 @@ def test_usable_cpus_follow_the_affinity_and_the_group_share():
     env = {**os.environ, "LOCAL_WORLD_SIZE": "10000"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and done.stdout.split() == [str(cpus()), "1"], done.stderr[-2000:]
+
+
+BROKEN_TORCHVISION = 'raise RuntimeError("operator torchvision::nms does not exist")\n'  # what a mismatched build says
+
+
+@pytest.mark.parametrize("stub", [BROKEN_TORCHVISION, '__version__ = "0.20.0+cu124"\n'])
+def test_a_torchvision_that_does_not_match_torch_is_named_by_info_and_before_a_run_starts(tmp_path, stub):
+    """A torchvision built for another torch (here a package in its place on PYTHONPATH: one that fails at import
+    as a mismatched build does, and one of another release): `info` names it and what to install, and `train` stops
+    in one line (exit 2) before the run folder is made."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(stub)
+    env = {"PYTHONPATH": str(tmp_path)}
+    minor = int(torch.__version__.split(".")[1])
+    shown = run_job("info", env=env)
+    assert shown.returncode == 0 and f"torchvision==0.{minor + 15}." in shown.stdout, shown.stdout + shown.stderr
+    out = tmp_path / "run"
+    ran = run_job("train", "--output", str(out), env=env)
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr, ran.stderr[-3000:]
+    assert f"torchvision==0.{minor + 15}." in ran.stderr.strip().splitlines()[-1] and not out.exists()
+
+
+def test_the_torchvision_beside_this_torch_matches_it():
+    from job.env import torchvision_problem
+
+    assert torchvision_problem() == ""
+    assert info()["torchvision"] == __import__("torchvision").__version__
