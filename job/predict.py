@@ -31,7 +31,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from job import bundle, checkpoint
 from job.cloud import describe_storage_error, fetch_concurrency, filesystem
-from job.config import validate
+from job.config import read_yaml, validate
 from job.data.augment import to_float
 from job.data.decode import Decoder, decoder_for
 from job.data.files import is_archive, is_manifest, iter_archive
@@ -110,28 +110,34 @@ def model_files(url: str) -> tuple[dict, dict, dict]:
     if "model_json" in payload and "config" in payload:
         return payload, payload["model_json"], payload["config"]
     beside = weights_url.rsplit("/", 1)[0] if "/" in weights_url else "."
-    card, config = read_json(f"{beside}/{bundle.MODEL_JSON}"), read_yaml(f"{beside}/config.yaml")
-    if card is None or config is None:
+    card, config_url = read_json(f"{beside}/{bundle.MODEL_JSON}"), f"{beside}/config.yaml"
+    if card is None or not exists(config_url):
         raise CheckpointError(
             f"{url}: weights with no model.json and config.yaml beside them (runs of earlier versions wrote none): "
             "pass the run's checkpoint instead (--model RUN/checkpoints/<name>.pt)"
         )
-    return payload, card, config
+    return payload, card, read_yaml(config_url)
+
+
+def exists(url: str) -> bool:
+    """Whether there is a file at `url`; a store that fails to say is a StorageError."""
+    fs, path = filesystem(url)
+    try:
+        return fs.exists(path)
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the model: {describe_storage_error(url, e)}") from None
 
 
 def read_json(url: str) -> dict | None:
+    if not exists(url):
+        return None
     fs, path = filesystem(url)
     try:
-        return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+        return json.loads(fs.cat_file(path))
     except ValueError:
         raise CheckpointError(f"{url}: not JSON") from None
-
-
-def read_yaml(url: str) -> dict | None:
-    import yaml
-
-    fs, path = filesystem(url)
-    return yaml.safe_load(fs.cat_file(path)) if fs.exists(path) else None
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the model: {describe_storage_error(url, e)}") from None
 
 
 def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
