@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import itertools
 import json
 import os
 import shutil
@@ -23,8 +24,9 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -40,6 +42,7 @@ from job.errors import CheckpointError, ConfigError, DataError, StorageError, on
 from job.models import build_model
 
 AHEAD = 3  # batches decoded ahead of the model
+T = TypeVar("T")
 
 
 @dataclass
@@ -175,13 +178,33 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
     return found
 
 
-def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log) -> dict:
+def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log, index: int = 0, count: int = 1) -> dict:
     """A table's model over CSV tables: each row's feature columns (by name, in the model's order); a row that
-    lacks one or is not a number gets its error."""
+    lacks one or is not a number gets its error. This part's rows only (share)."""
+    done, failed = 0, 0
+    for name, n, values in share(table_rows(inputs, p.features["columns"]), index, count):
+        try:
+            x = torch.tensor([[float(v) for v in values]])
+        except ValueError:
+            rows.row(name, [], f"row {n}: not a number in the feature columns")
+            failed += 1
+            continue
+        probs = p.table_probabilities(x)[0]
+        top = probs.topk(rows.k)
+        rows.row(name, [(p.classes[int(c)], float(v)) for v, c in zip(top.values, top.indices)], "")
+        done += 1
+    rows.close()
+    log(f"predict: {done} rows labelled, {failed} could not be read")
+    if done == 0 and failed:
+        raise DataError(f"no row could be read ({failed} tried): see the error column")
+    return {"labelled": done, "errors": failed}
+
+
+def table_rows(inputs: list[str], columns: list[str]) -> Iterator[tuple[str, int, list[str]]]:
+    """Every row of the CSV tables, in order: its name (url:line), its line, its values of `columns`."""
     from job.data.files import read_bytes
     from job.data.tabular import parse_csv
 
-    columns, done, failed = p.features["columns"], 0, 0
     for url in inputs:
         header, table = parse_csv(read_bytes(url, None, lambda _: None).decode("utf-8-sig"), url)
         missing = [c for c in columns if c not in header]
@@ -189,22 +212,7 @@ def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log) -> dict:
             raise DataError(f"{url}: no column {missing[0]!r} of the model's features ({', '.join(columns)})")
         at = [header.index(c) for c in columns]
         for n, row in enumerate(table, start=2):
-            name = f"{url}:{n}"
-            try:
-                x = torch.tensor([[float(row[i]) for i in at]])
-            except ValueError:
-                rows.row(name, [], f"row {n}: not a number in the feature columns")
-                failed += 1
-                continue
-            probs = p.table_probabilities(x)[0]
-            top = probs.topk(rows.k)
-            rows.row(name, [(p.classes[int(c)], float(v)) for v, c in zip(top.values, top.indices)], "")
-            done += 1
-    rows.close()
-    log(f"predict: {done} rows labelled, {failed} could not be read")
-    if done == 0 and failed:
-        raise DataError(f"no row could be read ({failed} tried): see the error column")
-    return {"labelled": done, "errors": failed}
+            yield f"{url}:{n}", n, [row[i] for i in at]
 
 
 def manifest_paths(url: str) -> list[tuple[str, str]]:
@@ -326,8 +334,8 @@ def predict(
     p = load_predictor(model_url, device)
     k = max(1, min(top_k, len(p.classes)))
     if p.features is not None:
-        return predict_tables(p, inputs, Rows(output, k, jsonl), log)
-    found = listed(inputs)[index::count]  # every count-th input from this part's own: none read twice
+        return predict_tables(p, inputs, Rows(output, k, jsonl), log, index, count)
+    found = list(share(listed(inputs), index, count))
     try:
         decoder = decoder_for(decode, workers, device, p.size, p.fit, skip=True)
     except ConfigError as e:
@@ -387,6 +395,12 @@ def part() -> tuple[int, int]:
     if not (0 <= task < tasks and 0 <= local < per_task):
         raise ConfigError(f"predict: task {task} of {tasks}, process {local} of {per_task}: not a part")
     return task * per_task + local, tasks * per_task
+
+
+def share(inputs: Iterable[T], index: int, count: int) -> Iterator[T]:
+    """Part `index` of `count` of the inputs (files or a table's rows): every count-th from its own, so the parts
+    together take each input once; an iterator's items are taken as they come."""
+    return itertools.islice(inputs, index, None, count)
 
 
 def spread(argv: list[str], nproc: int) -> int:

@@ -253,6 +253,38 @@ def test_predict_split_over_processes_and_task_array_tasks_reads_each_file_once(
     assert sorted(names(tasks)) == sorted(every)
 
 
+def test_a_table_split_over_processes_and_task_array_tasks_predicts_each_row_once(tmp_path):
+    """Rows are split into parts as images are: two tables, over 2 processes and over 2 tasks, every row once."""
+    from importlib import resources
+
+    from conftest import run_job
+
+    model = tmp_path / "iris"
+    code, err = invoke(
+        ["train", "--device", "cpu", "--config", "iris", "--output", str(model), *sets("train.epochs=5")]
+    )
+    assert code == 0, err
+    lines = (resources.files("job.presets") / "iris.csv").read_text().splitlines()
+    tables = [tmp_path / "a.csv", tmp_path / "b.csv"]
+    tables[0].write_text("\n".join(lines[:80]) + "\n")
+    tables[1].write_text("\n".join(lines[:1] + lines[80:]) + "\n")
+    every = [f"{t}:{n}" for t, count in ((tables[0], 79), (tables[1], len(lines) - 80)) for n in range(2, count + 2)]
+
+    def paths(parts: list[Path]) -> list[str]:
+        return [r["path"] for p in parts for r in csv.DictReader(p.open(newline=""))]
+
+    args = ["predict", "-m", str(model), *map(str, tables), "--device", "cpu"]
+    done = run_job(*args, "--nproc-per-node", "2", "-o", str(tmp_path / "p.csv"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    parts = sorted(tmp_path.glob("p.csv.part-*-of-2"))
+    assert len(parts) == 2 and sorted(paths(parts)) == sorted(every)  # none twice, none missing
+    for i in range(2):
+        env = {"BATCH_TASK_INDEX": str(i), "BATCH_TASK_COUNT": "2"}
+        done = run_job(*args, "-o", str(tmp_path / "t.csv"), env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(paths(sorted(tmp_path.glob("t.csv.part-*-of-2")))) == sorted(every)
+
+
 def rows_of_part(path: Path) -> list[str]:
     if ".jsonl" in path.name:
         return [Path(json.loads(line)["path"]).name for line in path.read_text().splitlines()]
