@@ -340,6 +340,9 @@ def predict(
         decoder = decoder_for(decode, workers, device, p.size, p.fit, skip=True)
     except ConfigError as e:
         raise ConfigError(f"--decode {decode}: {e}") from None
+    if count > 1:
+        log(f"predict: part {index + 1} of {count} on {torch.get_num_threads()} CPU threads, decoding in "
+            f"{decoder.workers} processes")  # fmt: skip
     rows = Rows(output, k, jsonl)
     t0, done, failed = time.perf_counter(), 0, 0
     from tqdm import tqdm
@@ -405,14 +408,25 @@ def share(inputs: Iterable[T], index: int, count: int) -> Iterator[T]:
 
 def spread(argv: list[str], nproc: int) -> int:
     """--nproc-per-node: this command again in `nproc` processes, each predicting its part (the option is read
-    only where PART is unset); the worst exit code."""
+    only where PART is unset) with its share of the CPUs; the worst exit code, a process ended by a signal counting
+    128 + its number, as a shell says it. They run in sessions of their own, as training's workers do, and a SIGTERM
+    or Ctrl-C to this process goes on to each (launch.forwarding_signals): a preempted predict stops whole."""
     import subprocess
 
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "job", *argv], env={**os.environ, PART: f"{i}/{nproc}"})
-        for i in range(nproc)
-    ]
-    return max(proc.wait() for proc in procs)
+    from job.env import cpu_share
+    from job.launch import forwarding_signals
+
+    env = {**os.environ, "LOCAL_WORLD_SIZE": str(nproc)}  # env.cpu_share's count: decoding takes the share
+    env.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))  # and so does the model, as torchrun sets it
+    with forwarding_signals():
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "job", *argv], env={**env, PART: f"{i}/{nproc}"}, start_new_session=True
+            )
+            for i in range(nproc)
+        ]
+        codes = [proc.wait() for proc in procs]
+    return max(128 - code if code < 0 else code for code in codes)
 
 
 def part_device(name: str) -> torch.device:

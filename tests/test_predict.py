@@ -4,6 +4,7 @@ run's own evaluation."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 from pathlib import Path
@@ -283,6 +284,64 @@ def test_a_table_split_over_processes_and_task_array_tasks_predicts_each_row_onc
         done = run_job(*args, "-o", str(tmp_path / "t.csv"), env=env)
         assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(paths(sorted(tmp_path.glob("t.csv.part-*-of-2")))) == sorted(every)
+
+
+def test_predict_processes_each_take_their_share_of_the_cpus(trained, tmp_path):
+    """--nproc-per-node's processes decode and compute with their share of the CPUs, not each with all of them."""
+    from conftest import run_job
+
+    from job.data.decode import auto_workers
+    from job.env import cpu_share
+
+    run, new = trained
+    done = run_job(
+        "predict", "-m", str(run), str(new), "--device", "cpu", "--nproc-per-node", "2", "-o", str(tmp_path / "p.csv")
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    share = cpu_share(2)
+    for i in (1, 2):
+        line = (
+            f"predict: part {i} of 2 on {share} CPU threads, decoding in {auto_workers('auto', 'cpu', share)} processes"
+        )
+        assert line in done.stderr, done.stderr[-2000:]
+
+
+def test_a_sigterm_to_predict_over_processes_stops_every_one(trained, tmp_path):
+    """A preempted predict (SIGTERM to the process started, as a platform sends it) stops its processes too: here each
+    waits on an input that never comes (a named pipe held open), and the signal ends them all."""
+    import os
+    import signal
+    import time
+
+    import psutil
+    from conftest import start_job
+
+    run, _ = trained
+    pipes = [tmp_path / "a.png", tmp_path / "b.png"]
+    for pipe in pipes:
+        os.mkfifo(pipe)
+    proc = start_job("predict", "-m", str(run), *map(str, pipes), "--device", "cpu", "--nproc-per-node", "2",
+                     "-o", str(tmp_path / "p.csv"))  # fmt: skip
+    held, deadline = {}, time.time() + 300
+    while len(held) < 2 and time.time() < deadline and proc.poll() is None:  # until each process reads its pipe
+        for pipe in pipes:
+            with contextlib.suppress(OSError):  # ENXIO while nobody reads it
+                held.setdefault(pipe, os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children()
+    try:
+        assert len(held) == 2 and len(children) == 2, proc.stderr.read() if proc.poll() is not None else held
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        _, alive = psutil.wait_procs(children, timeout=60)  # what holds the pipes' other ends is gone
+        assert not alive, alive
+        assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+    finally:
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        for fd in held.values():
+            os.close(fd)
 
 
 def rows_of_part(path: Path) -> list[str]:
