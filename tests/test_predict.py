@@ -288,6 +288,8 @@ def test_a_table_split_over_processes_and_task_array_tasks_predicts_each_row_onc
 
 def test_predict_processes_each_take_their_share_of_the_cpus(trained, tmp_path):
     """--nproc-per-node's processes decode and compute with their share of the CPUs, not each with all of them."""
+    import os
+
     from conftest import run_job
 
     from job.data.decode import auto_workers
@@ -299,10 +301,9 @@ def test_predict_processes_each_take_their_share_of_the_cpus(trained, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     share = cpu_share(2)
+    threads = os.environ.get("OMP_NUM_THREADS") or share  # a setting of the user's own is kept
     for i in (1, 2):
-        line = (
-            f"predict: part {i} of 2 on {share} CPU threads, decoding in {auto_workers('auto', 'cpu', share)} processes"
-        )
+        line = f"part {i} of 2 on {threads} CPU threads, decoding in {auto_workers('auto', 'cpu', share)} processes"
         assert line in done.stderr, done.stderr[-2000:]
 
 
