@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import itertools
 import json
 import os
 import shutil
@@ -23,15 +24,16 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from job import bundle, checkpoint
 from job.cloud import describe_storage_error, filesystem
-from job.config import validate
+from job.config import read_yaml, validate
 from job.data.augment import to_float
 from job.data.decode import Decoder, decoder_for
 from job.data.files import fetch_named, is_archive, is_manifest, iter_archive
@@ -40,6 +42,7 @@ from job.errors import CheckpointError, ConfigError, DataError, StorageError, on
 from job.models import build_model
 
 AHEAD = 3  # batches decoded ahead of the model
+T = TypeVar("T")
 
 
 @dataclass
@@ -110,28 +113,34 @@ def model_files(url: str) -> tuple[dict, dict, dict]:
     if "model_json" in payload and "config" in payload:
         return payload, payload["model_json"], payload["config"]
     beside = weights_url.rsplit("/", 1)[0] if "/" in weights_url else "."
-    card, config = read_json(f"{beside}/{bundle.MODEL_JSON}"), read_yaml(f"{beside}/config.yaml")
-    if card is None or config is None:
+    card, config_url = read_json(f"{beside}/{bundle.MODEL_JSON}"), f"{beside}/config.yaml"
+    if card is None or not exists(config_url):
         raise CheckpointError(
             f"{url}: weights with no model.json and config.yaml beside them (runs of earlier versions wrote none): "
             "pass the run's checkpoint instead (--model RUN/checkpoints/<name>.pt)"
         )
-    return payload, card, config
+    return payload, card, read_yaml(config_url)
+
+
+def exists(url: str) -> bool:
+    """Whether there is a file at `url`; a store that fails to say is a StorageError."""
+    fs, path = filesystem(url)
+    try:
+        return fs.exists(path)
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the model: {describe_storage_error(url, e)}") from None
 
 
 def read_json(url: str) -> dict | None:
+    if not exists(url):
+        return None
     fs, path = filesystem(url)
     try:
-        return json.loads(fs.cat_file(path)) if fs.exists(path) else None
+        return json.loads(fs.cat_file(path))
     except ValueError:
         raise CheckpointError(f"{url}: not JSON") from None
-
-
-def read_yaml(url: str) -> dict | None:
-    import yaml
-
-    fs, path = filesystem(url)
-    return yaml.safe_load(fs.cat_file(path)) if fs.exists(path) else None
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the model: {describe_storage_error(url, e)}") from None
 
 
 def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
@@ -170,13 +179,33 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
     return found
 
 
-def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log) -> dict:
+def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log, index: int = 0, count: int = 1) -> dict:
     """A table's model over CSV tables: each row's feature columns (by name, in the model's order); a row that
-    lacks one or is not a number gets its error."""
+    lacks one or is not a number gets its error. This part's rows only (share)."""
+    done, failed = 0, 0
+    for name, n, values in share(table_rows(inputs, p.features["columns"]), index, count):
+        try:
+            x = torch.tensor([[float(v) for v in values]])
+        except ValueError:
+            rows.row(name, [], f"row {n}: not a number in the feature columns")
+            failed += 1
+            continue
+        probs = p.table_probabilities(x)[0]
+        top = probs.topk(rows.k)
+        rows.row(name, [(p.classes[int(c)], float(v)) for v, c in zip(top.values, top.indices)], "")
+        done += 1
+    rows.close()
+    log(f"predict: {done} rows labelled, {failed} could not be read")
+    if done == 0 and failed:
+        raise DataError(f"no row could be read ({failed} tried): see the error column")
+    return {"labelled": done, "errors": failed}
+
+
+def table_rows(inputs: list[str], columns: list[str]) -> Iterator[tuple[str, int, list[str]]]:
+    """Every row of the CSV tables, in order: its name (url:line), its line, its values of `columns`."""
     from job.data.files import read_bytes
     from job.data.tabular import parse_csv
 
-    columns, done, failed = p.features["columns"], 0, 0
     for url in inputs:
         header, table = parse_csv(read_bytes(url, None, lambda _: None).decode("utf-8-sig"), url)
         missing = [c for c in columns if c not in header]
@@ -184,22 +213,7 @@ def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log) -> dict:
             raise DataError(f"{url}: no column {missing[0]!r} of the model's features ({', '.join(columns)})")
         at = [header.index(c) for c in columns]
         for n, row in enumerate(table, start=2):
-            name = f"{url}:{n}"
-            try:
-                x = torch.tensor([[float(row[i]) for i in at]])
-            except ValueError:
-                rows.row(name, [], f"row {n}: not a number in the feature columns")
-                failed += 1
-                continue
-            probs = p.table_probabilities(x)[0]
-            top = probs.topk(rows.k)
-            rows.row(name, [(p.classes[int(c)], float(v)) for v, c in zip(top.values, top.indices)], "")
-            done += 1
-    rows.close()
-    log(f"predict: {done} rows labelled, {failed} could not be read")
-    if done == 0 and failed:
-        raise DataError(f"no row could be read ({failed} tried): see the error column")
-    return {"labelled": done, "errors": failed}
+            yield f"{url}:{n}", n, [row[i] for i in at]
 
 
 def manifest_paths(url: str) -> list[tuple[str, str]]:
@@ -284,12 +298,15 @@ def predict(
     p = load_predictor(model_url, device)
     k = max(1, min(top_k, len(p.classes)))
     if p.features is not None:
-        return predict_tables(p, inputs, Rows(output, k, jsonl), log)
-    found = listed(inputs)[index::count]  # every count-th input from this part's own: none read twice
+        return predict_tables(p, inputs, Rows(output, k, jsonl), log, index, count)
+    found = list(share(listed(inputs), index, count))
     try:
         decoder = decoder_for(decode, workers, device, p.size, p.fit, skip=True)
     except ConfigError as e:
         raise ConfigError(f"--decode {decode}: {e}") from None
+    if count > 1:
+        log(f"predict: part {index + 1} of {count} on {torch.get_num_threads()} CPU threads, decoding in "
+            f"{decoder.workers} processes")  # fmt: skip
     rows = Rows(output, k, jsonl)
     t0, done, failed = time.perf_counter(), 0, 0
     from tqdm import tqdm
@@ -347,16 +364,33 @@ def part() -> tuple[int, int]:
     return task * per_task + local, tasks * per_task
 
 
+def share(inputs: Iterable[T], index: int, count: int) -> Iterator[T]:
+    """Part `index` of `count` of the inputs (files or a table's rows): every count-th from its own, so the parts
+    together take each input once; an iterator's items are taken as they come."""
+    return itertools.islice(inputs, index, None, count)
+
+
 def spread(argv: list[str], nproc: int) -> int:
     """--nproc-per-node: this command again in `nproc` processes, each predicting its part (the option is read
-    only where PART is unset); the worst exit code."""
+    only where PART is unset) with its share of the CPUs; the worst exit code, a process ended by a signal counting
+    128 + its number, as a shell says it. They run in sessions of their own, as training's workers do, and a SIGTERM
+    or Ctrl-C to this process goes on to each (launch.forwarding_signals): a preempted predict stops whole."""
     import subprocess
 
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "job", *argv], env={**os.environ, PART: f"{i}/{nproc}"})
-        for i in range(nproc)
-    ]
-    return max(proc.wait() for proc in procs)
+    from job.env import cpu_share
+    from job.launch import forwarding_signals
+
+    env = {**os.environ, "LOCAL_WORLD_SIZE": str(nproc)}  # env.cpu_share's count: decoding takes the share
+    env.setdefault("OMP_NUM_THREADS", str(cpu_share(nproc)))  # and so does the model, as torchrun sets it
+    with forwarding_signals():
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "job", *argv], env={**env, PART: f"{i}/{nproc}"}, start_new_session=True
+            )
+            for i in range(nproc)
+        ]
+        codes = [proc.wait() for proc in procs]
+    return max(128 - code if code < 0 else code for code in codes)
 
 
 def part_device(name: str) -> torch.device:

@@ -151,6 +151,28 @@ def photo_folder(root: Path, per_class: int = 30) -> Path:
     return root
 
 
+def test_skipped_files_are_said_to_be_in_data_json_only_where_a_run_writes_one(tmp_path):
+    """More bad files than are named on the console: a run that reads its data says data.json lists them, and writes
+    it; a folder of bad images alone ends at reading with no data.json, and says none."""
+    bad = tmp_path / "bad"
+    for split in ("train", "test"):
+        for k in ("cats", "dogs"):
+            (bad / split / k).mkdir(parents=True)
+            for i in range(3):
+                (bad / split / k / f"IMG_{i}.jpg").write_bytes(b"\xff\xd8\xff\xe0 cut")
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "run"),
+                        *sets("data.kind=folder", f"data.path={bad}", "data.image_size=16")])  # fmt: skip
+    assert code == 3 and "no training image could be decoded" in err, err
+    assert "skipped 12 files" in err and "data.json" not in err, err
+    assert not (tmp_path / "run" / "data.json").exists()
+    good = write_image_folder(tmp_path / "good", per_class=4, test_per_class=2)
+    for i in range(4):
+        (good / "train" / "class0" / f"broken{i}.png").write_bytes(b"")
+    lines: list[str] = []
+    load_folder(DataConfig(kind="folder", path=str(good)), None, lines.append)
+    assert "data: data.json lists the 4 files skipped" in lines, lines
+
+
 def test_class_folders_with_no_split_bad_files_skipped_and_named(tmp_path):
     root = photo_folder(tmp_path / "photos")
     lines: list[str] = []

@@ -4,6 +4,7 @@ run's own evaluation."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 from pathlib import Path
@@ -142,6 +143,24 @@ def test_predict_from_and_to_a_bucket_and_nothing_readable_exits_3(trained, tmp_
     assert code != 0 and "Traceback" not in err
 
 
+def test_a_store_that_fails_beside_the_weights_is_one_line_and_exit_4(trained, bucket, gcs_server):
+    """The store stops answering once it has given the model's weights and model.json: reading config.yaml beside
+    them fails with a storage error, told in one line with exit 4, as reading a config anywhere else is."""
+    from conftest import run_job
+    from faultproxy import FaultProxy
+
+    run, new = trained
+    for name in ("model.pt", "model.json", "config.yaml"):
+        bucket.fs.put_file(str(run / name), f"{bucket.name}/run/{name}")
+    with FaultProxy(gcs_server, kinds=("403",), down_after="run/config.yaml") as proxy:
+        got = run_job("predict", "-m", bucket.url("run"), str(new), "--device", "cpu",
+                      env={"STORAGE_EMULATOR_HOST": proxy.url})  # fmt: skip
+        assert proxy.down  # the store went away at config.yaml, as meant
+    assert got.returncode == 4, got.stderr[-3000:]
+    assert "Traceback" not in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr[-3000:]
+    assert got.stderr.startswith("error: config: cannot read it") and "config.yaml" in got.stderr, got.stderr
+
+
 @pytest.mark.parametrize("fmt", ["onnx", "pt2"])
 def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime(trained, tmp_path, fmt):
     import numpy as np
@@ -233,6 +252,97 @@ def test_predict_split_over_processes_and_task_array_tasks_reads_each_file_once(
         assert done.returncode == 0, done.stderr[-2000:]
         tasks.append(tmp_path / f"t.jsonl.part-{i}-of-2")
     assert sorted(names(tasks)) == sorted(every)
+
+
+def test_a_table_split_over_processes_and_task_array_tasks_predicts_each_row_once(tmp_path):
+    """Rows are split into parts as images are: two tables, over 2 processes and over 2 tasks, every row once."""
+    from importlib import resources
+
+    from conftest import run_job
+
+    model = tmp_path / "iris"
+    code, err = invoke(
+        ["train", "--device", "cpu", "--config", "iris", "--output", str(model), *sets("train.epochs=5")]
+    )
+    assert code == 0, err
+    lines = (resources.files("job.presets") / "iris.csv").read_text().splitlines()
+    tables = [tmp_path / "a.csv", tmp_path / "b.csv"]
+    tables[0].write_text("\n".join(lines[:80]) + "\n")
+    tables[1].write_text("\n".join(lines[:1] + lines[80:]) + "\n")
+    every = [f"{t}:{n}" for t, count in ((tables[0], 79), (tables[1], len(lines) - 80)) for n in range(2, count + 2)]
+
+    def paths(parts: list[Path]) -> list[str]:
+        return [r["path"] for p in parts for r in csv.DictReader(p.open(newline=""))]
+
+    args = ["predict", "-m", str(model), *map(str, tables), "--device", "cpu"]
+    done = run_job(*args, "--nproc-per-node", "2", "-o", str(tmp_path / "p.csv"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    parts = sorted(tmp_path.glob("p.csv.part-*-of-2"))
+    assert len(parts) == 2 and sorted(paths(parts)) == sorted(every)  # none twice, none missing
+    for i in range(2):
+        env = {"BATCH_TASK_INDEX": str(i), "BATCH_TASK_COUNT": "2"}
+        done = run_job(*args, "-o", str(tmp_path / "t.csv"), env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(paths(sorted(tmp_path.glob("t.csv.part-*-of-2")))) == sorted(every)
+
+
+def test_predict_processes_each_take_their_share_of_the_cpus(trained, tmp_path):
+    """--nproc-per-node's processes decode and compute with their share of the CPUs, not each with all of them."""
+    import os
+
+    from conftest import run_job
+
+    from job.data.decode import auto_workers
+    from job.env import cpu_share
+
+    run, new = trained
+    done = run_job(
+        "predict", "-m", str(run), str(new), "--device", "cpu", "--nproc-per-node", "2", "-o", str(tmp_path / "p.csv")
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    share = cpu_share(2)
+    threads = os.environ.get("OMP_NUM_THREADS") or share  # a setting of the user's own is kept
+    for i in (1, 2):
+        line = f"part {i} of 2 on {threads} CPU threads, decoding in {auto_workers('auto', 'cpu', share)} processes"
+        assert line in done.stderr, done.stderr[-2000:]
+
+
+def test_a_sigterm_to_predict_over_processes_stops_every_one(trained, tmp_path):
+    """A preempted predict (SIGTERM to the process started, as a platform sends it) stops its processes too: here each
+    waits on an input that never comes (a named pipe held open), and the signal ends them all."""
+    import os
+    import signal
+    import time
+
+    import psutil
+    from conftest import start_job
+
+    run, _ = trained
+    pipes = [tmp_path / "a.png", tmp_path / "b.png"]
+    for pipe in pipes:
+        os.mkfifo(pipe)
+    proc = start_job("predict", "-m", str(run), *map(str, pipes), "--device", "cpu", "--nproc-per-node", "2",
+                     "-o", str(tmp_path / "p.csv"))  # fmt: skip
+    held, deadline = {}, time.time() + 300
+    while len(held) < 2 and time.time() < deadline and proc.poll() is None:  # until each process reads its pipe
+        for pipe in pipes:
+            with contextlib.suppress(OSError):  # ENXIO while nobody reads it
+                held.setdefault(pipe, os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        time.sleep(0.05)
+    children = psutil.Process(proc.pid).children()
+    try:
+        assert len(held) == 2 and len(children) == 2, proc.stderr.read() if proc.poll() is not None else held
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+        _, alive = psutil.wait_procs(children, timeout=60)  # what holds the pipes' other ends is gone
+        assert not alive, alive
+        assert proc.returncode == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+    finally:
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        for fd in held.values():
+            os.close(fd)
 
 
 def rows_of_part(path: Path) -> list[str]:

@@ -1,7 +1,7 @@
 """Image folders held in memory: class folders at the top, or train/ val/ test/ folders of them (job/data/split.py
 sorts the files and holds splits out), as a folder at any URL or a .tar/.tar.gz of one. Every image is decoded the
 one way job/data/image.py gives (EXIF turn, HEIC, every mode to RGB); a file that cannot be decoded is skipped and
-named (data.json lists them all), or stops the run with data.skip_bad_samples false."""
+named (a run's data.json lists them all), or stops the run with data.skip_bad_samples false."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from job.data.split import ROLES, SUFFIXES, Files, HoldOut, Inventory, count, ki
 from job.errors import ConfigError, DataError
 
 LAYOUT = f"<class>/*.{SUFFIXES} or train/<class>/*.{SUFFIXES}"
-SHOWN = 3  # bad files named on the console (data.json lists every one)
+SHOWN = 3  # bad files named on the console (a run's data.json lists every one)
 
 
 @dataclass
@@ -115,6 +115,8 @@ def held(
     val, test = (splits[r] if len(splits[r]) else None for r in ("val", "test"))
     if val is None and test is None and not scoring:
         raise DataError(f"{url}: no held-out image could be decoded")
+    if len(skipped) > SHOWN and not scoring:  # only now: a run that stops at reading writes no data.json
+        log(f"data: data.json lists the {len(skipped)} files skipped")
     return Dataset(splits["train"], test, classes, source, val=val, inventory=inventory)
 
 
@@ -122,7 +124,7 @@ def report_skipped(skipped: list[dict[str, str]], log: Log) -> None:
     for s in skipped[:SHOWN]:
         log(f"data: skipped {s['path']}: {s['reason']}")
     if len(skipped) > SHOWN:
-        log(f"data: skipped {len(skipped)} files that cannot be decoded in all (data.json lists them)")
+        log(f"data: skipped {len(skipped)} files that cannot be decoded in all")
 
 
 def decode_split(
