@@ -28,6 +28,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from job.cloud import describe_storage_error, fetch_concurrency, filesystem, fuse_path
+from job.data.split import kind_of
 from job.errors import DataError, StorageError, one_line
 
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson")
@@ -68,6 +69,18 @@ def read_entries(
     if is_archive(path):
         return ((name, data) for name, data in iter_archive(local_file(url, cache, log)) if keep(name))
     return folder_entries(url, fs, path, keep, cache, log, maxdepth)
+
+
+def images_listed(fs, path: str, url: str) -> dict[str, dict]:
+    """The images of a folder (by their suffixes, at any depth), or the archive itself: path -> info."""
+    try:
+        if is_archive(path):
+            return {path: fs.info(path)}
+        root = path.rstrip("/") + "/"
+        found = fs.find(path, detail=True).items()
+        return {p: i for p, i in found if kind_of(p[len(root) :]) == "image"}
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
 
 
 def local_file(url: str, cache: Path | None, log: Log) -> str:

@@ -29,12 +29,12 @@ from PIL import Image
 from tqdm import tqdm
 
 from job.cloud import describe_storage_error, filesystem
-from job.data.files import VERSION_KEYS, Log, beside, is_archive, is_manifest, read_bytes, read_entries, resolve
+from job.data.files import VERSION_KEYS, Log, beside, images_listed, is_manifest, read_bytes, read_entries, resolve
 from job.data.folder import Listing, check_files, report_skipped, sorted_files
 from job.data.image import UnreadableImage, image_size
 from job.data.manifest import Columns
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
-from job.data.split import Files, HoldOut, Inventory, count, is_image_name, kind_of
+from job.data.split import Files, HoldOut, Inventory, count, is_image_name
 from job.errors import ConfigError, DataError, StorageError, one_line
 
 # What a source spools: the spool, the image sizes seen, the files skipped, the files by split, and the classes.
@@ -405,44 +405,10 @@ def remove_unread(pack: Path) -> None:
         return
 
 
-def listing(fs, path: str, url: str) -> dict[str, dict]:
-    """The images of a folder in the train|test/<class>/<image> layout, or the archive itself: path -> info."""
-    try:
-        if is_archive(path):
-            return {path: fs.info(path)}
-        root = path.rstrip("/") + "/"
-        found = fs.find(path, detail=True).items()
-        return {p: i for p, i in found if kind_of(p[len(root) :]) == "image"}
-    except Exception as e:  # the stores' clients raise many types
-        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
-
-
-def decoded_size(src: str, held: int | None) -> int:
-    """About how many bytes SRC's images take decoded (uint8, 3 channels) at `held` x `held` (None: as they are,
-    the first image's size). An archive is not read to count its images: its own size stands in, which only
-    understates (images compress)."""
-    fs, path = resolve(src)
-    infos = listing(fs, path, src)
-    if is_archive(path):
-        return int(next(iter(infos.values())).get("size") or 0)
-    if not infos:
-        return 0
-    if held is None:
-        first = min(infos)
-        try:
-            with fs.open(first, "rb") as f, Image.open(f) as img:
-                held_w, held_h = img.size
-        except Exception:  # an unreadable image is named when the folder is read
-            return 0
-    else:
-        held_w = held_h = held
-    return len(infos) * 3 * held_w * held_h
-
-
 def fingerprint(fs, path: str, url: str, columns: Columns) -> tuple[str, int]:
     """A digest of what SRC holds (each file's name, size and version; an archive's own; a manifest's own and those
     of the images it names in its folder) and its size in bytes."""
-    infos = named(fs, path, url, columns) if is_manifest(path) else listing(fs, path, url)
+    infos = named(fs, path, url, columns) if is_manifest(path) else images_listed(fs, path, url)
     lines = []
     for p, info in sorted(infos.items()):
         version = next((str(info[k]) for k in VERSION_KEYS if info.get(k)), "")

@@ -9,6 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from PIL import Image
+
+from job.data.files import images_listed, is_archive, resolve
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,28 @@ def by_memory(need: int, share: float) -> Streaming:
             True, f"decoded, it would take {need / 1e9:.1f} GB, more than {room / 1e9:.1f} GB of host memory"
         )
     return Streaming(False, f"decoded, it takes {need / 1e9:.2f} GB of the {room / 1e9:.1f} GB allowed")
+
+
+def decoded_size(src: str, held: int | None) -> int:
+    """About how many bytes SRC's images take decoded (uint8, 3 channels) at `held` x `held` (None: as they are,
+    the first image's size). An archive is not read to count its images: its own size stands in, which only
+    understates (images compress)."""
+    fs, path = resolve(src)
+    infos = images_listed(fs, path, src)
+    if is_archive(path):
+        return int(next(iter(infos.values())).get("size") or 0)
+    if not infos:
+        return 0
+    if held is None:
+        first = min(infos)
+        try:
+            with fs.open(first, "rb") as f, Image.open(f) as img:
+                held_w, held_h = img.size
+        except Exception:  # an unreadable image is named when the folder is read
+            return 0
+    else:
+        held_w = held_h = held
+    return len(infos) * 3 * held_w * held_h
 
 
 def restored(saved: dict | None) -> Streaming | None:

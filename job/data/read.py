@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from job.data.dataset import Dataset
-from job.data.placement import HELD, Streaming, decide_streaming
+from job.data.placement import HELD, Streaming, decide_streaming, decoded_size
 from job.errors import ConfigError, DataError
 
 
@@ -70,8 +70,6 @@ def folder_streaming(cfg, log: Callable[[str], None], started: Streaming | None)
     """Whether an image folder is packed into shards and streamed (job/data/placement.py decides; auto says so)."""
 
     def decoded() -> int:
-        from job.data.pack import decoded_size
-
         return decoded_size(cfg.path, cfg.resize_size or cfg.image_size)
 
     return decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)
