@@ -25,8 +25,9 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     from job import recipe
     from job.env import describe_device, pick_device, seed_everything
     from job.models import own_class
+    from job.plan import build_step, plan_step, step_facts
     from job.report import say
-    from job.step import CudaGraphStep, build_step, plan_step, step_facts
+    from job.step import CudaGraphStep
 
     device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)

@@ -1,4 +1,4 @@
-"""A run's evaluations, what it chooses on them, and what it reports at the end.
+"""What a run chooses on its evaluations, and what it says of the chosen model at the end.
 
 Every evaluation reports the val split when the data has one; the run chooses on it: the best val accuracy and its
 epoch, its weights (kept on the host, and in checkpoints while the model has moved past them, so a resumed run
@@ -11,21 +11,16 @@ result, and the summary says that its best test accuracy was picked on the test 
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from job import diagnostics, distributed, scores
+from job import scores
 from job.errors import ConfigError
-from job.evaluate import test_sums
-from job.memory import memory_guard
-from job.report import say
+from job.progress import Progress, is_best
 
 if TYPE_CHECKING:
     from job.config import TrainConfig
-    from job.train import Loop, Progress
 
 
 class Chooser:
@@ -109,105 +104,6 @@ class Chooser:
         return scores.one_class(self.best_confusion)
 
 
-def is_best(state) -> bool:
-    """Whether the model stands where its best evaluation was taken (a Progress, or a checkpoint's dict of one)."""
-    get = state.get if isinstance(state, dict) else lambda k: getattr(state, k)
-    return get("best_epoch") == get("epoch") and not get("epoch_step")
-
-
-def test_and_report(loop: Loop) -> str:
-    """Evaluate the model on val (test when there is none) and report it with the training loss and throughput since
-    the previous evaluation; the reason to stop early, or ''."""
-    loop.clock.stop()
-    loop.log.system.pause()
-    r, state, log, on = loop.r, loop.state, loop.log, loop.r.evaluated_on
-    if state.step % log.every and state.steps_since_eval:  # the open window is logged: every evaluated epoch has one
-        log.close_window(
-            state.step, r.optimizer.param_groups[0]["lr"], min(state.step % log.every, state.steps_since_eval)
-        )
-    scored = evaluate_split(loop, on, extra=log.sums[1:])
-    (train_sum,) = scored.extra
-    now = time.perf_counter()
-    for window in log.ready(wait=True):
-        loop.report.loss(*window)
-    log.sums[1:].zero_()
-    record = {
-        "epoch": state.epoch,
-        "step": state.step,
-        "train_loss": train_sum / max(state.steps_since_eval, 1),
-        **scored.record(on),
-        "samples_per_s": state.samples_since_eval / max(now - loop.t_eval, 1e-9),
-        "wall_s": round(now - loop.t_start, 3),
-    }
-    show(loop, on, scored.confusion)
-    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], r.model, scored.confusion)
-    state.steps_since_eval = state.samples_since_eval = 0
-    loop.report.evaluation(record)
-    if (only := scores.one_class(scored.confusion)) is not None:  # under the epoch line it belongs to
-        say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
-    loop.t_eval = now
-    return reason
-
-
-def show(loop: Loop, split: str, confusion: torch.Tensor) -> None:
-    """An evaluation's per-class table and confusion picture in TensorBoard."""
-    classes, step = loop.r.classes, loop.state.step
-    loop.report.class_table(split, scores.table(confusion, classes), step)
-    loop.report.image(f"{split}/confusion", lambda: diagnostics.confusion_picture(confusion, classes, split), step)
-
-
-@dataclass
-class Scored:
-    """An evaluation over the whole group: mean loss, accuracy, top-5 accuracy, the confusion matrix (rows: true
-    class), and the totals of what was reduced with it."""
-
-    loss: float
-    accuracy: float
-    top5: float
-    confusion: torch.Tensor
-    extra: list[float]
-
-    def record(self, on: str) -> dict:
-        """metrics.jsonl's fields of it: loss, accuracy, macro and weighted F1 (and precision, recall), top-5."""
-        out = {f"{on}_loss": self.loss, f"{on}_accuracy": self.accuracy}
-        out |= {f"{on}_{k}": v for k, v in scores.averages(self.confusion).items()}
-        return out | ({f"{on}_top5": self.top5} if len(self.confusion) > 5 else {})  # not *acc*: accuracy is top-1
-
-
-def evaluate_split(loop: Loop, split: str, extra: torch.Tensor | None = None) -> Scored:
-    """The model on a held-out split over the whole group, and `extra`'s totals (the evaluation's one host sync)."""
-    loader, r = loop.r.held_out[split], loop.r
-    k = len(r.classes)
-    with memory_guard(f"data.eval_batch_size={loader.batch_size}", r.device), loop.clock.testing():
-        sums = test_sums(r.model, loader, r.amp, loop.cfg.train.test_time_augmentation, classes=k)
-    totals = distributed.totals(sums, sums[:0] if extra is None else extra).cpu()
-    loss, correct, counted, top5 = totals[:4].tolist()
-    confusion = totals[4 : 4 + k * k].round().long().view(k, k)
-    n = max(counted, 1)
-    return Scored(loss / n, correct / n, top5 / n, confusion, totals[4 + k * k :].tolist())
-
-
-def final_test(loop: Loop) -> dict:
-    """With a val split: the chosen (best-on-val) weights put into the model, and the test split, when there is one,
-    reported once on them (and on the final weights, when they differ)."""
-    r, state, chooser = loop.r, loop.state, loop.chooser
-    if r.evaluated_on != "val":
-        return {}
-    tested = "test" in r.held_out
-    final = evaluate_split(loop, "test") if tested and not is_best(state) else None
-    chooser.choose(state, r.model)
-    if not tested:
-        return {}
-    scored = evaluate_split(loop, "test")
-    chooser.test_confusion = scored.confusion  # the weakest classes are the chosen model's on test
-    show(loop, "test", scored.confusion)
-    record = {"epoch": state.epoch, "step": state.step, "chosen_epoch": state.best_epoch}
-    record |= {"val_accuracy": state.best_accuracy, **scored.record("test")}
-    record |= {"final_test_loss": final.loss, "final_test_accuracy": final.accuracy} if final else {}
-    loop.report.tested(record)
-    return record
-
-
 def outcome(on: str, final: dict, state: Progress) -> str:
     """The run's result in words: what it chose on, and what the test split says of the choice."""
     best = f"best {on} accuracy {state.best_accuracy:.4f} (epoch {state.best_epoch})"
@@ -231,14 +127,3 @@ def chosen_lines(chooser: Chooser, classes: list[str], best_epoch: int) -> list[
         shown = ", ".join(f"{name} {f1:.2f}" for name, f1 in scores.weakest(confusion, classes))
         lines.append(f"weakest classes by F1: {shown}")
     return lines
-
-
-def write_reports(loop: Loop) -> None:
-    """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py):
-    every process scores its part, rank 0 writes the files."""
-
-    def put(split: str, name: str, data: bytes) -> None:
-        loop.run_dir.write(f"report/{split}/{name}", data)
-
-    group = (distributed.rank(), distributed.world())
-    diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from job import checkpoint, recipe
+from job import checkpoint, distributed, recipe, scores
 from job.attempts import RUN_JSON, attempts_in
 from job.cloud import filesystem
 from job.config import apply_override, load_config, validate
@@ -17,6 +18,7 @@ from job.data.batches import IGNORED, Loader
 from job.data.placement import restored
 from job.env import pick_device
 from job.errors import CheckpointError
+from job.memory import memory_guard
 from job.sync import send
 
 
@@ -241,3 +243,35 @@ def labelled(d, url: str, p, log):
     if unknown:
         raise DataError(f"{url}: classes the model does not know: {', '.join(unknown[:5])}")
     return held(files, entries.__getitem__, p.classes, d, url, f"folder {url}", log, scoring=True)
+
+
+@dataclass
+class Scored:
+    """An evaluation over the whole group: mean loss, accuracy, top-5 accuracy, the confusion matrix (rows: true
+    class), and the totals of what was reduced with it."""
+
+    loss: float
+    accuracy: float
+    top5: float
+    confusion: torch.Tensor
+    extra: list[float]
+
+    def record(self, on: str) -> dict:
+        """metrics.jsonl's fields of it: loss, accuracy, macro and weighted F1 (and precision, recall), top-5."""
+        out = {f"{on}_loss": self.loss, f"{on}_accuracy": self.accuracy}
+        out |= {f"{on}_{k}": v for k, v in scores.averages(self.confusion).items()}
+        return out | ({f"{on}_top5": self.top5} if len(self.confusion) > 5 else {})  # not *acc*: accuracy is top-1
+
+
+def score_split(
+    model, loader: Loader, amp, classes: int, augmentation: str, clock, extra: torch.Tensor | None = None
+) -> Scored:
+    """A model on a held-out split over the whole group (test_sums on each process's part, then their totals), and
+    `extra`'s totals reduced with them: the evaluation's one host sync. `clock`: times the pass (meters.TrainClock)."""
+    with memory_guard(f"data.eval_batch_size={loader.batch_size}", next(model.parameters()).device), clock.testing():
+        sums = test_sums(model, loader, amp, augmentation, classes=classes)
+    totals = distributed.totals(sums, sums[:0] if extra is None else extra).cpu()
+    loss, correct, counted, top5 = totals[:4].tolist()
+    confusion = totals[4 : 4 + classes * classes].round().long().view(classes, classes)
+    n = max(counted, 1)
+    return Scored(loss / n, correct / n, top5 / n, confusion, totals[4 + classes * classes :].tolist())

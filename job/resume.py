@@ -1,19 +1,23 @@
 """Opening a run folder: the checks before any work, the checkpoint a run continues from (--resume auto, never, or a
-URL) and the settings that may change when it does, what --overwrite clears, and a finished run left as it is."""
+URL) and the settings that may change when it does, what --overwrite clears, a finished run left as it is, and the
+state a resumed run takes from its checkpoint."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from job import checkpoint, cloud, distributed
+from job import checkpoint, cloud, distributed, recipe, schedule
 from job.config import Config, flat_items
 from job.errors import ConfigError, DataError
+from job.progress import Progress
 from job.report import say
 from job.storage import RunDir
 
 if TYPE_CHECKING:
     from job.data.split import Inventory
+    from job.meters import LossLog
+    from job.recipe import Recipe
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
 RESUME_SAFE = {
@@ -220,3 +224,31 @@ def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
         "epochs_run": 0,
         "output": run_dir.url,
     } | ({"stopped_early": stopped} if stopped else {})
+
+
+def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed: int) -> Progress:
+    """The recipe's state and the loop's position from a checkpoint; each process's own random stream."""
+    payload, _ = found
+    checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler, r.lookahead)
+    distributed.seed_own(seed, False, payload["progress"]["step"], payload.get("rng_ranks"))
+    recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
+    saved = dict(payload["progress"])
+    log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
+    places, earlier = saved.pop("places", None), saved.pop("stream", None)  # earlier versions' name for them
+    places = places or earlier or []  # each process's place in the epoch, by rank
+    saved.pop("accumulated", None)  # the step takes them when it is made
+    state = Progress(**{"run_id": run_id, **saved})
+    if state.epoch_step:
+        r.train.resume_at(state.epoch, state.epoch_step, places)
+    return state
+
+
+def replan_schedule(cfg: Config, r: Recipe, state: Progress) -> str:
+    """A resumed run of another length: its schedule re-planned over the new length, from where it stands; says
+    so. Schedules count optimizer steps (batches / train.accumulate_steps)."""
+    total = recipe.optimizer_steps(cfg, len(r.train))
+    if r.scheduler is None or schedule.planned_steps(r.scheduler) == total:
+        return ""
+    done = recipe.optimizer_steps(cfg, len(r.train), state.epoch) + state.epoch_step // cfg.train.accumulate_steps
+    r.scheduler = schedule.replan(cfg, r.optimizer, total, done)
+    return f"; the {cfg.optim.schedule} schedule re-planned over {cfg.train.epochs} epochs"

@@ -26,7 +26,6 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,13 +33,6 @@ from torch import nn
 
 from job.errors import JobError, one_line
 from job.memory import is_out_of_memory
-
-if TYPE_CHECKING:
-    from job.recipe import Recipe
-
-# A CPU step whose forward pass does less arithmetic than this is dominated by per-operation overhead: it is
-# traced, and it runs on one thread (waking a second thread costs more than it saves at this size).
-SMALL_STEP_FLOPS = 2e7
 
 
 class StepKind(enum.Enum):
@@ -70,56 +62,6 @@ class StepPlan:
             return f"one CUDA graph per batch shape ({what})"
         what = "forward, backward and SGD step" if self.optimizer_inside else "forward and backward"
         return f"traced on the CPU ({what} as one graph per batch shape)"
-
-
-@dataclass(frozen=True)
-class StepFacts:
-    """What decides how a step runs: the device, train.step_capture, the precision, a forward pass's FLOPs, whether
-    the model is the user's own class, fp16's loss scaler, what wraps the model (none, ddp, compile), and the
-    optimizer: `plain_sgd`, SGD whose step is the same arithmetic every batch with nothing on the host's side between
-    steps (no accumulation, schedule, lookahead or loss scaler; a constant rate): what a captured step may hold
-    whole; `bare_sgd`, that and one group without momentum (two operations a tensor, traced on a CPU)."""
-
-    device: str
-    capture: str = "auto"
-    precision: str = "fp32"
-    step_flops: float = float("inf")
-    own_model: bool = False
-    loss_scaler: bool = False
-    wrapper: str = "none"
-    plain_sgd: bool = False
-    bare_sgd: bool = False
-
-
-def plan_step(f: StepFacts) -> StepPlan:
-    """How the step runs, from the facts alone (no device needed: a pure function)."""
-    if f.wrapper == "compile":
-        return StepPlan(StepKind.EAGER, "the compiled model in eager steps: step capture is off with torch.compile")
-    if f.wrapper == "ddp":
-        return StepPlan(StepKind.EAGER, "DistributedDataParallel reduces gradients from autograd hooks: no capture")
-    if f.capture == "off":
-        return StepPlan(StepKind.EAGER, "train.step_capture off")
-    small = f.step_flops < SMALL_STEP_FLOPS
-    traced = f.device == "cpu" and small and f.precision == "fp32"
-    if (f.device == "cuda" or traced) and f.own_model and f.capture == "auto":
-        return StepPlan(
-            StepKind.EAGER,
-            "a model of your own: a captured step replays what its forward did in Python when captured, a "
-            "random.random() draw or a counter, frozen; train.step_capture=on captures it when it does neither",
-        )
-    if f.device == "cuda":
-        return StepPlan(StepKind.CUDA_GRAPH, "a step replayed without launching its kernels one by one", f.plain_sgd)
-    if traced:
-        return StepPlan(StepKind.CPU_TRACE, "a small step, bound by per-operation overhead", f.bare_sgd)
-    if f.device == "cpu" and f.loss_scaler:
-        return StepPlan(StepKind.EAGER, "fp16's loss scaler on a CPU")
-    if f.device == "cpu" and small:  # the check against the eager step would refuse it
-        return StepPlan(
-            StepKind.EAGER, f"{f.precision} on a CPU: a traced step would round differently from the eager one"
-        )
-    if f.device == "cpu":
-        return StepPlan(StepKind.EAGER, "a CPU step this large is bound by arithmetic; capture would not help")
-    return StepPlan(StepKind.EAGER, f"no step capture on {f.device}")
 
 
 class Accumulator:
@@ -540,50 +482,3 @@ def why_not_traced(e: Exception) -> str:
     if "unsupported argument type in the JIT tracer" in text:
         return "one of its backward operations takes arguments TorchScript's tracer does not (as convolutions do)"
     return text[:200]
-
-
-def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> float:
-    """Floating-point operations of one forward pass per sample, counted on a batch of 2 on the CPU."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(torch.zeros(2, *input_shape))
-        return counter.get_total_flops() / 2
-    except Exception:  # an operation the counter does not know: treat the model as large
-        return float("inf")
-    finally:
-        model.train(was_training)
-
-
-def step_facts(
-    r: Recipe, capture: str, step_flops: float = float("inf"), own_model: bool = False, wrapper: str = "none"
-) -> StepFacts:
-    """The facts plan_step decides from, read off the recipe."""
-    o, groups = r.optimizer, r.optimizer.param_groups
-    plain = (
-        r.accumulate == 1
-        and isinstance(o, torch.optim.SGD)
-        and r.scheduler is None
-        and r.lookahead is None
-        and not r.scaler.is_enabled()
-        and not any(isinstance(g["lr"], torch.Tensor) for g in groups)
-    )
-    bare = plain and len(groups) == 1 and groups[0]["momentum"] == 0 and not groups[0]["maximize"]
-    return StepFacts(
-        r.device.type, capture, r.precision, step_flops, own_model, r.scaler.is_enabled(), wrapper, plain, bare
-    )
-
-
-def build_step(r: Recipe, sums: torch.Tensor, plan: StepPlan, model=None) -> EagerStep:
-    """The recipe's step as `plan` says (plan_step), adding each step's loss to `sums`. `model`: what the step calls,
-    when not the recipe's own model (a DistributedDataParallel or compiled wrapper of it)."""
-    args = (model if model is not None else r.model, r.optimizer, r.scheduler, r.scaler, r.amp, sums)
-    how = {"accumulate": r.accumulate, "loss": r.loss, "lookahead": r.lookahead, "plan": plan}
-    if plan.kind is StepKind.CUDA_GRAPH:
-        return CudaGraphStep(*args, **how)
-    if plan.kind is StepKind.CPU_TRACE:
-        return CpuTracedStep(*args, **how)
-    return EagerStep(*args, **how)

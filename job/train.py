@@ -15,41 +15,36 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from job import bundle, checkpoint, distributed, recipe, schedule
+from job import bundle, checkpoint, diagnostics, distributed, recipe, scores
 from job.attempts import Attempt
-from job.choose import Chooser, chosen_lines, final_test, is_best, outcome, test_and_report, write_reports
+from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Interrupted, StorageError, exit_code
+from job.evaluate import Scored, score_split
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
 from job.models import describe as describe_model
-from job.models import own_class
+from job.plan import make_step, set_cpu_threads
+from job.progress import Progress, is_best, position
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
-from job.resume import Request, check_split, complete, find_checkpoint, left_alone, open_run, preflight
-from job.step import SMALL_STEP_FLOPS, EagerStep, build_step, forward_flops, plan_step, step_facts
+from job.resume import (
+    Request,
+    check_split,
+    complete,
+    find_checkpoint,
+    left_alone,
+    open_run,
+    preflight,
+    replan_schedule,
+    restore,
+)
+from job.step import EagerStep
 from job.stop import StopRequest
 from job.storage import RunDir, cache_dir
 from job.weights import at_hand as weights_at_hand
-
-
-@dataclass
-class Progress:
-    """Where a run is: saved in every checkpoint, so a resumed run carries on from exactly here."""
-
-    epoch: int = 0  # epochs finished
-    epoch_step: int = 0  # steps done in the current epoch (0 at an epoch boundary)
-    step: int = 0  # optimizer steps in the whole run
-    steps_since_eval: int = 0
-    samples_since_eval: int = 0
-    best_accuracy: float = -1.0  # of the split evaluations report: val, else test (job/choose.py)
-    best_epoch: int = 0
-    best_one_class: bool = False  # whether the best evaluation's model predicted one class for every sample
-    evals_since_best: int = 0
-    stopped_early: str = ""  # why early stopping ended the run; empty while it goes on
-    run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
 
 
 @dataclass
@@ -200,67 +195,6 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     return finish(loop, first_epoch, (found[1] or {}).get("metrics") or {} if found else {})
 
 
-def position(state: Progress) -> str:
-    """Where the run stands, in words: during an epoch, or at the end of one."""
-    if state.epoch_step:
-        return f"in epoch {state.epoch + 1} at step {state.step}"
-    return f"after epoch {state.epoch} at step {state.step}"
-
-
-def set_cpu_threads(cfg: Config, r: Recipe, input_shape: tuple[int, ...]) -> float:
-    """On a CPU, the threads a step of this size should use; returns the step's forward FLOPs (inf elsewhere: what
-    a step costs matters on a CPU only, for threads and tracing)."""
-    if r.device.type != "cpu":
-        return float("inf")
-    flops = forward_flops(r.model, input_shape) * r.train.batch_size
-    threads = cfg.train.cpu_threads
-    torch.set_num_threads(threads if threads != "auto" else 1 if flops < SMALL_STEP_FLOPS else torch.get_num_threads())
-    return flops
-
-
-def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed: int) -> Progress:
-    """The recipe's state and the loop's position from a checkpoint; each process's own random stream."""
-    payload, _ = found
-    checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler, r.lookahead)
-    distributed.seed_own(seed, False, payload["progress"]["step"], payload.get("rng_ranks"))
-    recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
-    saved = dict(payload["progress"])
-    log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
-    places, earlier = saved.pop("places", None), saved.pop("stream", None)  # earlier versions' name for them
-    places = places or earlier or []  # each process's place in the epoch, by rank
-    saved.pop("accumulated", None)  # the step takes them when it is made
-    state = Progress(**{"run_id": run_id, **saved})
-    if state.epoch_step:
-        r.train.resume_at(state.epoch, state.epoch_step, places)
-    return state
-
-
-def replan_schedule(cfg: Config, r: Recipe, state: Progress) -> str:
-    """A resumed run of another length: its schedule re-planned over the new length, from where it stands; says
-    so. Schedules count optimizer steps (batches / train.accumulate_steps)."""
-    total = recipe.optimizer_steps(cfg, len(r.train))
-    if r.scheduler is None or schedule.planned_steps(r.scheduler) == total:
-        return ""
-    done = recipe.optimizer_steps(cfg, len(r.train), state.epoch) + state.epoch_step // cfg.train.accumulate_steps
-    r.scheduler = schedule.replan(cfg, r.optimizer, total, done)
-    return f"; the {cfg.optim.schedule} schedule re-planned over {cfg.train.epochs} epochs"
-
-
-def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerStep:
-    """The training step as this run takes it: through DDP and torch.compile where they apply, else captured."""
-    t = cfg.train
-    model = distributed.wrap(r.model, r.device)
-    model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
-    wrapper = "compile" if t.compile else "ddp" if model is not r.model else "none"
-    facts = step_facts(r, t.step_capture, step_flops, own_class(cfg.model.name), wrapper)
-    step = build_step(r, log.sums, plan_step(facts), model=model)
-    layout = ", channels-last" if r.channels_last else ""
-    compiled = ", torch.compile" if t.compile else ""
-    accumulated = f"; the optimizer steps every {t.accumulate_steps} batches" if t.accumulate_steps > 1 else ""
-    say(f"step: {r.precision}{layout}{compiled}; {step.description}{accumulated}")
-    return step
-
-
 def train_epoch(loop: Loop, epoch: int) -> bool:
     """One epoch from where the state says it stands; False when a stop was requested before its end."""
     state, log, report, stop, loader = loop.state, loop.log, loop.report, loop.stop, loop.r.train
@@ -352,6 +286,74 @@ def write_results(loop: Loop, final: dict) -> None:
     loop.attempt.end(0)
 
 
+def test_and_report(loop: Loop) -> str:
+    """Evaluate the model on val (test when there is none) and report it with the training loss and throughput since
+    the previous evaluation; the reason to stop early, or ''."""
+    loop.clock.stop()
+    loop.log.system.pause()
+    r, state, log, on = loop.r, loop.state, loop.log, loop.r.evaluated_on
+    if state.step % log.every and state.steps_since_eval:  # the open window is logged: every evaluated epoch has one
+        log.close_window(
+            state.step, r.optimizer.param_groups[0]["lr"], min(state.step % log.every, state.steps_since_eval)
+        )
+    scored = score(loop, on, extra=log.sums[1:])
+    (train_sum,) = scored.extra
+    now = time.perf_counter()
+    for window in log.ready(wait=True):
+        loop.report.loss(*window)
+    log.sums[1:].zero_()
+    record = {
+        "epoch": state.epoch,
+        "step": state.step,
+        "train_loss": train_sum / max(state.steps_since_eval, 1),
+        **scored.record(on),
+        "samples_per_s": state.samples_since_eval / max(now - loop.t_eval, 1e-9),
+        "wall_s": round(now - loop.t_start, 3),
+    }
+    show(loop, on, scored.confusion)
+    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], r.model, scored.confusion)
+    state.steps_since_eval = state.samples_since_eval = 0
+    loop.report.evaluation(record)
+    if (only := scores.one_class(scored.confusion)) is not None:  # under the epoch line it belongs to
+        say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
+    loop.t_eval = now
+    return reason
+
+
+def show(loop: Loop, split: str, confusion: torch.Tensor) -> None:
+    """An evaluation's per-class table and confusion picture in TensorBoard."""
+    classes, step = loop.r.classes, loop.state.step
+    loop.report.class_table(split, scores.table(confusion, classes), step)
+    loop.report.image(f"{split}/confusion", lambda: diagnostics.confusion_picture(confusion, classes, split), step)
+
+
+def score(loop: Loop, split: str, extra: torch.Tensor | None = None) -> Scored:
+    r = loop.r
+    augmentation = loop.cfg.train.test_time_augmentation
+    return score_split(r.model, r.held_out[split], r.amp, len(r.classes), augmentation, loop.clock, extra)
+
+
+def final_test(loop: Loop) -> dict:
+    """With a val split: the chosen (best-on-val) weights put into the model, and the test split, when there is one,
+    reported once on them (and on the final weights, when they differ)."""
+    r, state, chooser = loop.r, loop.state, loop.chooser
+    if r.evaluated_on != "val":
+        return {}
+    tested = "test" in r.held_out
+    final = score(loop, "test") if tested and not is_best(state) else None
+    chooser.choose(state, r.model)
+    if not tested:
+        return {}
+    scored = score(loop, "test")
+    chooser.test_confusion = scored.confusion  # the weakest classes are the chosen model's on test
+    show(loop, "test", scored.confusion)
+    record = {"epoch": state.epoch, "step": state.step, "chosen_epoch": state.best_epoch}
+    record |= {"val_accuracy": state.best_accuracy, **scored.record("test")}
+    record |= {"final_test_loss": final.loss, "final_test_accuracy": final.accuracy} if final else {}
+    loop.report.tested(record)
+    return record
+
+
 def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     """The chosen weights, hparams and curves written and uploaded; returns the run's summary. `resumed`: the metrics
     of the checkpoint the run continued from, for a process that evaluated nothing since (a group's other ranks
@@ -359,7 +361,9 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     run_dir, state, report, stop, on = loop.run_dir, loop.state, loop.report, loop.stop, loop.r.evaluated_on
     last = next((r for r in reversed(report.records) if "train_loss" in r), resumed)
     tested = final_test(loop)
-    write_reports(loop)
+    # report/<split>/ of the model the run ends with: every process scores its part, rank 0 writes the files
+    put = lambda split, name, data: run_dir.write(f"report/{split}/{name}", data)  # noqa: E731
+    diagnostics.write_splits(loop.r, put, (distributed.rank(), distributed.world()), distributed.gather_to_writer)
     final = {
         "best_accuracy": state.best_accuracy,
         "final_accuracy": last.get(f"{on}_accuracy"),

@@ -15,11 +15,13 @@ from job.config import load_config
 from job.data.loader import BatchLoader
 from job.data.read import load_data
 from job.meters import LossLog, TrainClock
+from job.plan import build_step, plan_step, step_facts
+from job.progress import Progress
 from job.report import Report, say
-from job.step import CudaGraphStep, build_step, host_waits, plan_step, step_facts
+from job.step import CudaGraphStep, host_waits
 from job.stop import StopRequest
 from job.storage import RunDir
-from job.train import Loop, Progress, train_epoch
+from job.train import Loop, train_epoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 CUDA = torch.device("cuda")

@@ -444,7 +444,7 @@ def test_a_one_class_model_is_never_chosen_over_one_that_separates_classes():
     at the end, across a resume too."""
     from job.choose import Chooser
     from job.config import TrainConfig
-    from job.train import Progress
+    from job.progress import Progress
 
     model = torch.nn.Linear(2, 3)
     separating = confusion_of([3, 2, 3], [2, 3, 3], [2, 2, 3])  # 9 of 23 right: 0.39... here accuracy is given

@@ -214,7 +214,8 @@ def test_bf16_on_a_cpu_says_once_how_its_step_runs(tmp_path):
 
 def test_the_step_plan_is_one_pure_decision_with_its_reason():
     """How a step runs is a value of plan_step's, decided from the facts alone: no GPU needed to test the GPU's."""
-    from job.step import StepFacts, StepKind, plan_step
+    from job.plan import StepFacts, plan_step
+    from job.step import StepKind
 
     sgd = StepFacts("cuda", plain_sgd=True)
     assert plan_step(sgd).kind is StepKind.CUDA_GRAPH and plan_step(sgd).optimizer_inside
