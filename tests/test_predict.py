@@ -386,3 +386,30 @@ def test_a_remote_file_named_like_a_pattern_is_read(tmp_path, bucket):
     rows = [row for batch in read([("x", bucket.url("odd/scan[001].png")), ("y", bucket.url("odd/a*b.png"))], 8)
             for row in batch]  # fmt: skip
     assert rows == [("x", b"scan[001].png", ""), ("y", b"a*b.png", "")]
+
+
+@pytest.mark.parametrize("preset", ["cifar10", "cifar10-fast"])
+def test_a_model_trained_at_its_datas_own_size_labels_photos_of_any_size_in_one_batch(tmp_path, preset):
+    """A run that fixed no image size (CIFAR-10's 32 px images as they are): model.json records the size the model
+    was trained at, and predict brings every photo to it, whatever its size, mixed in one batch (before: the CNN
+    stopped with a traceback, cifar10-fast scored a photo at its full size, an odd size failed its whole batch)."""
+    from conftest import pattern_images, run_job, write_cifar_batches
+
+    data = write_cifar_batches(tmp_path / "c10")
+    over = sets(f"data.path={data}", "train.epochs=1", "data.batch_size=20", "data.eval_batch_size=20")
+    code, err = invoke(["train", "--device", "cpu", "--config", preset, "--output", str(tmp_path / "run"), *over])
+    assert code == 0, err
+    pre = json.loads((tmp_path / "run" / "model.json").read_text())["preprocessing"]
+    assert pre["input_size"] == [32, 32] and pre["held"] == [32, 32] and pre["box"] == "centre"
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    images, _ = pattern_images(1, 4, 96, 0)
+    for i, (w, h) in enumerate(((640, 427), (32, 32), (90, 300), (33, 31))):
+        img = Image.fromarray(images[i].transpose(1, 2, 0)).resize((w, h))
+        img.save(photos / f"p{i}.{'jpg' if i % 2 == 0 else 'png'}")
+    (photos / "turned.jpg").write_bytes(turned_jpeg(Image.fromarray(images[0].transpose(1, 2, 0)), 6))
+    out = tmp_path / "p.csv"
+    done = run_job("predict", "--model", str(tmp_path / "run"), str(photos), "--device", "cpu", "--output", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = rows_of(out)
+    assert len(rows) == 5 and all(r["label"] and not r["error"] for r in rows.values()), rows
