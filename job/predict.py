@@ -350,12 +350,12 @@ def predict(
     return {"labelled": done, "errors": failed}
 
 
-def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> torch.Tensor | None:
+def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> tuple[torch.Tensor, list[bytes]] | None:
     """Up to `limit` of the inputs' images as the model's inputs (float, on the predictor's device), those that can
-    be read; None when none can."""
+    be read, and their files' bytes in the same order; None when none can."""
     from job.data.decode import IGNORED, decoded
 
-    decoder, kept, n = Decoder(0, p.pre, skip=True), [], 0
+    decoder, kept, files, n = Decoder(0, p.pre, skip=True), [], [], 0
     for batch in read(listed(inputs), limit):
         marks = torch.zeros(len(batch), dtype=torch.int64)
         try:
@@ -363,11 +363,12 @@ def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> torch.Tensor |
         except DataError:
             continue
         good = images[marks != IGNORED][: limit - n]
+        files += [data for (_, data, _), mark in zip(batch, marks) if mark != IGNORED][: limit - n]
         kept.append(to_float(good.to(p.device), torch.contiguous_format, p.mean, p.std, p.view))
         n += len(good)
         if n >= limit:
             break
-    return torch.cat(kept) if kept else None
+    return (torch.cat(kept), files) if kept else None
 
 
 PART = "JOB_PREDICT_PART"  # "i/n": the part of the inputs one of --nproc-per-node's processes takes

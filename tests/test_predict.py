@@ -413,3 +413,64 @@ def test_a_model_trained_at_its_datas_own_size_labels_photos_of_any_size_in_one_
     assert done.returncode == 0, done.stderr[-2000:]
     rows = rows_of(out)
     assert len(rows) == 5 and all(r["label"] and not r["error"] for r in rows.values()), rows
+
+
+CONFIDENT = """
+from torch import nn
+
+
+class Confident(nn.Module):
+    \"\"\"Logits in the hundreds of thousands: float32 rounds them to a hundredth, whatever runs them.\"\"\"
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+
+    def forward(self, x):
+        return self.net(x) * 1e5
+"""
+
+
+def test_export_of_a_confident_model_is_checked_relative_to_its_logits_and_by_model_jsons_recipe(
+    trained, tmp_path, monkeypatch
+):
+    """Logits scaled by 1e5 differ by float32's rounding between runtimes: the check's tolerance is relative to the
+    logits' size (an absolute 1e-4 refused the model), the labels still all agree. The check also makes the inputs
+    from the files by model.json's recipe with Pillow alone: a model.json that does not say what predict does is
+    refused."""
+    import shutil
+
+    run, new = trained
+    (tmp_path / "confident.py").write_text(CONFIDENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    photos = yaml.safe_load((run / "config.yaml").read_text())["data"]["path"]
+    over = sets("data.kind=folder", f"data.path={photos}", "data.image_size=32", "model.name=confident:Confident")
+    over += sets("train.epochs=1", "data.val_split=0.3")
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "c"), *over])
+    assert code == 0, err
+    code, err = invoke(["export", "-m", str(tmp_path / "c"), "-f", "onnx", "-o", str(tmp_path / "c.onnx")])
+    assert code == 0, err
+    check = json.loads((tmp_path / "c.onnx.check.json").read_text())
+    assert check["labels_agree"] and check["recipe_labels_agree"] and check["recipe_checked"]
+    assert check["max_abs_logit_diff"] <= check["tolerance"] and check["tolerance"] > 1e-4
+    wrong = tmp_path / "wrong"
+    shutil.copytree(run, wrong)
+    card = json.loads((wrong / "model.json").read_text())
+    card["preprocessing"]["held"] = [16, 16]  # not what predict does: the recipe's inputs differ from the model's
+    card["preprocessing"]["crop"] = {"center": [32, 32]}
+    (wrong / "model.json").write_text(json.dumps(card))
+    code, err = invoke(["export", "-m", str(wrong), "-f", "onnx", "-o", str(tmp_path / "w.onnx")])
+    assert code == 1 and "model.json's preprocessing" in err and "not written" in err, err
+    assert not (tmp_path / "w.onnx").exists()
+
+
+def test_export_checks_held_out_images_of_every_class(tmp_path):
+    """The check's images are taken from every class in turn, not the first in sorted order (the first classes')."""
+    from conftest import write_image_folder
+
+    from job.export import held_out_images
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=20, size=8)
+    config = {"data": {"kind": "folder", "path": str(root), "val_split": 0.5}}
+    chosen = held_out_images(str(tmp_path), config, limit=6)
+    assert len(chosen) == 6 and len({Path(p).parent.name for p in chosen}) == 3, chosen
