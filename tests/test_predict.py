@@ -391,8 +391,9 @@ def test_a_remote_file_named_like_a_pattern_is_read(tmp_path, bucket):
 @pytest.mark.parametrize("preset", ["cifar10", "cifar10-fast"])
 def test_a_model_trained_at_its_datas_own_size_labels_photos_of_any_size_in_one_batch(tmp_path, preset):
     """A run that fixed no image size (CIFAR-10's 32 px images as they are): model.json records the size the model
-    was trained at, and predict brings every photo to it, whatever its size, mixed in one batch (before: the CNN
-    stopped with a traceback, cifar10-fast scored a photo at its full size, an odd size failed its whole batch)."""
+    was trained at, and predict (and evaluate) bring every photo to it, whatever its size, mixed in one batch (before:
+    the CNN stopped with a traceback, cifar10-fast scored a photo at its full size, an odd size failed its whole
+    batch)."""
     from conftest import pattern_images, run_job, write_cifar_batches
 
     data = write_cifar_batches(tmp_path / "c10")
@@ -413,6 +414,13 @@ def test_a_model_trained_at_its_datas_own_size_labels_photos_of_any_size_in_one_
     assert done.returncode == 0, done.stderr[-2000:]
     rows = rows_of(out)
     assert len(rows) == 5 and all(r["label"] and not r["error"] for r in rows.values()), rows
+    labelled = tmp_path / "labelled"
+    for i, p in enumerate(sorted(photos.iterdir())):  # evaluate brings them to it too
+        (labelled / ("cat", "dog")[i % 2]).mkdir(parents=True, exist_ok=True)
+        (labelled / ("cat", "dog")[i % 2] / p.name).write_bytes(p.read_bytes())
+    from job.evaluate import evaluate_on
+
+    assert evaluate_on(str(tmp_path / "run"), str(labelled), "cpu")["samples"] == 5
 
 
 CONFIDENT = """

@@ -90,11 +90,12 @@ def held(
     log: Log,
     skipped: list[dict[str, str]] | None = None,
     scoring: bool = False,
+    pre: Preprocess | None = None,
 ) -> Dataset:
     """The files decoded into memory, each split's images in one tensor; `content`: a file's bytes by its name;
     `skipped`: files already found missing, to which those that cannot be decoded are added; `scoring`: images a
-    trained model is scored on, which need nothing to train on."""
-    pre = Preprocess.of(cfg)
+    trained model is scored on, which need nothing to train on; `pre`: how they are held (default: as cfg says)."""
+    pre = pre or Preprocess.of(cfg)
     skipped = [] if skipped is None else skipped
     splits = {
         role: decode_split(files.roles[role], content, classes, pre, url, skipped, cfg.skip_bad_samples)
