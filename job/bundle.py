@@ -22,8 +22,9 @@ The preprocessing is the run's evaluation's (job/data/preprocess.py), in the ord
                       none), in NCHW float32
     resize            the first form's description of draft, box and held, for readers that know only it:
                       {"short_side": s}: the short side to s (the other in proportion, rounded), then `crop`;
-                      {"size": [h, w]}: to h x w, aspect not kept; null: as the file is. It gives the same region
-                      within a pixel; draft, box and held give it exactly.
+                      {"size": [h, w]}: to h x w, aspect not kept; null: the run fixed no size (its images were
+                      one size, as they were; `held` brings another to it). It gives the same region within a
+                      pixel; draft, box and held give it exactly.
     interpolation     bilinear, antialiased when shrinking (Pillow's resize)
 For a table (csv): the feature columns in order and the min-max scaler's parameters instead.
 """

@@ -195,15 +195,20 @@ class Drift(nn.Module):
 """
 
 
-def test_an_export_that_differs_from_the_model_is_refused_and_not_written(trained, tmp_path, monkeypatch):
-    run, new = trained
-    (tmp_path / "drifting.py").write_text(DRIFTING)
+def train_own_model(run: Path, tmp_path: Path, monkeypatch, source: str, name: str, out: Path) -> None:
+    """A model class of the user's own (`source`, importable as `name`) trained a little on the fixture's photos."""
+    (tmp_path / f"{name.split(':')[0]}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     photos = yaml.safe_load((run / "config.yaml").read_text())["data"]["path"]
-    over = sets("data.kind=folder", f"data.path={photos}", "data.image_size=32", "model.name=drifting:Drift")
+    over = sets("data.kind=folder", f"data.path={photos}", "data.image_size=32", f"model.name={name}")
     over += sets("train.epochs=1", "data.val_split=0.3")
-    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "d"), *over])
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
     assert code == 0, err
+
+
+def test_an_export_that_differs_from_the_model_is_refused_and_not_written(trained, tmp_path, monkeypatch):
+    run, new = trained
+    train_own_model(run, tmp_path, monkeypatch, DRIFTING, "drifting:Drift", tmp_path / "d")
     out = tmp_path / "d.pt2"
     code, err = invoke(["export", "-m", str(tmp_path / "d"), "-f", "pt2", "-o", str(out), "--check-images", str(new)])
     assert code == 1 and "differs from the model" in err and "not written" in err and "Traceback" not in err
@@ -449,13 +454,7 @@ def test_export_of_a_confident_model_is_checked_relative_to_its_logits_and_by_mo
     import shutil
 
     run, new = trained
-    (tmp_path / "confident.py").write_text(CONFIDENT)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    photos = yaml.safe_load((run / "config.yaml").read_text())["data"]["path"]
-    over = sets("data.kind=folder", f"data.path={photos}", "data.image_size=32", "model.name=confident:Confident")
-    over += sets("train.epochs=1", "data.val_split=0.3")
-    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "c"), *over])
-    assert code == 0, err
+    train_own_model(run, tmp_path, monkeypatch, CONFIDENT, "confident:Confident", tmp_path / "c")
     code, err = invoke(["export", "-m", str(tmp_path / "c"), "-f", "onnx", "-o", str(tmp_path / "c.onnx")])
     assert code == 0, err
     check = json.loads((tmp_path / "c.onnx.check.json").read_text())
