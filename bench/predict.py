@@ -54,7 +54,7 @@ def tight(run: Path, files: list[Path], batch: int) -> float:
     with torch.no_grad():
         for i in range(0, len(files), batch):
             chunk = files[i : i + batch]
-            held = np.stack([pixels(f.read_bytes(), f.name, p.size, p.fit).transpose(2, 0, 1) for f in chunk])
+            held = np.stack([pixels(f.read_bytes(), f.name, p.pre).transpose(2, 0, 1) for f in chunk])
             x = to_float(torch.from_numpy(held), torch.contiguous_format, p.mean, p.std, p.view)
             p.model(x).argmax(1).tolist()
     return len(files) / (time.perf_counter() - t0)

@@ -45,7 +45,7 @@ def bound(run: Path, files: list[Path], batch: int, device: torch.device) -> flo
     """images/s of the model alone: every photo decoded beforehand (held as predict holds them) and on the device;
     timed from the first batch's preprocessing to the last batch's labels."""
     p = load_predictor(str(run), device)
-    decoder = Decoder(8, p.size, p.fit, skip=False)
+    decoder = Decoder(8, p.pre, skip=False)
     held = [decoded(decoder.submit([(f.name, "jpg", f.read_bytes()) for f in files[i : i + batch]]), ("", ""))
             for i in range(0, len(files), batch)]  # fmt: skip
     held = [h.to(device) for h in held]

@@ -161,7 +161,8 @@ def run_record(url: str) -> dict:
 
 def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | None = None) -> dict:
     """Loss and accuracy of a model (a run folder's chosen weights, its model.pt, or a checkpoint) on any labelled
-    images, preprocessed as its own evaluation was: class folders (every image), a folder of train/ val/ test/
+    images, preprocessed as its own evaluation was (brought to its input size where the run fixed none, as predict
+    does): class folders (every image), a folder of train/ val/ test/
     class folders (its test, else its val), a .tar/.tar.gz of either, or a manifest (.csv, .jsonl). `report`: a
     folder for its report (DIR/<split>/, job/diagnostics.py)."""
     from job.predict import load_predictor, model_files
@@ -219,7 +220,7 @@ def streamed_split(d, url: str, device: torch.device, p, log) -> tuple[Loader, s
     if shards.classes != p.classes:
         raise DataError(f"{url}: its classes {shards.classes[:5]} are not the model's {p.classes[:5]}")
     split = "test" if shards.samples("test") else "val"
-    decoder = held_decoder(d, device)
+    decoder = held_decoder(d, device, p.pre)
     loader = StreamLoader(shards.splits[split], 256, device, decoder, mean=p.mean, std=p.std, view=p.view, log=log)
     packed = len(Inventory.from_json(shards.inventory).skipped) if shards.inventory is not None else 0
     return loader, split, lambda: packed + len(loader.skipped.names)
@@ -235,14 +236,14 @@ def labelled(d, url: str, p, log):
     if is_manifest(url):
         from job.data.manifest import load_manifest
 
-        return load_manifest(d.model_copy(update={"kind": "manifest"}), None, log, p.classes)
+        return load_manifest(d.model_copy(update={"kind": "manifest"}), None, log, p.classes, p.pre)
     listing = Listing()
     entries = dict(read_entries(url, listing.keep, None, log))
     files = sort_files(sorted(entries), HoldOut(0.0, 0.0, d.split_seed))
     unknown = sorted({c for role in files.roles.values() for _, c in role} - set(p.classes))
     if unknown:
         raise DataError(f"{url}: classes the model does not know: {', '.join(unknown[:5])}")
-    return held(files, entries.__getitem__, p.classes, d, url, f"folder {url}", log, scoring=True)
+    return held(files, entries.__getitem__, p.classes, d, url, f"folder {url}", log, scoring=True, pre=p.pre)
 
 
 @dataclass

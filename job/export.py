@@ -7,17 +7,21 @@
 
 Both take a batch of any size (a dynamic first dimension) of the model's input, float32 NCHW as model.json's
 preprocessing makes it. The export is then run with its own runtime (onnxruntime; torch.export.load) on real images,
-preprocessed as `job predict` does, and compared with the model: the largest difference of the logits and whether
-every label agrees go to `<output>.check.json`, and a difference beyond the tolerance stops it (exit 1).
+preprocessed twice: as `job predict` does, and by model.json's documented recipe with Pillow and numpy alone, from
+the files (job/bundle.py's recipe_input: what a person serving the export does); both are compared with the model.
+The largest difference of the logits and whether every label agrees, for each, go to `<output>.check.json`, and a
+difference beyond the tolerance, or one label that differs, stops it (exit 1).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
@@ -25,11 +29,14 @@ from job.cloud import describe_storage_error, filesystem
 from job.errors import ConfigError, DataError, JobError, StorageError
 
 FORMATS = ("onnx", "pt2")
-TOLERANCE = 1e-4  # the largest difference of fp32 logits an export may show against the model, on the CPU
+# The largest difference of fp32 logits an export may show against the model, on the CPU, relative to the largest
+# logit (at least 1): float32 rounding grows with the logits' size, so an absolute bound refuses a confident model.
+TOLERANCE = 1e-4
 CHECK_IMAGES = 256
 
 
 def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str], log=print) -> dict:
+    from job.bundle import recipe_input
     from job.predict import decode_inputs, load_predictor, model_files
 
     if fmt not in FORMATS:
@@ -42,41 +49,64 @@ def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str]
     shape = tuple(card["input_shape"])
     output = output or f"{model_url.rstrip('/')}/model.{fmt}"
     images = check_inputs or held_out_images(model_url, raw_config)
-    x = decode_inputs(p, images, CHECK_IMAGES)
-    if x is None:
+    decoded = decode_inputs(p, images, CHECK_IMAGES)
+    if decoded is None:
         raise DataError("export: no image to check the export with could be read (--check-images)")
+    x, files = decoded
+    # A model.json of an earlier version has no exact recipe (input_size, held) to follow: its check is the job's.
+    exact = "input_size" in card["preprocessing"]
+    theirs = torch.from_numpy(np.stack([recipe_input(card["preprocessing"], data) for data in files])) if exact else x
     with torch.no_grad():
         want = p.model(x).float()
+    bound = TOLERANCE * max(1.0, float(want.abs().max()))
     example = torch.zeros(2, *shape)
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, f"model.{fmt}")
         labels, pre = json.dumps(card["classes"], ensure_ascii=False), json.dumps(card["preprocessing"])
         try:
+            both = torch.cat([x, theirs.to(x.device)])  # the job's inputs, then the recipe's: one run of the runtime
             if fmt == "onnx":
-                got = to_onnx(p.model, example, local, labels, pre, x)
+                got, by_recipe = to_onnx(p.model, example, local, labels, pre, both).split(len(x))
             else:
-                got = to_pt2(p.model, example, local, labels, pre, x)
+                got, by_recipe = to_pt2(p.model, example, local, labels, pre, both).split(len(x))
         except (ConfigError, StorageError):
             raise
         except Exception as e:  # the exporters raise many types, with long messages: the first line says why
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"export: {card['model']['name']} cannot be exported to {fmt}: {first[:300]}") from None
-        diff = float((got - want).abs().max())
-        agree = bool((got.argmax(1) == want.argmax(1)).all())
+        diff, agree = compared(got, want)
+        recipe_diff, recipe_agree = compared(by_recipe, want)
         check = {"format": fmt, "images": len(x), "max_abs_logit_diff": diff, "labels_agree": agree}
-        check |= {"tolerance": TOLERANCE, "runtime": "onnxruntime" if fmt == "onnx" else "torch.export.load"}
-        if diff > TOLERANCE or not agree:  # exit 1, and nothing written
+        check |= {
+            "recipe_checked": exact,
+            "recipe_max_abs_logit_diff": recipe_diff,
+            "recipe_labels_agree": recipe_agree,
+        }
+        check |= {"tolerance": bound, "relative_tolerance": TOLERANCE}
+        check["runtime"] = "onnxruntime" if fmt == "onnx" else "torch.export.load"
+        if diff > bound or not agree:  # exit 1, and nothing written
             raise JobError(
                 f"export: the {fmt} file differs from the model on {len(x)} images (largest logit difference "
-                f"{diff:.2e}, tolerance {TOLERANCE:g}; labels agree: {agree}): not written"
+                f"{diff:.2e}, tolerance {bound:.2e}; labels agree: {agree}): not written"
+            )
+        if recipe_diff > bound or not recipe_agree:
+            raise JobError(
+                f"export: model.json's preprocessing, followed with Pillow, does not reproduce the model's input on "
+                f"{len(x)} images (largest logit difference {recipe_diff:.2e}, tolerance {bound:.2e}; labels agree: "
+                f"{recipe_agree}): not written"
             )
         put(local, output)
         put_text(json.dumps(check, indent=1), f"{output}.check.json")
     log(
-        f"export: {output}, checked on {len(x)} images with {check['runtime']}: largest logit difference {diff:.1e}, "
-        "top-1 agreement 100%"
+        f"export: {output}, checked on {len(x)} images with {check['runtime']}, preprocessed by the job and by "
+        f"model.json's recipe: largest logit difference {max(diff, recipe_diff):.1e}, top-1 agreement 100%"
     )
     return check
+
+
+def compared(got: torch.Tensor, want: torch.Tensor) -> tuple[float, bool]:
+    """The largest difference of two sets of logits, and whether every top-1 label agrees."""
+    return float((got - want).abs().max()), bool((got.argmax(1) == want.argmax(1)).all())
 
 
 def to_onnx(model, example, path: str, labels: str, pre: str, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +140,7 @@ def to_pt2(model, example, path: str, labels: str, pre: str, x: torch.Tensor) ->
     return (out[0] if isinstance(out, (tuple, list)) else out).float()
 
 
-def held_out_images(model_url: str, raw_config: dict) -> list[str]:
+def held_out_images(model_url: str, raw_config: dict, limit: int = CHECK_IMAGES) -> list[str]:
     """The run's val (else test) images, sorted into splits as the run sorted them (job/data/split.py), to check an
     export with: an image folder's, at any URL; other data (an archive, shards, a table) needs --check-images."""
     from job.config import validate
@@ -131,10 +161,20 @@ def held_out_images(model_url: str, raw_config: dict) -> list[str]:
     except Exception as e:  # the stores' clients raise many types
         raise StorageError(f"cannot list {cfg.path}: {describe_storage_error(cfg.path, e)}") from None
     files = sort_files(names, HoldOut.of(cfg))
-    held = [n for n, _ in files.roles["val"] or files.roles["test"]]
+    held = files.roles["val"] or files.roles["test"]
     if not held:
         raise ConfigError(f"{where} (the run held no images out)")
-    return [f"{cfg.path.rstrip('/')}/{n}" for n in held[:CHECK_IMAGES]]
+    return [f"{cfg.path.rstrip('/')}/{n}" for n in across_classes(held, limit)]
+
+
+def across_classes(files: list[tuple[str, str]], limit: int) -> list[str]:
+    """Up to `limit` of the (name, class) files, taken from every class in turn (in sorted order the first would be
+    the first classes' alone)."""
+    by_class: dict[str, list[str]] = {}
+    for name, cls in files:
+        by_class.setdefault(cls, []).append(name)
+    turns = itertools.zip_longest(*by_class.values())
+    return [name for turn in turns for name in turn if name is not None][:limit]
 
 
 def put(local: str, url: str) -> None:

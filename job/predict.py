@@ -37,6 +37,7 @@ from job.config import read_yaml, validate
 from job.data.augment import to_float
 from job.data.decode import Decoder, decoder_for
 from job.data.files import fetch_named, is_archive, is_manifest, iter_archive
+from job.data.preprocess import Preprocess
 from job.data.split import kind_of
 from job.errors import CheckpointError, ConfigError, DataError, StorageError, one_line
 from job.models import build_model
@@ -51,8 +52,7 @@ class Predictor:
 
     model: torch.nn.Module
     classes: list[str]
-    size: int | None  # the square size images are held at (None: as they are)
-    fit: bool  # held by the short side and centre (photos), else stretched
+    pre: Preprocess  # how an image file is held: the run's evaluation's, brought to the model's input size
     view: object  # the centre view of evaluation, or None
     mean: torch.Tensor | None
     std: torch.Tensor | None
@@ -83,11 +83,11 @@ def load_predictor(url: str, device: torch.device) -> Predictor:
         model = build_model(cfg.model, shape, len(card["classes"]))
         model.load_state_dict(payload["model"])
         model.to(device).eval()
-        return Predictor(model, list(card["classes"]), None, False, None, None, None, device, card["features"])
-    d = cfg.data
-    size = d.resize_size or d.image_size
-    held = (3, size, size) if size is not None else shape
-    _, view = model_input(cfg, held, True)
+        return Predictor(model, list(card["classes"]), Preprocess(), None, None, None, device, card["features"])
+    # A run that fixed no size held its images as they were (one size): every image is brought to that size here,
+    # so that a photo of another size is labelled, not refused in the model or with its whole batch.
+    held = Preprocess.of(cfg.data, shape)
+    _, view = model_input(cfg, (3, *held.size), True)
     model = build_model(cfg.model, shape, len(card["classes"]))
     try:
         model.load_state_dict(payload["model"])
@@ -97,7 +97,7 @@ def load_predictor(url: str, device: torch.device) -> Predictor:
     stats = [
         None if pre["mean"] is None else torch.tensor(pre[k]).view(1, -1, 1, 1).to(device) for k in ("mean", "std")
     ]
-    return Predictor(model, list(card["classes"]), size, d.resize_size is not None, view, *stats, device)
+    return Predictor(model, list(card["classes"]), held, view, *stats, device)
 
 
 def model_files(url: str) -> tuple[dict, dict, dict]:
@@ -301,7 +301,7 @@ def predict(
         return predict_tables(p, inputs, Rows(output, k, jsonl), log, index, count)
     found = list(share(listed(inputs), index, count))
     try:
-        decoder = decoder_for(decode, workers, device, p.size, p.fit, skip=True)
+        decoder = decoder_for(decode, workers, device, p.pre, skip=True)
     except ConfigError as e:
         raise ConfigError(f"--decode {decode}: {e}") from None
     if count > 1:
@@ -331,12 +331,12 @@ def predict(
     return {"labelled": done, "errors": failed}
 
 
-def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> torch.Tensor | None:
+def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> tuple[torch.Tensor, list[bytes]] | None:
     """Up to `limit` of the inputs' images as the model's inputs (float, on the predictor's device), those that can
-    be read; None when none can."""
+    be read, and their files' bytes in the same order; None when none can."""
     from job.data.decode import IGNORED, decoded
 
-    decoder, kept, n = Decoder(0, p.size, p.fit, skip=True), [], 0
+    decoder, kept, files, n = Decoder(0, p.pre, skip=True), [], [], 0
     for batch in read(listed(inputs), limit):
         marks = torch.zeros(len(batch), dtype=torch.int64)
         try:
@@ -344,11 +344,12 @@ def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> torch.Tensor |
         except DataError:
             continue
         good = images[marks != IGNORED][: limit - n]
+        files += [data for (_, data, _), mark in zip(batch, marks) if mark != IGNORED][: limit - n]
         kept.append(to_float(good.to(p.device), torch.contiguous_format, p.mean, p.std, p.view))
         n += len(good)
         if n >= limit:
             break
-    return torch.cat(kept) if kept else None
+    return (torch.cat(kept), files) if kept else None
 
 
 PART = "JOB_PREDICT_PART"  # "i/n": the part of the inputs one of --nproc-per-node's processes takes

@@ -295,18 +295,19 @@ def test_photos_are_held_square_by_their_short_side_and_centre():
     from conftest import encode
 
     from job.data.image import pixels
+    from job.data.preprocess import Preprocess
     from job.data.stream import decode as decode_stream
 
     img = torch.zeros(3, 24, 48, dtype=torch.uint8)
     img[:, :, 12:36] = 200  # a bright centre square in a wide photo
     data = encode(img.numpy())
     for held in (
-        torch.from_numpy(pixels(data, "w.png", 12, fit=True).transpose(2, 0, 1).copy()),
-        torch.from_numpy(decode_stream([("w", "png", data)], 12, fit=True)[0]),
+        torch.from_numpy(pixels(data, "w.png", Preprocess((12, 12), True)).transpose(2, 0, 1).copy()),
+        torch.from_numpy(decode_stream([("w", "png", data)], Preprocess((12, 12), True))[0]),
     ):
         assert tuple(held.shape) == (3, 12, 12)
         assert held.float().mean() > 190  # only the centre: the dark sides are cut, not squeezed in
-    squeezed = pixels(data, "w.png", 12)
+    squeezed = pixels(data, "w.png", Preprocess((12, 12), False))
     assert squeezed.astype(float).mean() < 150
 
 

@@ -269,18 +269,19 @@ def test_jpeg_batches_decoded_on_the_device_match_the_host_decoder(tmp_path):
     """nvJPEG and libjpeg-turbo may round a little differently; the images, resized alike, must be the same, each
     of them: 100 images are four groups of nvJPEG's 32, decoded while the last group's resizes are still queued."""
     from job.data.decode import DEVICE_GROUP, Decoder, DeviceDecoder, decoded
+    from job.data.preprocess import Preprocess
 
     images, _ = pattern_images(4, 25, 64, 0)
     assert len(images) > 3 * DEVICE_GROUP
     items = [(f"img{i}", "jpg", encode(img, "jpg")) for i, img in enumerate(images)]
     items.append(("odd.png", "png", encode(images[0], "png")))  # another format in the batch: decoded on the host
-    for size, fit in ((None, False), (48, False), (40, True)):
-        host = decoded(Decoder(0, size, fit).submit(items), ("a", "b"))
-        device = decoded(DeviceDecoder(CUDA, size, fit).submit(items), ("a", "b"))
+    for pre in (Preprocess(), Preprocess((48, 48), False), Preprocess((40, 40), True)):
+        host = decoded(Decoder(0, pre).submit(items), ("a", "b"))
+        device = decoded(DeviceDecoder(CUDA, pre).submit(items), ("a", "b"))
         assert device.is_cuda and device.shape == host.shape and device.dtype == torch.uint8
         diff = (device.cpu().int() - host.int()).abs().float()
         per_image = diff.mean((1, 2, 3))
-        assert per_image.max() < 1.5 and diff.max() <= 48, (size, per_image.max(), per_image.argmax(), diff.max())
+        assert per_image.max() < 1.5 and diff.max() <= 48, (pre, per_image.max(), per_image.argmax(), diff.max())
 
 
 def test_the_device_decoder_out_of_memory_stops_the_batch_and_is_not_taken_for_a_refusal():
@@ -288,11 +289,12 @@ def test_the_device_decoder_out_of_memory_stops_the_batch_and_is_not_taken_for_a
     it stops the batch as out of memory (the run names the batch size), and does not quietly decode every photo of
     the run on the host instead (where each is resized before it is sent: 8 big photos would have fit)."""
     from job.data.decode import DeviceDecoder, decoded
+    from job.data.preprocess import Preprocess
 
     ramp = np.linspace(0, 255, 3000, dtype=np.float32)
     photo = np.stack([np.add.outer(ramp, ramp) / 2, np.add.outer(ramp, -ramp) % 256, np.tile(ramp, (3000, 1))])
     items = [(f"big{i}", "jpg", encode(photo.astype(np.uint8), "jpg")) for i in range(8)]  # 8 x 27 MB decoded
-    decoder = DeviceDecoder(CUDA, 32)
+    decoder = DeviceDecoder(CUDA, Preprocess((32, 32), False))
     decoded(decoder.submit(items[:1]), ("a", "b"))  # nvJPEG's own state made before the cap
     torch.cuda.synchronize()
     total = torch.cuda.get_device_properties(CUDA).total_memory

@@ -20,6 +20,7 @@ from job.config import DataConfig
 from job.data.decode import decode as stream_decode
 from job.data.folder import load_folder
 from job.data.image import open_rgb, pixels
+from job.data.preprocess import Preprocess
 from job.data.split import HoldOut, is_system_file, sort_files
 from job.errors import DataError
 
@@ -680,8 +681,8 @@ def test_model_json_describes_the_model_and_reproduces_its_input(tmp_path, sizes
     r = recipe.build(cfg, torch.device("cpu"), data, pretrained=False, started=ckpt)
     files = sorted(root.rglob("IMG_00*"))[:6]
     held = torch.stack(
-        [torch.from_numpy(pixels(p.read_bytes(), p.name, cfg.data.resize_size or cfg.data.image_size,
-                                 cfg.data.resize_size is not None).transpose(2, 0, 1).copy()) for p in files]
+        [torch.from_numpy(pixels(p.read_bytes(), p.name, Preprocess.of(cfg.data)).transpose(2, 0, 1).copy())
+         for p in files]
     )  # fmt: skip
     mean, std = r.feed.stats()
     job_input = to_float(held, torch.contiguous_format, mean, std, r.feed.view).numpy()
@@ -754,3 +755,50 @@ def test_weights_that_cannot_be_downloaded_are_found_before_the_data_is_read(tmp
     code, err = invoke(["train", "--device", "cpu", "--config", "finetune", "--output", str(tmp_path / "run"), *over])
     assert code == 4 and "cannot download" in err, err
     assert "data:" not in err and "skipped" not in err, err  # not a photo decoded first
+
+
+PHONE = (3024, 4032)  # a phone's 12 MP photo as it is shown (w, h): portrait, stored landscape with EXIF tag 6
+
+
+def phone_photo() -> bytes:
+    w, h = PHONE
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    px = np.stack([x / w * 255, y / h * 255, 127 + 100 * np.sin(x / 12) * np.cos(y / 15)], -1)  # fine detail
+    px[((x // 150 + y // 150) % 2) == 0, 0] *= 0.5  # squares whose edges show a box that is off by a pixel
+    return turned_jpeg(Image.fromarray(px.astype(np.uint8)), 6)
+
+
+@pytest.mark.parametrize("held, size, reduced", [(256, 224, True), (1600, 1400, False)])
+def test_a_phone_photo_is_the_same_input_on_the_host_the_device_and_by_model_json(held, size, reduced):
+    """A non-square 12 MP JPEG turned by EXIF: the host (Pillow), the device decoder's code (torchvision: its CPU
+    decoder stands in for nvJPEG) and a Pillow user following model.json's recipe cut the same box of the photo and
+    make the same input: the recipe exactly the host's (model.json says when the host decodes a JPEG at a reduced DCT
+    scale, so the user does too), the device's within a mean of 1 grey level of it where both decode at full size,
+    3 where the host decodes at the reduced scale and the device at full size."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from job import bundle, recipe
+    from job.config import load_config
+    from job.data.augment import to_float
+    from job.data.decode import upright_held
+
+    data = phone_photo()
+    cfg = load_config("cifar10", [f"data.resize_size={held}", f"data.image_size={size}", "data.kind=folder"])
+    pre = Preprocess.of(cfg.data)
+    assert pre.box(*PHONE) == (0, 504, 3024, 3528)  # the centre square of the short side, in the photo's pixels
+    card = bundle.preprocessing(cfg.data, (3, size, size), None, None)
+    with Image.open(io.BytesIO(data)) as img:
+        img.draft("RGB", tuple(card["draft"]))
+        assert (img.size != (PHONE[1], PHONE[0])) == reduced  # the host decodes at the scale model.json names
+    _, view = recipe.model_input(cfg, (3, held, held), True)
+
+    def model_input(held_image: torch.Tensor) -> np.ndarray:
+        return to_float(held_image[None], torch.contiguous_format, None, None, view)[0].numpy() * 255
+
+    host = model_input(torch.from_numpy(pixels(data, "p.jpg", pre).transpose(2, 0, 1).copy()))
+    full = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    device = model_input(upright_held(full, data, pre))
+    theirs = bundle.recipe_input(card, data) * 255
+    assert host.shape == device.shape == theirs.shape == (3, size, size)
+    assert np.abs(theirs - host).max() < 1e-3  # model.json's recipe is the host's, pixel for pixel
+    assert np.abs(device - host).mean() < (3 if reduced else 1), np.abs(device - host).mean()

@@ -214,15 +214,20 @@ class Drift(nn.Module):
 """
 
 
-def test_an_export_that_differs_from_the_model_is_refused_and_not_written(trained, tmp_path, monkeypatch):
-    run, new = trained
-    (tmp_path / "drifting.py").write_text(DRIFTING)
+def train_own_model(run: Path, tmp_path: Path, monkeypatch, source: str, name: str, out: Path) -> None:
+    """A model class of the user's own (`source`, importable as `name`) trained a little on the fixture's photos."""
+    (tmp_path / f"{name.split(':')[0]}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     photos = yaml.safe_load((run / "config.yaml").read_text())["data"]["path"]
-    over = sets("data.kind=folder", f"data.path={photos}", "data.image_size=32", "model.name=drifting:Drift")
+    over = sets("data.kind=folder", f"data.path={photos}", "data.image_size=32", f"model.name={name}")
     over += sets("train.epochs=1", "data.val_split=0.3")
-    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(tmp_path / "d"), *over])
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
     assert code == 0, err
+
+
+def test_an_export_that_differs_from_the_model_is_refused_and_not_written(trained, tmp_path, monkeypatch):
+    run, new = trained
+    train_own_model(run, tmp_path, monkeypatch, DRIFTING, "drifting:Drift", tmp_path / "d")
     out = tmp_path / "d.pt2"
     code, err = invoke(["export", "-m", str(tmp_path / "d"), "-f", "pt2", "-o", str(out), "--check-images", str(new)])
     assert code == 1 and "differs from the model" in err and "not written" in err and "Traceback" not in err
@@ -496,3 +501,93 @@ def test_a_remote_file_named_like_a_pattern_is_read(tmp_path, bucket):
     rows = [row for batch in read([("x", bucket.url("odd/scan[001].png")), ("y", bucket.url("odd/a*b.png"))], 8)
             for row in batch]  # fmt: skip
     assert rows == [("x", b"scan[001].png", ""), ("y", b"a*b.png", "")]
+
+
+@pytest.mark.parametrize("preset", ["cifar10", "cifar10-fast"])
+def test_a_model_trained_at_its_datas_own_size_labels_photos_of_any_size_in_one_batch(tmp_path, preset):
+    """A run that fixed no image size (CIFAR-10's 32 px images as they are): model.json records the size the model
+    was trained at, and predict (and evaluate) bring every photo to it, whatever its size, mixed in one batch (before:
+    the CNN stopped with a traceback, cifar10-fast scored a photo at its full size, an odd size failed its whole
+    batch)."""
+    from conftest import pattern_images, run_job, write_cifar_batches
+
+    data = write_cifar_batches(tmp_path / "c10")
+    over = sets(f"data.path={data}", "train.epochs=1", "data.batch_size=20", "data.eval_batch_size=20")
+    code, err = invoke(["train", "--device", "cpu", "--config", preset, "--output", str(tmp_path / "run"), *over])
+    assert code == 0, err
+    pre = json.loads((tmp_path / "run" / "model.json").read_text())["preprocessing"]
+    assert pre["input_size"] == [32, 32] and pre["held"] == [32, 32] and pre["box"] == "centre"
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    images, _ = pattern_images(1, 4, 96, 0)
+    for i, (w, h) in enumerate(((640, 427), (32, 32), (90, 300), (33, 31))):
+        img = Image.fromarray(images[i].transpose(1, 2, 0)).resize((w, h))
+        img.save(photos / f"p{i}.{'jpg' if i % 2 == 0 else 'png'}")
+    (photos / "turned.jpg").write_bytes(turned_jpeg(Image.fromarray(images[0].transpose(1, 2, 0)), 6))
+    out = tmp_path / "p.csv"
+    done = run_job("predict", "--model", str(tmp_path / "run"), str(photos), "--device", "cpu", "--output", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = rows_of(out)
+    assert len(rows) == 5 and all(r["label"] and not r["error"] for r in rows.values()), rows
+    labelled = tmp_path / "labelled"
+    for i, p in enumerate(sorted(photos.iterdir())):  # evaluate brings them to it too
+        (labelled / ("cat", "dog")[i % 2]).mkdir(parents=True, exist_ok=True)
+        (labelled / ("cat", "dog")[i % 2] / p.name).write_bytes(p.read_bytes())
+    from job.evaluate import evaluate_on
+
+    assert evaluate_on(str(tmp_path / "run"), str(labelled), "cpu")["samples"] == 5
+
+
+CONFIDENT = """
+from torch import nn
+
+
+class Confident(nn.Module):
+    \"\"\"Logits in the hundreds of thousands: float32 rounds them to a hundredth, whatever runs them.\"\"\"
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+
+    def forward(self, x):
+        return self.net(x) * 1e5
+"""
+
+
+def test_export_of_a_confident_model_is_checked_relative_to_its_logits_and_by_model_jsons_recipe(
+    trained, tmp_path, monkeypatch
+):
+    """Logits scaled by 1e5 differ by float32's rounding between runtimes: the check's tolerance is relative to the
+    logits' size (an absolute 1e-4 refused the model), the labels still all agree. The check also makes the inputs
+    from the files by model.json's recipe with Pillow alone: a model.json that does not say what predict does is
+    refused."""
+    import shutil
+
+    run, new = trained
+    train_own_model(run, tmp_path, monkeypatch, CONFIDENT, "confident:Confident", tmp_path / "c")
+    code, err = invoke(["export", "-m", str(tmp_path / "c"), "-f", "onnx", "-o", str(tmp_path / "c.onnx")])
+    assert code == 0, err
+    check = json.loads((tmp_path / "c.onnx.check.json").read_text())
+    assert check["labels_agree"] and check["recipe_labels_agree"] and check["recipe_checked"]
+    assert check["max_abs_logit_diff"] <= check["tolerance"] and check["tolerance"] > 1e-4
+    wrong = tmp_path / "wrong"
+    shutil.copytree(run, wrong)
+    card = json.loads((wrong / "model.json").read_text())
+    card["preprocessing"]["held"] = [16, 16]  # not what predict does: the recipe's inputs differ from the model's
+    card["preprocessing"]["crop"] = {"center": [32, 32]}
+    (wrong / "model.json").write_text(json.dumps(card))
+    code, err = invoke(["export", "-m", str(wrong), "-f", "onnx", "-o", str(tmp_path / "w.onnx")])
+    assert code == 1 and "model.json's preprocessing" in err and "not written" in err, err
+    assert not (tmp_path / "w.onnx").exists()
+
+
+def test_export_checks_held_out_images_of_every_class(tmp_path):
+    """The check's images are taken from every class in turn, not the first in sorted order (the first classes')."""
+    from conftest import write_image_folder
+
+    from job.export import held_out_images
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=20, size=8)
+    config = {"data": {"kind": "folder", "path": str(root), "val_split": 0.5}}
+    chosen = held_out_images(str(tmp_path), config, limit=6)
+    assert len(chosen) == 6 and len({Path(p).parent.name for p in chosen}) == 3, chosen

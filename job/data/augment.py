@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from job.data.preprocess import centre_box
+
 
 def to_float(
     x: torch.Tensor,
@@ -73,10 +75,12 @@ class View:
         if boxes is None:
             if self.centre == 1.0 and (h, w) == (self.size, self.size):
                 return x
-            cw, ch = w * self.centre, h * self.centre
+            # At whole pixels, as every reader's preprocessing cuts it (job/data/preprocess.py): a box half a pixel
+            # in would blend neighbours, which a Pillow user's crop of model.json's centre does not.
+            box = centre_box(w, h, round(w * self.centre), round(h * self.centre))
             # Filled on the device: a tensor of these values made on the host is a copy the host waits for.
             boxes = torch.empty(n, 4, device=x.device)
-            for i, v in enumerate(((w - cw) / 2, (h - ch) / 2, (w + cw) / 2, (h + ch) / 2)):
+            for i, v in enumerate(box):
                 boxes[:, i] = v
         rois = torch.cat([torch.arange(n, device=x.device, dtype=boxes.dtype)[:, None], boxes], 1)
         # torchvision's operator itself: its forward is deterministic (no atomics), where torchvision.ops.roi_align

@@ -16,6 +16,7 @@ import torch
 
 from job.data.batches import IGNORED
 from job.data.image import UnreadableImage, exif_orientation, pixels
+from job.data.preprocess import Preprocess
 from job.env import cpu_share
 from job.errors import ConfigError, DataError, one_line
 from job.memory import is_out_of_memory
@@ -31,20 +32,19 @@ class Decoded(NamedTuple):
     bad: list[tuple[int, str]]
 
 
-def decode(items: list[tuple[str, str, bytes]], size: int | None, fit: bool = False, skip: bool = False) -> np.ndarray:
+def decode(items: list[tuple[str, str, bytes]], pre: Preprocess | None = None, skip: bool = False) -> np.ndarray:
     """Images (name, extension, bytes) decoded to one uint8 N x 3 x H x W array the one way every host path decodes
-    (job/data/image.py: EXIF turn, HEIC, every mode to RGB), each resized to size x size when a size is given
-    (`fit`: the short side resized to it and the centre kept, as photos are held)."""
-    return decode_batch(items, size, fit, skip).images
+    (job/data/image.py: EXIF turn, HEIC, every mode to RGB), each held as `pre` says (None: as it is)."""
+    return decode_batch(items, pre or Preprocess(), skip).images
 
 
-def decode_batch(items: list[tuple[str, str, bytes]], size: int | None, fit: bool, skip: bool) -> Decoded:
+def decode_batch(items: list[tuple[str, str, bytes]], pre: Preprocess, skip: bool) -> Decoded:
     """decode(), with an image that cannot be decoded left as zeros and named (skip), or stopping it (not skip).
     Runs in a worker process."""
     out, bad = None, []
     for n, (name, _, data) in enumerate(items):
         try:
-            img = pixels(data, name, size, fit).transpose(2, 0, 1)
+            img = pixels(data, name, pre).transpose(2, 0, 1)
         except UnreadableImage as e:
             if not skip:
                 raise
@@ -56,21 +56,16 @@ def decode_batch(items: list[tuple[str, str, bytes]], size: int | None, fit: boo
             raise different_sizes(out.shape[1:], img.shape, name)
         out[n] = img
     if out is None:  # not one image of the batch: its size is what it would be held at, if any
-        if size is None:
+        if pre.size is None:
             raise DataError(f"no image of the batch of samples {items[0][0]} to {items[-1][0]} could be decoded")
-        out = np.zeros((len(items), 3, size, size), dtype=np.uint8)
+        out = np.zeros((len(items), 3, *pre.size), dtype=np.uint8)
     return Decoded(out, bad)
 
 
-def sized(img: torch.Tensor, size: int | None, fit: bool) -> torch.Tensor:
-    """An image resized to size x size (`fit`: the short side to size, the centre kept); as it is without a size."""
-    from torchvision.transforms.v2.functional import center_crop, resize
-
-    if size is None or tuple(img.shape[1:]) == (size, size):
-        return img
-    if fit:
-        return center_crop(resize(img, size, antialias=True), [size, size])
-    return resize(img, [size, size], antialias=True)
+def upright_held(img: torch.Tensor, data: bytes, pre: Preprocess) -> torch.Tensor:
+    """A JPEG decoded at full size by torchvision (nvJPEG, or its CPU decoder) as the host holds it: turned by its
+    EXIF tag (which nvJPEG does not apply) and held as `pre` says, on the image's device."""
+    return pre.hold_tensor(orient(img, exif_orientation(data)))
 
 
 def orient(img: torch.Tensor, orientation: int) -> torch.Tensor:
@@ -110,8 +105,8 @@ def start_worker() -> None:
 class Decoder:
     """Batches of images decoded in `workers` processes (0: in the calling thread), in submission order."""
 
-    def __init__(self, workers: int, size: int | None, fit: bool = False, skip: bool = True) -> None:
-        self.size, self.fit, self.workers, self.skip = size, fit, workers, skip
+    def __init__(self, workers: int, pre: Preprocess | None = None, skip: bool = True) -> None:
+        self.pre, self.workers, self.skip = pre or Preprocess(), workers, skip
         self.pool = shared_pool(workers) if workers else None
 
     def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
@@ -119,11 +114,11 @@ class Decoder:
         if self.pool is None:
             f: Future = Future()
             try:
-                f.set_result(decode_batch(items, self.size, self.fit, self.skip))
+                f.set_result(decode_batch(items, self.pre, self.skip))
             except DataError as e:
                 f.set_exception(e)
             return f
-        return self.pool.submit(decode_batch, items, self.size, self.fit, self.skip)
+        return self.pool.submit(decode_batch, items, self.pre, self.skip)
 
 
 POOLS: dict[int, ProcessPoolExecutor] = {}
@@ -184,7 +179,7 @@ def auto_workers(setting: int | str, device: str | None = None, cores: int | Non
 
 
 def decoder_for(
-    where: str, workers: int | str, device: torch.device | None, size: int | None, fit: bool, skip: bool
+    where: str, workers: int | str, device: torch.device | None, pre: Preprocess, skip: bool
 ) -> Decoder | DeviceDecoder:
     """Where images are decoded, decided here once for training's streams and for predict: `where` is data.decode
     (predict's --decode): device, the CUDA device's nvJPEG (JPEG images; others on the host), else `workers`
@@ -193,8 +188,8 @@ def decoder_for(
     if where == "device" and device is not None:
         if device.type != "cuda":
             raise ConfigError(f"decoding on the device needs a CUDA device; this runs on {device.type}")
-        return DeviceDecoder(device, size, fit, skip)
-    return Decoder(auto_workers(workers, device.type if device is not None else None), size, fit, skip)
+        return DeviceDecoder(device, pre, skip)
+    return Decoder(auto_workers(workers, device.type if device is not None else None), pre, skip)
 
 
 DEVICE_GROUP = 32  # JPEG images nvJPEG decodes at once: full-size photos are held at full size until resized
@@ -209,9 +204,9 @@ class DeviceDecoder:
 
     workers = 0  # no decoding processes
 
-    def __init__(self, device: torch.device, size: int | None, fit: bool = False, skip: bool = True) -> None:
+    def __init__(self, device: torch.device, pre: Preprocess | None = None, skip: bool = True) -> None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.device, self.size, self.fit, self.skip = torch.device("cuda", index), size, fit, skip
+        self.device, self.pre, self.skip = torch.device("cuda", index), pre or Preprocess(), skip
         self.thread, self.stream = device_thread(self.device)
         # torchvision's notice that its decoders move to another package, silenced once here: a catch_warnings in
         # the decoding thread would swap the process's filters under the training thread's feet (not thread-safe).
@@ -228,12 +223,12 @@ class DeviceDecoder:
             for start in range(0, len(jpeg), DEVICE_GROUP):
                 group = jpeg[start : start + DEVICE_GROUP]
                 for i, img in zip(group, self.decode_jpegs([items[i][2] for i in group])):
-                    if img is not None:  # nvJPEG does not apply EXIF orientation: done here, as the host does
-                        images[i] = sized(orient(img, exif_orientation(items[i][2])), self.size, self.fit)
+                    if img is not None:
+                        images[i] = upright_held(img, items[i][2], self.pre)
             for i, item in enumerate(items):
                 if images[i] is None:
                     try:
-                        images[i] = torch.from_numpy(decode([item], self.size, self.fit)[0]).to(self.device)
+                        images[i] = torch.from_numpy(decode([item], self.pre)[0]).to(self.device)
                     except UnreadableImage as e:
                         if not self.skip:
                             raise

@@ -16,6 +16,7 @@ import torch
 from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_entries
 from job.data.image import UnreadableImage, pixels
+from job.data.preprocess import Preprocess
 from job.data.split import ROLES, SUFFIXES, Files, HoldOut, Inventory, count, kind_of, sort_files
 from job.errors import ConfigError, DataError
 
@@ -89,14 +90,15 @@ def held(
     log: Log,
     skipped: list[dict[str, str]] | None = None,
     scoring: bool = False,
+    pre: Preprocess | None = None,
 ) -> Dataset:
     """The files decoded into memory, each split's images in one tensor; `content`: a file's bytes by its name;
     `skipped`: files already found missing, to which those that cannot be decoded are added; `scoring`: images a
-    trained model is scored on, which need nothing to train on."""
-    size, fit = cfg.resize_size or cfg.image_size, cfg.resize_size is not None
+    trained model is scored on, which need nothing to train on; `pre`: how they are held (default: as cfg says)."""
+    pre = pre or Preprocess.of(cfg)
     skipped = [] if skipped is None else skipped
     splits = {
-        role: decode_split(files.roles[role], content, classes, size, url, fit, skipped, cfg.skip_bad_samples)
+        role: decode_split(files.roles[role], content, classes, pre, url, skipped, cfg.skip_bad_samples)
         for role in ROLES
     }
     report_skipped(skipped, log)
@@ -131,9 +133,8 @@ def decode_split(
     items: list[tuple[str, str]],
     content: Callable[[str], bytes],
     classes: list[str],
-    size: int | None,
+    pre: Preprocess,
     url: str,
-    fit: bool = False,
     skipped: list[dict[str, str]] | None = None,
     skip: bool = True,
 ) -> Split:
@@ -142,14 +143,14 @@ def decode_split(
 
     def one(name: str) -> torch.Tensor | UnreadableImage:
         try:
-            return torch.from_numpy(pixels(content(name), name, size, fit).transpose(2, 0, 1).copy())
+            return torch.from_numpy(pixels(content(name), name, pre).transpose(2, 0, 1).copy())
         except UnreadableImage as e:
             if not skip:
                 raise DataError(f"{url}: {e} (data.skip_bad_samples is false)") from None
             return e
 
     if not items:
-        return Split(torch.empty(0, 3, size or 0, size or 0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
+        return Split(torch.empty(0, 3, *(pre.size or (0, 0)), dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
     chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         decoded = [img for chunk in pool.map(lambda c: [one(n) for n, _ in c], chunks) for img in chunk]
@@ -166,7 +167,7 @@ def decode_split(
             f"e.g. {odd}); set data.image_size"
         )
     if not good:
-        return Split(torch.empty(0, 3, size or 0, size or 0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
+        return Split(torch.empty(0, 3, *(pre.size or (0, 0)), dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
     index = {c: i for i, c in enumerate(classes)}
     x, y = torch.stack([img for img, _, _ in good]), torch.tensor([index[cls] for _, cls, _ in good])
     return Split(x, y, [name for _, _, name in good])

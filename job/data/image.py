@@ -19,6 +19,7 @@ import io
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from job.data.preprocess import Preprocess
 from job.data.split import SUFFIXES
 from job.errors import DataError, one_line
 
@@ -73,16 +74,10 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def pixels(data: bytes, name: str, size: int | None = None, fit: bool = False) -> np.ndarray:
-    """uint8 H x W x 3 of an image file, resized to size x size when a size is given (`fit`: the short side resized
-    to it and the centre kept, as photos are held; otherwise stretched to the square)."""
-    rgb = open_rgb(data, name, size)
-    if size is not None and rgb.size != (size, size):
-        if fit:
-            rgb = ImageOps.fit(rgb, (size, size), Image.Resampling.BILINEAR)
-        else:
-            rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-    return np.asarray(rgb, dtype=np.uint8)
+def pixels(data: bytes, name: str, pre: Preprocess | None = None) -> np.ndarray:
+    """uint8 H x W x 3 of an image file, held as `pre` says (job/data/preprocess.py; None: as the file is)."""
+    pre = pre or Preprocess()
+    return np.asarray(pre.hold(open_rgb(data, name, pre.draft)), dtype=np.uint8)
 
 
 def image_size(data: bytes, name: str) -> tuple[int, int]:

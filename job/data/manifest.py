@@ -25,6 +25,7 @@ from job.cloud import describe_storage_error
 from job.data.dataset import Dataset
 from job.data.files import FETCH_CHUNK, Log, beside, fetch_named, read_bytes, read_entries
 from job.data.folder import check_files, held
+from job.data.preprocess import Preprocess
 from job.data.split import SPLIT_FOLDERS, Files, HoldOut
 from job.errors import DataError, StorageError
 
@@ -47,7 +48,9 @@ class Columns:
         return cls(cfg.path_column, cfg.label_column, cfg.split_column)
 
 
-def load_manifest(cfg, cache: Path | None, log: Log, classes: list[str] | None = None) -> Dataset:
+def load_manifest(
+    cfg, cache: Path | None, log: Log, classes: list[str] | None = None, pre: Preprocess | None = None
+) -> Dataset:
     """The manifest's images in memory, split; `classes`: a trained model's (its images are scored, not trained on:
     every row is read, with no split required)."""
     url = cfg.path
@@ -63,7 +66,7 @@ def load_manifest(cfg, cache: Path | None, log: Log, classes: list[str] | None =
         raise DataError(f"{url}: {skipped[0]['path']}: {skipped[0]['reason']} (data.skip_bad_samples is false)")
     for role in files.roles:  # a file that is not there is skipped and named, like one that cannot be decoded
         files.roles[role] = [(p, c) for p, c in files.roles[role] if p in content]
-    return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped, scoring=scoring)
+    return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped, scoring, pre)
 
 
 def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tuple[Files, list[str]]:

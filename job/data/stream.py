@@ -40,6 +40,7 @@ from job.data.batches import Batch, move
 from job.data.dataset import Dataset, Split
 from job.data.decode import IGNORED, Decoder, DeviceDecoder, decode, decoded, decoder_for
 from job.data.placement import Streaming, decide_streaming
+from job.data.preprocess import Preprocess
 from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved
 from job.data.shards import SPLITS, Sample, Shard, ShardFile, ShardSet, open_shards, samples
 from job.data.split import HoldOut, Inventory
@@ -402,12 +403,12 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
     return Dataset(train, test, shards.classes, f"shards {cfg.path}", choice, val=val, inventory=inventory)
 
 
-def held_decoder(cfg, device: torch.device | None = None) -> Decoder | DeviceDecoder:
+def held_decoder(cfg, device: torch.device | None = None, pre: Preprocess | None = None) -> Decoder | DeviceDecoder:
     """The decoder that makes images the size they are held at (held_size): data.workers processes, or with
-    data.decode device, the training device itself; `device`: the training device, when it trains while decoding."""
+    data.decode device, the training device itself; `device`: the training device, when it trains while decoding;
+    `pre`: how images are held (default: as cfg says)."""
     try:
-        fit = cfg.resize_size is not None
-        return decoder_for(cfg.decode, cfg.workers, device, held_size(cfg), fit, cfg.skip_bad_samples)
+        return decoder_for(cfg.decode, cfg.workers, device, pre or Preprocess.of(cfg), cfg.skip_bad_samples)
     except ConfigError as e:
         raise ConfigError(f"data.decode: {e}") from None
 
