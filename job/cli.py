@@ -1,7 +1,7 @@
 """The command line: parse, call, and turn the user's faults into one line and their exit code (each error class
-in errors.py carries its own). Exit codes: 0 done, 1 a bug, 2 command line or config, 3 data, 4 storage or credentials,
-5 checkpoint unusable, 75 interrupted with a checkpoint committed (run the same command again), 130 stopped by
-the user (Ctrl-C) with nothing to continue."""
+in errors.py carries its own). Exit codes: 0 done, 1 a bug, 2 command line or config, 3 data, 4 storage or credentials
+(or the run folder being written by another run), 5 checkpoint unusable, 75 interrupted with a checkpoint committed
+(run the same command again), 130 stopped by the user (Ctrl-C) with nothing to continue."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import json
 import os
 import sys
 from collections.abc import Iterator
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
 from job.errors import ConfigError, JobError
+
+if TYPE_CHECKING:
+    from job.config import Config
 
 app = typer.Typer(
     add_completion=False,
@@ -86,7 +89,7 @@ def train(
 
     with user_errors():
         from job.env import torchvision_problem
-        from job.launch import launch_plan
+        from job.launch import end_with_launcher, launch_plan
 
         if problem := torchvision_problem():  # before anything is made: a mismatched build fails mid-run otherwise
             raise ConfigError(problem)
@@ -96,28 +99,39 @@ def train(
         with user_errors():
             from job.config import load_config
             from job.launch import launch
+            from job.lease import check
 
-            load_config(config, [*overrides, *limit])  # a bad config: one line here, not one per worker
+            cfg = load_config(config, [*overrides, *limit])  # a bad config: one line here, not one per worker
+            if group.node_rank == 0:  # a busy folder too; the other machines' workers never hold it
+                check(run_url(cfg, output)[0])
             args = {"--config": config, "--output": output, "--device": device, "--resume": resume}
             args |= {"--time-limit": time_limit, "--overwrite": overwrite}
             code = launch(group, args, overrides)
         if code:
             raise typer.Exit(code)
         return
+    end_with_launcher()  # a worker of this job's launcher: not a moment longer than it
     # Watch for SIGTERM from the start: a preemption during the slow imports and data loading still exits 75.
     with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
-        from job.cloud import vertex_outputs
         from job.config import load_config
         from job.report import say
         from job.train import run
 
         cfg = load_config(config, [*overrides, *limit])
-        routes = {} if output or cfg.output.dir else vertex_outputs()
-        target = output or cfg.output.dir or routes.pop("run", "") or f"runs/{cfg.name}"
+        target, routes = run_url(cfg, output)
         if not (output or cfg.output.dir) and target != f"runs/{cfg.name}":
             places = "".join(f", {k} to {v}" for k, v in routes.items())
             say(f"Vertex AI (AIP_* variables): the run goes to {target}{places}")
         run(cfg, target, device, resume, overwrite, stop, routes)
+
+
+def run_url(cfg: Config, output: str) -> tuple[str, dict[str, str]]:
+    """Where a run goes: --output, else output.dir, else Vertex AI's folders (with the places its other files go),
+    else runs/<name>."""
+    from job.cloud import vertex_outputs
+
+    routes = {} if output or cfg.output.dir else vertex_outputs()
+    return output or cfg.output.dir or routes.pop("run", "") or f"runs/{cfg.name}", routes
 
 
 def seconds(duration: str) -> float:

@@ -21,7 +21,8 @@ class DataError(JobError):
 
 
 class StorageError(JobError):
-    """A storage location cannot be read or written, or credentials are missing."""
+    """A storage location cannot be read or written, or credentials are missing; or a run folder is being written by
+    another run (lease.py): a place this run cannot write now, though the command is right."""
 
     exit_code = 4
 

@@ -5,17 +5,21 @@ no wrapper (torchrun itself turns a worker's 75 into 1).
 Signals: the workers run in sessions of their own (the agent starts them so), so a SIGTERM or Ctrl-C reaching the
 job's process is passed on to each of them here; each commits a checkpoint and exits 75, and the job exits 75. The
 agent's own signal handling is turned off: it would stop the workers and lose their exit codes. A worker that dies
-makes the agent stop the others at once; the job names it in one line.
+makes the agent stop the others at once; the job names it in one line. The job's process that dies (SIGKILL, the
+OOM killer) takes its workers with it (end_with_launcher): neither the agent nor torchrun does that, and workers in
+sessions of their own would otherwise train on beside the next attempt.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +34,8 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
 DEFAULT_PORT = 29500  # torchrun's, for platforms that name the first node but no port
+LAUNCHER = "JOB_LAUNCHER_PID"  # set for the workers: the pid of the job's process that started them
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -191,6 +197,7 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
     if "OMP_NUM_THREADS" not in os.environ and plan.nproc_per_node > 1:  # as torchrun does: no oversubscribed cores
         os.environ["OMP_NUM_THREADS"] = str(max(1, cpus() // plan.nproc_per_node))
     say(f"launching {plan.describe()}")
+    os.environ[LAUNCHER] = str(os.getpid())  # the agent starts the workers from this thread (end_with_launcher)
     with quiet_agent(), forwarding_signals():
         try:
             elastic_launch(config, sys.executable)("-m", "job", "train", *worker_args(options, overrides))
@@ -204,6 +211,33 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
                 "wait); the run is as it was, so run the same command again once they can reach each other"
             ) from None
     return 0
+
+
+def end_with_launcher() -> None:
+    """In a worker of this job's launcher: end the moment the launcher does. On Linux the kernel sends the signal
+    (PR_SET_PDEATHSIG: when the thread that started this process ends, and the agent starts workers from the main
+    thread), then a look at the parent closes the gap before it was set; elsewhere a thread watches the parent.
+
+    SIGKILL, not the SIGTERM path (stop after the step, commit, exit 75): with the launcher gone nobody takes the
+    75 and the platform or the user starts the run again at once, which a group still committing would meet as a
+    second writer, and a launcher that died of the OOM killer leaves a machine short of memory. Nothing committed
+    is lost: a checkpoint is its payload, then its manifest, then the pointer, each written whole by a rename
+    (sync.write_atomic) or sent as one object, so a process killed at any moment leaves the pointer naming the
+    previous complete checkpoint, the one the next attempt resumes from, as after a kill of the whole group."""
+    launcher = int(os.environ.get(LAUNCHER, "0") or 0)
+    if not launcher or not is_worker():
+        return
+    if sys.platform.startswith("linux") and ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
+        if os.getppid() != launcher:  # it died before the kernel was told
+            os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            threading.Event().wait(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="job-launcher-watch", daemon=True).start()
 
 
 def meeting_timeout() -> int:

@@ -135,6 +135,19 @@ def preflight(cfg: Config, req: Request) -> RunDir:
     o = cfg.output
     run_dir = RunDir(req.output, req.routes, o.upload_timeout_seconds, o.sync_every_seconds, staged=o.staged)
     run_dir.prepare()
+    try:
+        if run_dir.lease is not None and run_dir.lease.taken_from:
+            say(f"taking the run folder over from {run_dir.lease.taken_from}")
+        recover_staging(run_dir, req)
+    except BaseException:
+        run_dir.abandon()
+        run_dir.remove_if_empty()
+        raise
+    return run_dir
+
+
+def recover_staging(run_dir: RunDir, req: Request) -> None:
+    """What an earlier attempt left on this machine: uploaded (--resume auto) or dropped (never)."""
     if req.resume == "never" and run_dir.staged_files() and not req.overwrite:
         raise ConfigError(
             f"{run_dir.url}: an earlier attempt left files on this machine ({run_dir.local}): --resume auto "
@@ -148,7 +161,6 @@ def preflight(cfg: Config, req: Request) -> RunDir:
         for name in run_dir.list(checkpoint.FOLDER):
             if checkpoint.is_manifest(name):
                 run_dir.read(f"{checkpoint.FOLDER}/{name}")
-    return run_dir
 
 
 def open_run(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict] | None) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
-from job import sync
+from job import lease, sync
 from job.cloud import describe_storage_error, filesystem
 from job.errors import StorageError, one_line
 from job.sync import Uploader, write_atomic
@@ -66,6 +66,7 @@ class RunDir:
         self._cache: dict[str, bytes] = {}  # small files read from the store
         self._lock = None
         self._made: Path | None = None  # the outermost folder prepare() made
+        self.lease: lease.Lease | None = None  # this process's hold on the folder, from prepare() to finish()
 
     def path(self, rel: str) -> Path:
         """The local path of a file of the run (a staging copy when the run is remote)."""
@@ -80,7 +81,9 @@ class RunDir:
         return self.fs, f"{self.root.rstrip('/')}/{rel}"
 
     def prepare(self) -> None:
-        """Check, before any work, that every place the run writes to takes a file and gives it back."""
+        """Check, before any work, that no other run is writing the folder and that every place the run writes to
+        takes a file and gives it back; then hold the folder (lease.py) until finish() or abandon()."""
+        lease.check(self.url)  # refused before anything is written
         missing = [p for p in (self.local, *self.local.parents) if not p.exists()]
         self._made = missing[-1] if missing else None
         try:
@@ -90,8 +93,12 @@ class RunDir:
             probe.unlink()
         except OSError as e:
             raise StorageError(f"{self.local}: cannot write the output folder: {one_line(e)}") from None
-        if not self.remote:
-            return
+        if self.remote:
+            self.probe_store()
+        self.lease = lease.Lease(self.url).take()
+
+    def probe_store(self) -> None:
+        """The staging folder kept to this process, and a file written to each place in the store and read back."""
         self._lock = open(self.local / ".lock", "w")  # noqa: SIM115 (held for the whole run)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -247,14 +254,23 @@ class RunDir:
             raise StorageError(self._upload_failure())
 
     def finish(self, timeout: float | None = None) -> None:
-        """Wait until the store holds everything, then drop the staging copy; say what could not be sent."""
-        if self.uploader is None:
-            return
-        if not self.uploader.wait(timeout):
-            raise StorageError(self._upload_failure())
-        self.uploader.stop()
-        self.uploader = None
-        self.clear_staging()
+        """Wait until the store holds everything, then drop the staging copy and let the folder go; say what could
+        not be sent."""
+        try:
+            if self.uploader is not None:
+                if not self.uploader.wait(timeout):
+                    raise StorageError(self._upload_failure())
+                self.uploader.stop()
+                self.uploader = None
+                self.clear_staging()
+        finally:  # the run writes nothing more either way (a notebook's next run in this process takes the folder)
+            self.release()
+
+    def release(self) -> None:
+        """Let another run write the folder (this one writes nothing more)."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     def remove_if_empty(self) -> None:
         """Take back the folders prepare() made when nothing was written in them: a run that failed to start
@@ -263,10 +279,12 @@ class RunDir:
             shutil.rmtree(self._made, ignore_errors=True)
 
     def abandon(self) -> None:
-        """Stop uploading at once (the run failed); the staging copy stays for the next attempt."""
+        """Stop uploading at once (the run failed) and let the folder go; the staging copy stays for the next
+        attempt."""
         if self.uploader is not None:
             self.uploader.stop()
             self.uploader = None
+        self.release()
 
     def _upload_failure(self) -> str:
         up = self.uploader

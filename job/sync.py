@@ -47,8 +47,9 @@ def _file_mode() -> int:
 FILE_MODE = _file_mode()
 
 
-def write_atomic(target: Path, data: bytes) -> None:
-    """Write a file whole or not at all: a temporary file beside it, fsync, rename."""
+def write_atomic(target: Path, data: bytes, replace: bool = True) -> bool:
+    """Write a file whole or not at all: a temporary file beside it, fsync, rename. `replace` False: only when there
+    is no file there yet (a hard link in place of the rename); returns False when there was one."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
@@ -57,7 +58,14 @@ def write_atomic(target: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        if replace:
+            os.replace(tmp, target)
+        else:
+            os.link(tmp, target)
+            Path(tmp).unlink()
+    except FileExistsError:
+        Path(tmp).unlink(missing_ok=True)
+        return False
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -66,6 +74,7 @@ def write_atomic(target: Path, data: bytes) -> None:
         os.fsync(folder)
     finally:
         os.close(folder)
+    return True
 
 
 def send(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -74,6 +83,19 @@ def send(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
         write_atomic(Path(path), data)
     else:
         fs.pipe_file(path, data)
+
+
+def create(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Put bytes at a place only when nothing is there; False when something is. Atomic in a local folder and on GCS
+    (gcsfs's mode="create" is a generation precondition); other stores check, then write, so their callers read back
+    what they wrote."""
+    if isinstance(fs, LocalFileSystem):
+        return write_atomic(Path(path), data, replace=False)
+    try:
+        fs.pipe_file(path, data, mode="create")
+    except FileExistsError:
+        return False
+    return True
 
 
 def append(path: str, data: bytes) -> None:

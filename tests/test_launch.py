@@ -4,6 +4,7 @@ is passed on, and torchrun in front of the job still works."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from conftest import free_port, job_env, run_job, scalars, sets, start_job, weights
@@ -40,6 +42,31 @@ class Net(nn.Module):
             self.steps += 1
             if self.mine and self.steps == int(os.environ["KILL_AT_STEP"]):
                 os.kill(os.getpid(), signal.SIGKILL)
+        return self.net(x)
+"""
+
+
+GATE = """
+import os, time
+from pathlib import Path
+from torch import nn
+
+class Net(nn.Module):
+    '''The Iris MLP that, at training step $GATE_AT_STEP, says so in $GATE.<rank> and waits until $GATE exists.'''
+
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 10), nn.ReLU(), nn.Linear(10, num_classes))
+        self.steps = 0
+
+    def forward(self, x):
+        if self.training:
+            self.steps += 1
+            gate = Path(os.environ["GATE"])
+            if self.steps == int(os.environ["GATE_AT_STEP"]) and not gate.exists():
+                Path(f"{gate}.{os.environ.get('RANK', '0')}").touch()
+                while not gate.exists():
+                    time.sleep(0.05)
         return self.net(x)
 """
 
@@ -258,3 +285,70 @@ def test_a_machine_that_never_comes_is_one_line_after_the_meeting_timeout(tmp_pa
     assert last.startswith("error: the machines did not meet within 3 s at 127.0.0.1:" + port), last
     assert "--node-rank" in last and "JOB_RDZV_TIMEOUT" in last
     assert not (tmp_path / "run").exists()
+
+
+def wait_for(what, why: str, proc: subprocess.Popen, deadline_s: float = 180) -> None:
+    """Poll until `what()` holds while `proc` runs."""
+    deadline = time.time() + deadline_s
+    while not what():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.time() < deadline, f"timed out waiting for {why}"
+        time.sleep(0.1)
+
+
+def test_the_launcher_killed_takes_its_workers_and_the_same_command_resumes(tmp_path):
+    out = tmp_path / "run"
+    args = [*TWO, *sets("train.log_every_steps=100"), "--output", str(out)]
+    launcher = start_job(*args, "--set", "train.epochs=60000")
+    workers: list[psutil.Process] = []
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest.json").exists(), "a checkpoint", launcher)
+        workers = psutil.Process(launcher.pid).children(recursive=True)
+        assert len([w for w in workers if "train" in w.cmdline()]) == 2
+        launcher.kill()  # SIGKILL: the launcher says nothing, its workers learn of it from the kernel
+        launcher.wait()
+        _, alive = psutil.wait_procs(workers, timeout=120)
+        assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+    finally:
+        for p in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    stopped = json.loads((out / "checkpoints" / "latest.json").read_text())
+    again = run_job(*args, "--set", f"train.epochs={stopped['epoch'] + 300}")  # a shorter test than the 60,000
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "taking the run folder over from host" in again.stderr and "has ended" in again.stderr
+    assert f"resuming iris from epoch {stopped['epoch']}" in again.stderr
+    assert not (out / "lease.json").exists()  # let go at the end
+
+
+def test_the_same_command_beside_a_live_run_is_refused_and_the_live_run_ends_unharmed(tmp_path):
+    (tmp_path / "gate.py").write_text(GATE)
+    gate = tmp_path / "gate"
+    out = tmp_path / "run"
+    env = {"PYTHONPATH": str(tmp_path), "GATE": str(gate), "GATE_AT_STEP": "50"}
+    args = [*sets("model.name=gate:Net", "train.epochs=100", "train.eval_every_epochs=10"), "--output", str(out)]
+    live = start_job(*TWO, *args, env={**env, "PYTHONPATH": f"{tmp_path}:{job_env()['PYTHONPATH']}"})
+    try:
+        wait_for(lambda: all(Path(f"{gate}.{r}").exists() for r in (0, 1)), "the live run at its gate", live)
+        files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "lease.json"}
+        holder = json.loads((out / "lease.json").read_text())
+        for command in (TWO, TWO[:3]):  # a group is refused by its launcher, a process alone as it opens the run
+            refused = run_job(*command, *args, env=env, timeout=180)
+            assert refused.returncode == 4, refused.stderr[-2000:]
+            [line] = refused.stderr.strip().splitlines()[-1:]
+            assert line.startswith(f"error: {out} is being written by another run (host {holder['host']}, pid ")
+            assert f"pid {holder['pid']}, heartbeat " in line and "launching" not in refused.stderr
+        assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "lease.json"} == files
+        assert json.loads((out / "lease.json").read_text())["token"] == holder["token"]
+        gate.touch()
+        _, err = live.communicate(timeout=300)
+    finally:
+        gate.touch()
+        if live.poll() is None:
+            live.kill()
+    assert live.returncode == 0, err[-2000:]
+    epochs = [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert epochs == list(range(10, 101, 10))  # one history
+    assert [a["exit_code"] for a in attempts(out)] == [0]
+    assert json.loads((out / "checkpoints" / "latest.json").read_text())["epoch"] == 100
+    assert not (out / "lease.json").exists()

@@ -1,0 +1,111 @@
+"""lease.json: one run writes a folder at a time. Real files and the GCS emulator; the holders that are not this
+process are real leases as another machine or an ended process would have left them."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import Bucket
+
+from job.errors import StorageError
+from job.lease import LEASE, Lease, check, machine
+from job.storage import RunDir
+
+
+def left_by(folder, **changes) -> dict:
+    """A lease as another holder left it in `folder` (this process's record, changed)."""
+    me = psutil.Process()
+    record = {
+        "host": "elsewhere",
+        "machine": machine(),
+        "pid": me.pid,
+        "pid_started": me.create_time(),
+        "started": "2026-01-01T00:00:00+00:00",
+        "heartbeat": time.time(),
+        "every": 30.0,
+        "token": "theirs",
+    } | changes
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / LEASE).write_text(json.dumps(record))
+    return record
+
+
+def ended_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_live_holder_refuses_a_second_run_before_it_writes_anything(tmp_path):
+    run = tmp_path / "run"
+    left_by(run, host="trainer-7", heartbeat=time.time() - 5)
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    held_by = r"being written by another run \(host trainer-7, pid \d+, heartbeat 5 s ago\)"
+    with pytest.raises(StorageError, match=held_by):
+        RunDir(str(run)).prepare()
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before
+    assert json.loads((run / LEASE).read_text())["token"] == "theirs"
+
+
+@pytest.mark.parametrize(
+    ("changes", "why"),
+    [
+        ({"pid": "ended"}, r"its process \(pid \d+\) has ended"),  # this machine, an ended process
+        ({"pid_started": 1.0}, r"its process \(pid \d+\) has ended"),  # its pid now another process's
+        ({"machine": "other-host", "heartbeat": time.time() - 121}, r"heartbeat stopped \d+ s ago \(more than 120 s\)"),
+    ],
+)
+def test_a_stale_lease_is_taken_over(tmp_path, changes, why):
+    run = tmp_path / "run"
+    left_by(run, **{k: ended_pid() if v == "ended" else v for k, v in changes.items()})
+    held = RunDir(str(run))
+    held.prepare()
+    assert held.lease is not None and held.lease.taken_from.startswith("host elsewhere")
+    assert re.search(why, held.lease.taken_from), held.lease.taken_from
+    assert json.loads((run / LEASE).read_text())["token"] == held.lease.record["token"]
+    held.finish()
+    assert not (run / LEASE).exists()
+
+
+def test_a_holder_on_another_machine_is_live_while_it_beats(tmp_path):
+    run = tmp_path / "run"
+    left_by(run, machine="other-host", heartbeat=time.time() - 100)  # under 4 beats of 30 s
+    with pytest.raises(StorageError, match="host elsewhere"):
+        check(str(run))
+
+
+def test_the_holder_beats_and_lets_go_only_of_its_own_lease(tmp_path, monkeypatch):
+    monkeypatch.setenv("JOB_LEASE_HEARTBEAT_S", "0.1")
+    run = tmp_path / "run"
+    lease = Lease(str(run)).take()
+    first = json.loads((run / LEASE).read_text())["heartbeat"]
+    deadline = time.time() + 60
+    while json.loads((run / LEASE).read_text())["heartbeat"] == first:
+        assert time.time() < deadline, "the heartbeat was never refreshed"
+        time.sleep(0.05)
+    with pytest.raises(StorageError, match=f"pid {psutil.Process().pid}"):
+        Lease(str(run)).take()  # this process is live: a second taker is refused even here
+    lease._stop.set()
+    lease._thread.join()
+    left_by(run, token="theirs")
+    lease.release()
+    assert json.loads((run / LEASE).read_text())["token"] == "theirs"
+
+
+def test_a_lease_in_a_bucket(gcs_server):
+    bucket = Bucket("lease-bucket")
+    url = bucket.url("runs/one")
+    run = RunDir(url)
+    run.prepare()
+    assert LEASE in bucket.names("runs/one")
+    with pytest.raises(StorageError, match=f"{url} is being written by another run"):
+        RunDir(url, staged=True).prepare()
+    run.finish()
+    assert LEASE not in bucket.names("runs/one")
+    Lease(url).take().release()  # free again
