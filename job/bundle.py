@@ -27,16 +27,28 @@ The preprocessing is the run's evaluation's (job/data/preprocess.py), in the ord
                       pixel; draft, box and held give it exactly.
     interpolation     bilinear, antialiased when shrinking (Pillow's resize)
 For a table (csv): the feature columns in order and the min-max scaler's parameters instead.
+
+Loading a bundle lives here too (load_predictor): the model at a URL with what makes its inputs, for predict,
+evaluate and export alike.
 """
 
 from __future__ import annotations
 
 import io
+import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
+from job import checkpoint
+from job.cloud import describe_storage_error, filesystem
+from job.config import read_yaml, validate
+from job.data.augment import to_float
 from job.data.preprocess import Preprocess
+from job.errors import CheckpointError, StorageError
+from job.models import build_model
 
 MODEL_JSON = "model.json"
 FORMAT = 1  # model.json's own version
@@ -129,3 +141,100 @@ def describe(cfg, classes: list[str], input_shape: tuple[int, ...], feed_stats, 
         stats = (mean.tolist(), std.tolist()) if mean is not None else (None, None)
         entry["preprocessing"] = preprocessing(cfg.data, input_shape, *stats)
     return entry
+
+
+@dataclass
+class Predictor:
+    """A trained model and what makes its inputs."""
+
+    model: torch.nn.Module
+    classes: list[str]
+    pre: Preprocess  # how an image file is held: the run's evaluation's, brought to the model's input size
+    view: object  # the centre view of evaluation, or None
+    mean: torch.Tensor | None
+    std: torch.Tensor | None
+    device: torch.device
+    features: dict | None = None  # a table's model: its feature columns and scaler (model.json's)
+
+    @torch.no_grad()
+    def table_probabilities(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of raw feature values, in the model's column order, scaled as in training."""
+        low, span = torch.tensor(self.features["min"]), torch.tensor(self.features["span"])
+        return torch.softmax(self.model(((x - low) / span).to(self.device)).float(), dim=1).cpu()
+
+    @torch.no_grad()
+    def probabilities(self, images: torch.Tensor) -> torch.Tensor:
+        x = to_float(images.to(self.device), torch.contiguous_format, self.mean, self.std, self.view)
+        return torch.softmax(self.model(x).float(), dim=1).cpu()
+
+
+def load_predictor(url: str, device: torch.device) -> Predictor:
+    """The model at `url` (a run folder, its model.pt, or a checkpoint) on `device`, in evaluation mode."""
+    from job.recipe import model_input, resolved
+
+    payload, card, raw_config = model_files(url)
+    cfg = resolved(validate(raw_config))
+    pre = card.get("preprocessing")
+    shape = tuple(card["input_shape"])
+    if pre is None:  # a table's model: its features' columns and scaler instead
+        model = build_model(cfg.model, shape, len(card["classes"]))
+        model.load_state_dict(payload["model"])
+        model.to(device).eval()
+        return Predictor(model, list(card["classes"]), Preprocess(), None, None, None, device, card["features"])
+    # A run that fixed no size held its images as they were (one size): every image is brought to that size here,
+    # so that a photo of another size is labelled, not refused in the model or with its whole batch.
+    held = Preprocess.of(cfg.data, shape)
+    _, view = model_input(cfg, (3, *held.size), True)
+    model = build_model(cfg.model, shape, len(card["classes"]))
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as e:
+        raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
+    model.to(device).eval()
+    stats = [
+        None if pre["mean"] is None else torch.tensor(pre[k]).view(1, -1, 1, 1).to(device) for k in ("mean", "std")
+    ]
+    return Predictor(model, list(card["classes"]), held, view, *stats, device)
+
+
+def model_files(url: str) -> tuple[dict, dict, dict]:
+    """(weights payload, model.json's content, config) of a run folder, its model.pt, or a checkpoint."""
+    fs, path = filesystem(url)
+    try:
+        folder = fs.isdir(path)
+        chosen = folder and fs.exists(f"{path.rstrip('/')}/model.pt")
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the model: {describe_storage_error(url, e)}") from None
+    weights_url = f"{url.rstrip('/')}/model.pt" if chosen else url
+    payload, _ = checkpoint.load_url(weights_url, weights=True)
+    if "model_json" in payload and "config" in payload:
+        return payload, payload["model_json"], payload["config"]
+    beside = weights_url.rsplit("/", 1)[0] if "/" in weights_url else "."
+    card, config_url = read_json(f"{beside}/{MODEL_JSON}"), f"{beside}/config.yaml"
+    if card is None or not exists(config_url):
+        raise CheckpointError(
+            f"{url}: weights with no model.json and config.yaml beside them (runs of earlier versions wrote none): "
+            "pass the run's checkpoint instead (--model RUN/checkpoints/<name>.pt)"
+        )
+    return payload, card, read_yaml(config_url)
+
+
+def exists(url: str) -> bool:
+    """Whether there is a file at `url`; a store that fails to say is a StorageError."""
+    fs, path = filesystem(url)
+    try:
+        return fs.exists(path)
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the model: {describe_storage_error(url, e)}") from None
+
+
+def read_json(url: str) -> dict | None:
+    if not exists(url):
+        return None
+    fs, path = filesystem(url)
+    try:
+        return json.loads(fs.cat_file(path))
+    except ValueError:
+        raise CheckpointError(f"{url}: not JSON") from None
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the model: {describe_storage_error(url, e)}") from None

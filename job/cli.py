@@ -213,7 +213,7 @@ def predict(
     cannot be read gets a row with its error (exit 3 when none could be read). In a Cloud Batch task array each task
     predicts its part (BATCH_TASK_INDEX of BATCH_TASK_COUNT) into <output>.part-<i>-of-<n>."""
     with user_errors():
-        from job.predict import PART, part_device, spread
+        from job.parts import PART, part_device, spread
 
         if nproc_per_node > 1 and PART not in os.environ:
             raise typer.Exit(spread(sys.argv[1:], nproc_per_node))

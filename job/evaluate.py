@@ -165,7 +165,7 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     does): class folders (every image), a folder of train/ val/ test/
     class folders (its test, else its val), a .tar/.tar.gz of either, or a manifest (.csv, .jsonl). `report`: a
     folder for its report (DIR/<split>/, job/diagnostics.py)."""
-    from job.predict import load_predictor, model_files
+    from job.bundle import load_predictor, model_files
     from job.recipe import resolved
 
     device = pick_device(device_name)

@@ -36,8 +36,8 @@ CHECK_IMAGES = 256
 
 
 def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str], log=print) -> dict:
-    from job.bundle import recipe_input
-    from job.predict import decode_inputs, load_predictor, model_files
+    from job.bundle import load_predictor, model_files, recipe_input
+    from job.inputs import decode_inputs
 
     if fmt not in FORMATS:
         raise ConfigError(f"--format: one of {', '.join(FORMATS)}, got {fmt}")

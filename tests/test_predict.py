@@ -187,7 +187,7 @@ def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime
         assert json.loads(extra["labels.json"]) == card["classes"]
         assert json.loads(extra["preprocessing.json"]) == card["preprocessing"]
         logits = program.module()(torch.from_numpy(x)).detach().numpy()
-    from job.predict import load_predictor
+    from job.bundle import load_predictor
 
     model = load_predictor(str(run), torch.device("cpu")).model
     with torch.no_grad():
@@ -479,7 +479,7 @@ def test_a_file_gone_since_it_was_listed_gets_its_own_error_row(tmp_path, bucket
     (not "an empty file"), and the files beside it are read."""
     from conftest import encode, pattern_images
 
-    from job.predict import read
+    from job.inputs import read
 
     images, _ = pattern_images(1, 2, 16)
     (tmp_path / "a.png").write_bytes(encode(images[0]))
@@ -494,7 +494,7 @@ def test_a_file_gone_since_it_was_listed_gets_its_own_error_row(tmp_path, bucket
 
 def test_a_remote_file_named_like_a_pattern_is_read(tmp_path, bucket):
     """Brackets and stars in a file's name are the name, not a pattern to expand."""
-    from job.predict import read
+    from job.inputs import read
 
     for name in ("scan[001].png", "a*b.png"):
         bucket.fs.pipe_file(bucket.url(f"odd/{name}").removeprefix("gs://"), name.encode())

@@ -1,0 +1,151 @@
+"""What `job predict`'s inputs name and their bytes: image files, folders (recursive), glob patterns (a file that
+exists is a name, whatever its characters), manifests (paths beside the manifest), .tar/.tar.gz archives, and CSV
+tables' rows, local or at any URL; read a chunk at a time (each store's files fetched concurrently), a file that
+cannot be read saying why; and images made into a model's inputs (export's check)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from job.cloud import describe_storage_error, filesystem
+from job.data.augment import to_float
+from job.data.decode import Decoder
+from job.data.files import fetch_named, is_archive, is_manifest, iter_archive
+from job.data.split import kind_of
+from job.errors import DataError, StorageError, one_line
+
+if TYPE_CHECKING:
+    from job.bundle import Predictor
+
+
+def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
+    """(name, url) of every image an input names: a file, a folder's images (recursive), a glob's; (archive, None)
+    for an archive, read as it is iterated. Names are as given, or folder-relative under a folder."""
+    found: list[tuple[str, str | None]] = []
+    for item in inputs:
+        fs, path = filesystem(item)
+        try:
+            if any(c in path for c in "*?[") and not fs.exists(path):  # a file named scan[1].png is a name
+                matches = [p for p in sorted(fs.glob(path)) if not fs.isdir(p)]
+                # named in the form given: a local path stays a path, a store's a URL
+                found += [(fs.unstrip_protocol(p) if "://" in item else p,) * 2 for p in matches]
+                if not matches:
+                    raise DataError(f"{item}: no file matches")
+            elif fs.isdir(path):
+                root = path.rstrip("/") + "/"
+                for p in sorted(fs.find(path)):
+                    rel = p[len(root) :]
+                    if kind_of(rel) == "image":
+                        found.append((f"{item.rstrip('/')}/{rel}", fs.unstrip_protocol(p)))
+                    elif is_archive(rel) and not rel.startswith("."):  # a folder of shards: each read as it comes
+                        found.append((f"{item.rstrip('/')}/{rel}", None))
+            elif is_archive(path):
+                found.append((item, None))
+            elif is_manifest(path):
+                found += manifest_paths(item)
+            elif fs.exists(path):
+                found.append((item, item))
+            else:
+                raise DataError(f"{item}: no such file or folder")
+        except (DataError, StorageError):
+            raise
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(f"cannot list {item}: {describe_storage_error(item, e)}") from None
+    return found
+
+
+def table_rows(inputs: list[str], columns: list[str]) -> Iterator[tuple[str, int, list[str]]]:
+    """Every row of the CSV tables, in order: its name (url:line), its line, its values of `columns`."""
+    from job.data.files import read_bytes
+    from job.data.tabular import parse_csv
+
+    for url in inputs:
+        header, table = parse_csv(read_bytes(url, None, lambda _: None).decode("utf-8-sig"), url)
+        missing = [c for c in columns if c not in header]
+        if missing:
+            raise DataError(f"{url}: no column {missing[0]!r} of the model's features ({', '.join(columns)})")
+        at = [header.index(c) for c in columns]
+        for n, row in enumerate(table, start=2):
+            yield f"{url}:{n}", n, [row[i] for i in at]
+
+
+def manifest_paths(url: str) -> list[tuple[str, str]]:
+    """(path as written, its URL) of a manifest's rows: its `path` column, beside the manifest (files.beside)."""
+    from job.data.files import beside, read_bytes
+    from job.data.manifest import read_rows
+
+    rows = read_rows(url, read_bytes(url, None, lambda _: None))
+    if rows and "path" not in rows[0]:
+        raise DataError(f"{url}: no column 'path' (columns: {', '.join(rows[0])})")
+    paths = [str(r["path"]).strip() for r in rows if r.get("path")]
+    return [(p, beside(url, p)) for p in paths]
+
+
+Read = tuple[str, bytes, str]  # an input's name, its bytes, and why it could not be read ("" when it was)
+
+
+GONE = "not found (moved or removed since it was listed?)"
+
+
+def why(url: str, error: Exception) -> str:
+    """A row's words for a file that could not be read."""
+    if isinstance(error, FileNotFoundError):
+        return GONE
+    if "://" not in url or url.startswith("file://"):
+        return f"cannot read it: {one_line(error)}"
+    return describe_storage_error(url, error)
+
+
+def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[Read]]:
+    """The inputs' bytes, `chunk` files at a time (each store's fetched concurrently: files.fetch_named); an
+    archive's images as its members come. A file that cannot be read says why, and the rest go on."""
+    pending: list[tuple[str, str]] = []
+
+    def flush() -> list[Read]:
+        got = fetch_named([url for _, url in pending])
+        batch = [(name, b"", why(url, data)) if isinstance(data, Exception) else (name, data, "")
+                 for (name, url), data in zip(pending, got)]  # fmt: skip
+        pending.clear()
+        return batch
+
+    for name, url in found:
+        if url is None:
+            batch = []
+            for member, data in iter_archive(name):
+                if kind_of(member) == "image":
+                    batch.append((f"{name}:{member}", data, ""))
+                    if len(batch) == chunk:
+                        yield batch
+                        batch = []
+            if batch:
+                yield batch
+            continue
+        pending.append((name, url))
+        if len(pending) == chunk:
+            yield flush()
+    if pending:
+        yield flush()
+
+
+def decode_inputs(p: Predictor, inputs: list[str], limit: int) -> tuple[torch.Tensor, list[bytes]] | None:
+    """Up to `limit` of the inputs' images as the model's inputs (float, on the predictor's device), those that can
+    be read, and their files' bytes in the same order; None when none can."""
+    from job.data.decode import IGNORED, decoded
+
+    decoder, kept, files, n = Decoder(0, p.pre, skip=True), [], [], 0
+    for batch in read(listed(inputs), limit):
+        marks = torch.zeros(len(batch), dtype=torch.int64)
+        try:
+            images = decoded(decoder.submit([(name, "", data) for name, data, _ in batch]), ("", ""), marks)
+        except DataError:
+            continue
+        good = images[marks != IGNORED][: limit - n]
+        files += [data for (_, data, _), mark in zip(batch, marks) if mark != IGNORED][: limit - n]
+        kept.append(to_float(good.to(p.device), torch.contiguous_format, p.mean, p.std, p.view))
+        n += len(good)
+        if n >= limit:
+            break
+    return (torch.cat(kept), files) if kept else None
