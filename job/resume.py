@@ -60,6 +60,42 @@ class Request:
     routes: dict[str, str] | None = None  # some of the run's files elsewhere (Vertex AI's folders)
 
 
+@dataclass(frozen=True)
+class Resumption:
+    """What a run does with its folder, decided once (decide) before the data is read: the checkpoint it continues
+    from (None: it starts), and whether the run there is finished and stays exactly as it is. Rank 0 begins it
+    (begin) once the data and model are known good, so that a fault before leaves the folder as it was."""
+
+    run_dir: RunDir
+    req: Request
+    found: tuple[dict, dict] | None  # (payload, manifest), verified
+    finished: bool
+
+    @property
+    def started(self) -> dict | None:
+        """The checkpoint's payload a resumed run continues from."""
+        return self.found[0] if self.found is not None else None
+
+    def begin(self, cfg: Config) -> None:
+        """Rank 0's part: the checkpoint checked against the run, an overwritten run cleared, uploads started."""
+        check_resumable(self.run_dir, self.req, cfg, self.found)
+        if self.req.overwrite and (self.found is None or self.req.resume != "auto"):  # afresh, or for the one given
+            clear_run(self.run_dir)
+        self.run_dir.start_sync()
+
+    def complete(self, cfg: Config) -> dict:
+        """A finished run, left exactly as it is: rank 0 begins it (checks, no change) and every process says so."""
+        distributed.on_writer(lambda: self.begin(cfg))
+        return complete(cfg, self.run_dir, self.found)
+
+
+def decide(run_dir: RunDir, req: Request, cfg: Config) -> Resumption:
+    """How the run continues, by --resume and the folder: the checkpoint found (by rank 0, shared with the group)
+    and whether the run there is finished (left_alone). Decided without reading the data."""
+    found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume))
+    return Resumption(run_dir, req, found, left_alone(run_dir, req, cfg, found))
+
+
 def find_checkpoint(run_dir: RunDir, resume: str) -> tuple[dict, dict] | None:
     """The checkpoint to continue from, per --resume: auto (the run's newest), never, or a URL; verified, not yet
     checked against the run (check_resumable, once the data and model are known good)."""
@@ -161,15 +197,6 @@ def recover_staging(run_dir: RunDir, req: Request) -> None:
         for name in run_dir.list(checkpoint.FOLDER):
             if checkpoint.is_manifest(name):
                 run_dir.read(f"{checkpoint.FOLDER}/{name}")
-
-
-def open_run(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict] | None) -> None:
-    """Rank 0's part of setting up once the data and model are ready (a fault there leaves the folder as it was):
-    the checkpoint checked against the run, an overwritten run cleared, uploads started."""
-    check_resumable(run_dir, req, cfg, found)
-    if req.overwrite and (found is None or req.resume != "auto"):  # the folder afresh, or for the given checkpoint
-        clear_run(run_dir)
-    run_dir.start_sync()
 
 
 def check_split(started: dict | None, inventory: Inventory | None) -> None:

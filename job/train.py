@@ -30,17 +30,7 @@ from job.plan import make_step, set_cpu_threads
 from job.progress import Progress, is_best, position
 from job.recipe import Recipe
 from job.report import FollowerReport, Report, say
-from job.resume import (
-    Request,
-    check_split,
-    complete,
-    find_checkpoint,
-    left_alone,
-    open_run,
-    preflight,
-    replan_schedule,
-    restore,
-)
+from job.resume import Request, check_split, decide, preflight, replan_schedule, restore
 from job.step import EagerStep
 from job.stop import StopRequest
 from job.storage import RunDir, cache_dir
@@ -128,11 +118,10 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     device = pick_device(req.device)
     seed_everything(cfg.seed, cfg.train.deterministic)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
-    found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume))
-    if left_alone(run_dir, req, cfg, found):
-        distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
-        return complete(cfg, run_dir, found)
-    started = found[0] if found is not None else None
+    resumption = decide(run_dir, req, cfg)
+    if resumption.finished:
+        return resumption.complete(cfg)
+    found, started = resumption.found, resumption.started
     if started is None:  # the weights are at hand before the data is read: a failed download takes seconds to find
         weights_at_hand(cfg.model, cache_dir("weights"))
     with stop.at_once():
@@ -140,7 +129,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     check_split(started, data.inventory)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
-    distributed.on_writer(lambda: open_run(run_dir, req, cfg, found))
+    distributed.on_writer(lambda: resumption.begin(cfg))
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
     chooser = Chooser(cfg.train, r.evaluated_on)
@@ -354,6 +343,16 @@ def final_test(loop: Loop) -> dict:
     return record
 
 
+def write_reports(loop: Loop) -> None:
+    """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py):
+    every process scores its part, rank 0 writes the files."""
+
+    def put(split: str, name: str, data: bytes) -> None:
+        loop.run_dir.write(f"report/{split}/{name}", data)
+
+    diagnostics.write_splits(loop.r, put, (distributed.rank(), distributed.world()), distributed.gather_to_writer)
+
+
 def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     """The chosen weights, hparams and curves written and uploaded; returns the run's summary. `resumed`: the metrics
     of the checkpoint the run continued from, for a process that evaluated nothing since (a group's other ranks
@@ -361,9 +360,7 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     run_dir, state, report, stop, on = loop.run_dir, loop.state, loop.report, loop.stop, loop.r.evaluated_on
     last = next((r for r in reversed(report.records) if "train_loss" in r), resumed)
     tested = final_test(loop)
-    # report/<split>/ of the model the run ends with: every process scores its part, rank 0 writes the files
-    put = lambda split, name, data: run_dir.write(f"report/{split}/{name}", data)  # noqa: E731
-    diagnostics.write_splits(loop.r, put, (distributed.rank(), distributed.world()), distributed.gather_to_writer)
+    write_reports(loop)
     final = {
         "best_accuracy": state.best_accuracy,
         "final_accuracy": last.get(f"{on}_accuracy"),
