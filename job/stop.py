@@ -20,6 +20,15 @@ from job.report import say
 TIME_LIMIT = 1
 
 
+class StopAtOnce(BaseException):  # a BaseException: the readers' `except Exception` wrap store errors
+    """A signal that ends an at_once block: it passes through the data readers, which turn a store's exceptions
+    into one line of their own, and at_once turns it into the run's error (unstarted)."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(sig)
+        self.signal = sig
+
+
 class StopRequest:
     """SIGTERM, SIGINT or the time limit asks the loop to stop after the current step and commit a checkpoint. If
     that takes longer than the grace period the process exits 75 anyway, leaving the previous commit as the one to
@@ -70,6 +79,8 @@ class StopRequest:
         self._at_once = True
         try:
             yield
+        except StopAtOnce as e:
+            raise self.unstarted(e.signal) from None
         finally:
             self._at_once = False
 
@@ -158,10 +169,13 @@ class StopRequest:
         if self._signalled and sig == signal.SIGINT:
             raise KeyboardInterrupt
         self._signalled = True
-        self._note(sig)
-        if self._at_once:
+        if self._at_once:  # no grace period: the block ends now, and the process with it
             self._at_once = False
-            raise self.unstarted(sig)
+            with self._lock:
+                self.received = self.received or sig
+                self.signal = self.signal or sig
+            raise StopAtOnce(sig)
+        self._note(sig)
 
     def _note(self, reason: int) -> None:
         """A signal (in the main thread) or the time limit (in its timer's thread): the first one counts. In a group

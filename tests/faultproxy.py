@@ -7,7 +7,9 @@ Each request, with probability `fail_rate` (or always while `down`), gets one fa
   "delay" sleep `delay_s`, then forward normally (slow, not failed).
 While `down`, only the failing kinds in `kinds` are used ("503" when there are none). With `down_after`, the proxy
 goes down by itself once it has forwarded a request that names that object (in its URL or an upload's metadata):
-"the store went away right after this file reached it", at the same point of a run on any machine.
+"the store went away right after this file reached it", at the same point of a run on any machine. With `hold`, a
+request naming that object waits until `release` is set (`held` is set once one waits): a read the test can
+catch in flight.
 
     python tests/faultproxy.py --target http://127.0.0.1:9023 --fail-rate 0.2 [--port N]
 """
@@ -42,6 +44,7 @@ class FaultProxy:
         kinds: tuple[str, ...] = ("503", "reset", "delay"),
         port: int = 0,
         down_after: str | None = None,
+        hold: str | None = None,
     ) -> None:
         unknown = set(kinds) - {*FAILING, "delay"}
         assert kinds and not unknown, f"unknown fault kinds {unknown}"
@@ -50,6 +53,7 @@ class FaultProxy:
         self.fail_rate, self.delay_s, self.kinds, self.port = fail_rate, delay_s, tuple(kinds), port
         self.down = False
         self.down_after = down_after
+        self.hold, self.held, self.release = hold, threading.Event(), threading.Event()
         self.counts = {"requests": 0, **{k: 0 for k in (*FAILING, "delay")}}
         self.url = ""
         self._rng = random.Random(seed)
@@ -78,6 +82,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self.release.set()
         if self._server is None:
             return
         self._server.shutdown()
@@ -155,6 +160,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         body = self._read_body()
+        if self.server.proxy.hold and self._names(self.server.proxy.hold, body):
+            self.server.proxy.held.set()
+            self.server.proxy.release.wait()
         kind = self.server.proxy._pick()
         if kind == "reset":
             # SO_LINGER with a zero timeout makes close() send RST instead of FIN: a connection reset by the peer.

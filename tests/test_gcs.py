@@ -304,3 +304,29 @@ def test_sigterm_waits_for_the_uploads_then_exits_75(bucket, gcs_server):
     assert proc.returncode == 75, err[-2000:]
     pointer = json.loads(bucket.fs.cat_file(f"{bucket.name}/run/checkpoints/latest.json"))
     assert pointer["step"] > 0 and verified_checkpoints(bucket, "run")
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 75), ("SIGINT", 130)])
+def test_a_signal_while_a_bucket_is_read_stops_at_once_with_its_code(bucket, gcs_server, tmp_path, sig, code):
+    """A preemption while a bucket's images are fetched: the request for one image is held by the proxy (the state the
+    test waits for), the signal sent, and the run ends at once with the signal's code, not a storage error's 4."""
+    root = write_image_folder(tmp_path / "imgs", per_class=4)
+    bucket.put_tree(root, "imgs")
+    out = tmp_path / "run"
+    over = sets("data.kind=folder", f"data.path={bucket.url('imgs')}", "data.image_size=32", "data.cache=false")
+    with FaultProxy(gcs_server, hold="imgs/train/class1/0005.png") as proxy:
+        proc = start_job(
+            "train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over,
+            env={"STORAGE_EMULATOR_HOST": proxy.url},
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 300
+            while not proxy.held.wait(0.2):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            proc.send_signal(getattr(signal, sig))
+            err = proc.communicate(timeout=120)[1]
+        finally:
+            proc.kill()
+    assert proc.returncode == code, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert f"stopped by {sig} before training began" in last and "Traceback" not in err and "cannot read" not in err

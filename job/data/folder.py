@@ -152,8 +152,13 @@ def decode_split(
     if not items:
         return Split(torch.empty(0, 3, *(pre.size or (0, 0)), dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
     chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    try:
         decoded = [img for chunk in pool.map(lambda c: [one(n) for n, _ in c], chunks) for img in chunk]
+    except BaseException:  # a bad file or a signal (stop.at_once): the chunks not begun are dropped, not decoded
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     good = [(img, cls, name) for img, (name, cls) in zip(decoded, items) if isinstance(img, torch.Tensor)]
     for bad in decoded:
         if isinstance(bad, UnreadableImage) and skipped is not None:
