@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import hashlib
 import os
 import tempfile
@@ -61,8 +62,7 @@ def write_atomic(target: Path, data: bytes, replace: bool = True) -> bool:
         if replace:
             os.replace(tmp, target)
         else:
-            os.link(tmp, target)
-            Path(tmp).unlink()
+            link_or_create(Path(tmp), target, data)
     except FileExistsError:
         Path(tmp).unlink(missing_ok=True)
         return False
@@ -75,6 +75,29 @@ def write_atomic(target: Path, data: bytes, replace: bool = True) -> bool:
     finally:
         os.close(folder)
     return True
+
+
+def link_or_create(tmp: Path, target: Path, data: bytes) -> None:
+    """The complete file `tmp` put at `target` only when nothing is there (FileExistsError otherwise): a hard link,
+    atomic; where the filesystem has none (a Drive or Cloud Storage FUSE mount, exFAT), an exclusive create, also
+    refused when something is there, written and synced at once (a reader may meet it half-written for a moment)."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        if e.errno not in NO_LINKS:
+            raise
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    tmp.unlink()
+
+
+# What a filesystem without hard links answers os.link with.
+NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK, errno.EACCES}
 
 
 def send(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
@@ -95,6 +118,10 @@ def create(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
         fs.pipe_file(path, data, mode="create")
     except FileExistsError:
         return False
+    except TypeError:  # an fsspec or gcsfs older than their exclusive writes (2025): check, then write
+        if fs.exists(path):
+            return False
+        fs.pipe_file(path, data)
     return True
 
 

@@ -178,3 +178,27 @@ def test_stop_ends_the_upload_under_way_and_the_thread_with_it(bucket, gcs_serve
         assert [op.rel for op in up.pending()] == ["ck/latest.json"]  # still to send, by the next attempt
     finally:
         proxy.stop()
+
+
+def test_a_file_put_only_where_none_is_also_where_the_filesystem_refuses_a_hard_link(tmp_path):
+    """Drive's and Cloud Storage's FUSE mounts have no hard links: the kernel refuses os.link there as it refuses a
+    link across filesystems (here, a file in /dev/shm linked into tmp_path), and the create-if-absent still holds."""
+    import os
+
+    import pytest
+
+    from job.sync import link_or_create
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's folder")
+    made = shm / f"job-test-{os.getpid()}"
+    for target, data in ((tmp_path / "lease.json", b"first"), (tmp_path / "lease.json", b"second")):
+        made.write_bytes(data)
+        try:
+            link_or_create(made, target, data)
+        except FileExistsError:
+            assert data == b"second"  # refused: something is there
+        finally:
+            made.unlink(missing_ok=True)
+    assert (tmp_path / "lease.json").read_bytes() == b"first"
