@@ -86,6 +86,12 @@ def gone(held: dict, now: float) -> str:
     return f"its heartbeat stopped {silent:.0f} s ago (more than {limit:.0f} s)" if silent > limit else ""
 
 
+def overdue(held: dict, now: float) -> bool:
+    """Whether a live holder on another machine has missed a heartbeat: it may be gone (a container killed and
+    started again is another machine), which only its staleness will tell."""
+    return held.get("machine") != machine() and now - held["heartbeat"] > 1.5 * held["every"]
+
+
 def holder(held: dict, now: float) -> str:
     beat = f"heartbeat {max(0.0, now - held['heartbeat']):.0f} s ago" if "heartbeat" in held else "no heartbeat yet"
     return f"host {held.get('host', '?')}, pid {held.get('pid', '?')}, {beat}"
@@ -94,7 +100,8 @@ def holder(held: dict, now: float) -> str:
 def refusal(url: str, held: dict, now: float) -> StorageError:
     return StorageError(
         f"{url} is being written by another run ({holder(held, now)}): let it end or stop it, or use another "
-        "--output; a run whose process is gone is taken over by the same command"
+        "--output; a run whose process is gone is taken over by the same command (at once on its machine, once "
+        f"its heartbeat has stopped for {STALE_BEATS} beats elsewhere)"
     )
 
 
@@ -102,7 +109,7 @@ def check(url: str) -> None:
     """Refuse, writing nothing, when a live run holds the folder at `url`."""
     fs, path = where(url)
     held, now = read(fs, path, url), time.time()
-    if held and not gone(held, now):
+    if held and not gone(held, now) and not overdue(held, now):  # an overdue holder: the run's own take waits it out
         raise refusal(url, held, now)
 
 
@@ -133,6 +140,8 @@ class Lease:
         create, and the read-back below catches most of what is left: two takers of one stale lease within the same
         moment may both pass it, and the next heartbeat of the one that lost stops it (beat)."""
         held, now = read(self.fs, self.path, self.url), time.time()
+        if held and not gone(held, now) and overdue(held, now):
+            held, now = self._wait_out(held)
         if held is not None:
             why = gone(held, now)
             if not why:
@@ -156,6 +165,25 @@ class Lease:
                 remove(self.fs, self.path)
         except Exception:  # noqa: BLE001 (ending anyway: a lease left behind goes stale)
             pass
+
+    def _wait_out(self, held: dict) -> tuple[dict | None, float]:
+        """A holder elsewhere that missed a heartbeat, watched until it beats again (live: refused), goes stale
+        (taken over) or lets go; at most STALE_BEATS of its heartbeats."""
+        from job.report import say
+
+        stale_at = held["heartbeat"] + STALE_BEATS * held["every"]
+        say(
+            f"storage: {self.url} is held by host {held.get('host', '?')}, pid {held.get('pid', '?')}, whose heartbeat "
+            f"stopped {time.time() - held['heartbeat']:.0f} s ago: waiting up to "
+            f"{max(0, stale_at - time.time()):.0f} s "
+            "for it to beat again or go stale"
+        )
+        while True:
+            time.sleep(min(held["every"], 5.0))
+            now = time.time()
+            again = read(self.fs, self.path, self.url)
+            if not again or gone(again, now) or not overdue(again, now) or again.get("token") != held.get("token"):
+                return again, now
 
     def _bytes(self) -> bytes:
         return json.dumps(self.record, indent=1).encode()

@@ -75,9 +75,11 @@ def test_a_stale_lease_is_taken_over(tmp_path, changes, why):
 
 def test_a_holder_on_another_machine_is_live_while_it_beats(tmp_path):
     run = tmp_path / "run"
-    left_by(run, machine="other-host", heartbeat=time.time() - 100)  # under 4 beats of 30 s
+    left_by(run, machine="other-host", heartbeat=time.time() - 40)  # no beat missed (30 s, half of one more)
     with pytest.raises(StorageError, match="host elsewhere"):
         check(str(run))
+    left_by(run, machine="other-host", heartbeat=time.time() - 100)  # beats missed: not refused here, waited out
+    check(str(run))
 
 
 def test_the_holder_beats_and_lets_go_only_of_its_own_lease(tmp_path, monkeypatch):
@@ -109,3 +111,21 @@ def test_a_lease_in_a_bucket(gcs_server):
     run.finish()
     assert LEASE not in bucket.names("runs/one")
     Lease(url).take().release()  # free again
+
+
+def test_a_holder_elsewhere_whose_heartbeat_is_overdue_is_waited_out_then_taken_over(tmp_path):
+    """A container restarted after its run was killed: the lease names another machine (a new container is one) and
+    a heartbeat that stopped. Refusing it would leave the user nothing to do but wait; the same command waits until
+    the lease is stale (STALE_BEATS heartbeats) and takes over, saying so."""
+    run = tmp_path / "run"
+    left_by(run, machine="another-container", heartbeat=time.time() - 1.5, every=1.0)  # stale 4 s after its beat
+    t0 = time.monotonic()
+    lease = Lease(str(run)).take()
+    try:
+        assert time.monotonic() - t0 < 30 and "heartbeat stopped" in lease.taken_from, lease.taken_from
+        assert json.loads((run / LEASE).read_text())["token"] == lease.record["token"]
+    finally:
+        lease.release()
+    left_by(run, machine="another-container", heartbeat=time.time() - 0.2, every=30.0)  # live: refused at once
+    with pytest.raises(StorageError, match="being written by another run"):
+        Lease(str(run)).take()
