@@ -5,6 +5,7 @@ cannot be read saying why; and images made into a model's inputs (export's check
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -30,8 +31,7 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
         try:
             if any(c in path for c in "*?[") and not fs.exists(path):  # a file named scan[1].png is a name
                 matches = [p for p in sorted(fs.glob(path)) if not fs.isdir(p)]
-                # named in the form given: a local path stays a path, a store's a URL
-                found += [(fs.unstrip_protocol(p) if "://" in item else p,) * 2 for p in matches]
+                found += [(given_form(item, fs, p),) * 2 for p in matches]
                 if not matches:
                     raise DataError(f"{item}: no file matches")
             elif fs.isdir(path):
@@ -70,6 +70,14 @@ def table_rows(inputs: list[str], columns: list[str]) -> Iterator[tuple[str, int
         at = [header.index(c) for c in columns]
         for n, row in enumerate(table, start=2):
             yield f"{url}:{n}", n, [row[i] for i in at]
+
+
+def given_form(pattern: str, fs, path: str) -> str:
+    """A pattern's match named in the pattern's form: a URL for a store's, a relative path for a relative pattern's
+    (fsspec's local glob answers absolute paths), else the path."""
+    if "://" in pattern:
+        return fs.unstrip_protocol(path)
+    return path if pattern.startswith("/") else os.path.relpath(path)
 
 
 def manifest_paths(url: str) -> list[tuple[str, str]]:

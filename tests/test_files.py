@@ -55,7 +55,8 @@ def test_a_path_is_resolved_beside_the_file_that_names_it():
 
     assert beside("gs://b/tables/labels.csv", "../imgs/a b.png") == "gs://b/imgs/a b.png"
     assert beside("gs://b/tables/labels.csv", "./x/../y/[1].png") == "gs://b/tables/y/[1].png"
-    assert beside("gs://b/tables/labels.csv", "/imgs/a.png") == "gs://b/imgs/a.png"  # the store's root, as a URL
+    assert beside("gs://b/tables/labels.csv", "/gcs/b/imgs/a.png") == "/gcs/b/imgs/a.png"  # a local path (a mount)
+    assert beside("gs://b/labels.csv", ".") == "gs://b" and beside("gs://b/labels.csv", "a.png") == "gs://b/a.png"
     assert beside("gs://b/t/labels.csv", "s3://other/a.png") == "s3://other/a.png"
     assert beside("/data/tables/labels.csv", "../imgs/a.png") == "/data/imgs/a.png"
     assert beside("/data/tables/labels.csv", "/elsewhere/a.png") == "/elsewhere/a.png"
@@ -155,3 +156,32 @@ def test_a_manifest_whose_rows_are_all_missing_names_where_it_looked(tmp_path):
     table.write_text("path,label,split\n../imgs/a.png,x,train\n../imgs/b.png,y,train\n../imgs/c.png,x,val\n")
     with pytest.raises(DataError, match=f"e.g. {tmp_path}/imgs/a.png"):
         load_manifest(DataConfig(kind="manifest", path=str(table), val_split=0.2), None, lambda _: None)
+
+
+def test_a_manifest_at_a_buckets_root_reads_its_folder_and_names_a_row_that_climbs_out(tmp_path, bucket):
+    root = odd_folder(tmp_path / "imgs")
+    bucket.put_tree(root, "imgs")
+    rows = [(f"imgs/{p.relative_to(root).as_posix()}", p.parent.name) for p in sorted(root.glob("train/*/*.png"))]
+    table = "path,label\n" + "".join(f"{p},{c}\n" for p, c in rows) + "../outside.png,class0\n"
+    bucket.fs.pipe_file(f"{bucket.name}/labels.csv", table.encode())
+    lines: list[str] = []
+    cfg = DataConfig(kind="manifest", path=bucket.url("labels.csv"), val_split=0.2)
+    data = load_manifest(cfg, tmp_path / "cache", lines.append)
+    assert len(data.train) + len(data.val) == len(rows)
+    assert [(s["path"], "above the bucket" in s["reason"]) for s in data.inventory.skipped] == [
+        ("../outside.png", True)
+    ]
+    assert any(f"files of {bucket.url()} " in line for line in lines), lines  # the folder reader's one fetch, cached
+
+
+def test_predicts_inputs_are_named_in_the_form_given(tmp_path, monkeypatch):
+    """A glob's matches come back as the pattern was written (relative, absolute or a URL, never file://), and a
+    file whose name holds pattern characters is that file when it exists."""
+    from job.inputs import listed
+
+    root = odd_folder(tmp_path / "imgs")
+    monkeypatch.chdir(tmp_path)
+    names = [n for n, _ in listed(["imgs/train/class0/*.png"])]
+    assert "imgs/train/class0/scan1.png" in names and all(not n.startswith(("/", "file:")) for n in names), names
+    names = [n for n, _ in listed([f"{root}/train/class0/a*b.png", "imgs/train/class0/scan[1].png"])]
+    assert names == [f"{root}/train/class0/a*b.png", "imgs/train/class0/scan[1].png"], names

@@ -225,21 +225,19 @@ def read_local(path: str) -> bytes | OSError:
 def beside(named_by: str, path: str) -> str:
     """Where a path written in a file (a manifest's row) points: a URL as it is; otherwise resolved against the
     folder of the file that names it, and normalised (`./`, `../`), as a URL resolves a relative reference: never
-    against the working directory. An absolute path is a local file's beside a local file, and from the store's
-    root (the bucket) beside a remote one."""
+    against the working directory. An absolute path is a local file's wherever the naming file is (a gs://
+    manifest may name files of a Cloud Storage FUSE mount, /gcs/...)."""
     if "://" in path:
         return path
     scheme, rest = named_by.split("://", 1) if "://" in named_by else ("", named_by)
-    if scheme in ("", "file"):
+    if scheme in ("", "file") or path.startswith("/"):
         where = posixpath.normpath(path if path.startswith("/") else posixpath.join(posixpath.dirname(rest), path))
-        return f"file://{where}" if scheme else where
+        return f"file://{where}" if scheme == "file" else where
     bucket, _, key = rest.partition("/")
-    where = posixpath.normpath(
-        path.lstrip("/") if path.startswith("/") else posixpath.join(posixpath.dirname(key), path)
-    )
+    where = posixpath.normpath(posixpath.join(posixpath.dirname(key), path))
     if where == ".." or where.startswith("../"):
-        raise DataError(f"{named_by}: {path} climbs above the bucket {scheme}://{bucket}")
-    return f"{scheme}://{bucket}/{where}"
+        raise DataError(f"{path} climbs above the bucket {scheme}://{bucket}")
+    return f"{scheme}://{bucket}" if where == "." else f"{scheme}://{bucket}/{where}"
 
 
 def iter_archive(url: str) -> Iterator[tuple[str, bytes]]:

@@ -154,7 +154,14 @@ class Images:
 
     def __init__(self, url: str, paths: list[str], cache: Path | None, log: Log) -> None:
         self.url, self.paths, self.cache, self.log = url, set(paths), cache, log
-        self.where = {p: beside(url, p) for p in self.paths}
+        self.where: dict[str, str] = {}
+        self.unplaced: dict[str, str] = {}  # a path that names no place (climbs above its bucket): why
+        for p in self.paths:
+            try:
+                self.where[p] = beside(url, p)
+            except DataError as e:
+                self.unplaced[p] = str(e)
+        self.paths -= self.unplaced.keys()
         self.base = beside(url, ".")
         self.found: set[str] = set()
 
@@ -200,4 +207,5 @@ class Images:
             yield p, data
 
     def missing(self) -> list[dict[str, str]]:
-        return [{"path": p, "reason": "no such file"} for p in sorted(self.paths - self.found)]
+        gone = [{"path": p, "reason": "no such file"} for p in self.paths - self.found]
+        return sorted(gone + [{"path": p, "reason": why} for p, why in self.unplaced.items()], key=lambda s: s["path"])
