@@ -51,9 +51,11 @@ def table(confusion: torch.Tensor, classes: list[str], most: int = 50) -> str:
 
 
 def one_class(confusion: torch.Tensor) -> int | None:
-    """The class the model predicts for every sample, when it predicts only one (of two or more), else None."""
-    predicted = confusion.sum(0)
+    """The class the model predicts for every sample, when it predicts only one (of two or more) over samples of two
+    classes or more, else None."""
+    predicted, present = confusion.sum(0), int((confusion.sum(1) > 0).sum())
     used = (predicted > 0).nonzero().flatten()
-    if len(confusion) > 1 and len(used) == 1 and confusion.sum() > 1:
+    # Over samples of one class alone, saying one class is being right, not telling none apart.
+    if len(confusion) > 1 and len(used) == 1 and confusion.sum() > 1 and present > 1:
         return int(used[0])
     return None

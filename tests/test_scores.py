@@ -32,6 +32,7 @@ def test_scores_from_a_confusion_matrix_by_hand():
     assert abs(avg["weighted_f1"] - (f1_0 * 10 + f1_1 * 10) / 20) < 1e-12
     assert scores.weakest(confusion, ["a", "b", "c"]) == [("b", f1_1), ("a", f1_0)]
     assert scores.one_class(torch.tensor([[4, 0], [3, 0]])) == 0 and scores.one_class(confusion) is None
+    assert scores.one_class(torch.tensor([[0, 0], [0, 5]])) is None  # a split of one class, every sample right
 
 
 def test_the_confusion_matrix_is_counted_on_the_device_without_padding_or_ignored_samples():
