@@ -119,6 +119,56 @@ def cpu_quota(folder: Path, v2: bool) -> list[float]:
         return []
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal this process gets when the thread that made it ends
+
+
+def die_with_parent() -> bool:
+    """On Linux, have the kernel SIGKILL this process when its parent ends (whatever ends it: kill -9, the
+    out-of-memory killer); whether it could. Elsewhere nothing, and False."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    return ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+
+
+def end_with(pid: int) -> None:
+    """End this process (SIGKILL) the moment process `pid` ends, whichever process started this one: a thread waits
+    on the process's pidfd (Linux 5.3 and newer), else looks every second. For a forkserver's children, whose
+    parent outlives the process that asked for them (it waits for its children)."""
+    import select
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # ended already
+            fd = None
+        except (AttributeError, OSError):  # no pidfds here
+            while pid_alive(pid):
+                time.sleep(1.0)
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="job-end-with", daemon=True).start()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def process_seed(seed: int, rank: int, step: int = 0) -> int:
     """The seed of process `rank`'s own random stream in a group (dropout masks differ from process to process),
     from `step` on: independent of the run's seed's own stream and of the data order's."""

@@ -13,7 +13,6 @@ sessions of their own would otherwise train on beside the next attempt.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from job.env import cpus
+from job.env import cpus, die_with_parent
 from job.errors import ConfigError, JobError, one_line
 from job.report import say
 
@@ -35,7 +34,6 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 DEFAULT_PORT = 29500  # torchrun's, for platforms that name the first node but no port
 LAUNCHER = "JOB_LAUNCHER_PID"  # set for the workers: the pid of the job's process that started them
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -227,7 +225,7 @@ def end_with_launcher() -> None:
     launcher = int(os.environ.get(LAUNCHER, "0") or 0)
     if not launcher or not is_worker():
         return
-    if sys.platform.startswith("linux") and ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0:
+    if die_with_parent():
         if os.getppid() != launcher:  # it died before the kernel was told
             os.kill(os.getpid(), signal.SIGKILL)
         return

@@ -59,3 +59,35 @@ def test_images_are_scaled_and_normalised():
     assert x.dtype == torch.float32
     assert torch.allclose(x.mean((0, 2, 3)), torch.zeros(3), atol=1e-5)
     assert torch.allclose(x.std((0, 2, 3), unbiased=False), torch.ones(3), atol=1e-4)
+
+
+def test_decoding_processes_end_with_the_process_that_started_them(tmp_path):
+    """A training process killed (kill -9, the out-of-memory killer) takes its decoding processes with it: they ignore
+    SIGTERM and SIGINT (the trainer handles those), so nothing else would end them."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+    from conftest import job_env
+
+    script = (
+        "import os, sys, time\n"
+        "from job.data.decode import shared_pool\n"
+        "pool = shared_pool(2)\n"
+        "print(sorted({f.result() for f in [pool.submit(os.getpid) for _ in range(8)]}), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=job_env())
+    try:
+        assert proc.stdout.readline().startswith("[")  # decoded in other processes: they are running
+        workers = psutil.Process(proc.pid).children(recursive=True)  # and the forkserver that started them
+        assert len(workers) >= 2
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=60)
+    alive = [w for w in alive if w.status() != psutil.STATUS_ZOMBIE]  # ended, waiting for this machine's init
+    for w in alive:
+        w.kill()
+    assert not alive, f"decoding processes left behind: {[w.pid for w in alive]}"

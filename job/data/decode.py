@@ -5,6 +5,7 @@ batches submitted ahead of the step that needs them."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -17,7 +18,7 @@ import torch
 from job.data.batches import IGNORED
 from job.data.image import UnreadableImage, exif_orientation, pixels
 from job.data.preprocess import Preprocess
-from job.env import cpu_share
+from job.env import cpu_share, end_with
 from job.errors import ConfigError, DataError, one_line
 from job.memory import is_out_of_memory
 
@@ -94,12 +95,14 @@ def different_sizes(first: tuple, other: tuple, name: str) -> DataError:
     )
 
 
-def start_worker() -> None:
+def start_worker(owner: int) -> None:
     torch.set_num_threads(1)
     # The training process handles Ctrl-C and SIGTERM (it finishes the step and commits a checkpoint); a signal
-    # sent to the whole process group must not kill the decoders under it.
+    # sent to the whole process group must not kill the decoders under it. The process that asked for them
+    # (`owner`) ending, however it ends, ends them: their parent, the forkserver, waits for them instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    end_with(owner)
 
 
 class Decoder:
@@ -130,7 +133,9 @@ def shared_pool(workers: int) -> ProcessPoolExecutor:
     pool = POOLS.get(workers)
     if pool is None or getattr(pool, "_broken", False):
         ctx = multiprocessing.get_context("forkserver")
-        pool = POOLS[workers] = ProcessPoolExecutor(workers, mp_context=ctx, initializer=start_worker)
+        pool = POOLS[workers] = ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=start_worker, initargs=(os.getpid(),)
+        )
     return pool
 
 
