@@ -64,9 +64,10 @@ class Chooser:
         return ""
 
     def saved(self, state) -> dict:
-        """What a checkpoint holds of the choice: the best evaluation's confusion matrix, and the best weights while
-        the model has moved past them."""
-        out = {"best_confusion": self.best_confusion} if self.best_confusion is not None else {}
+        """What a checkpoint holds of the choice: the best and the latest evaluations' confusion matrices, and the
+        best weights while the model has moved past them."""
+        kept = {"best_confusion": self.best_confusion, "latest_confusion": self.latest_confusion}
+        out = {k: v for k, v in kept.items() if v is not None}
         if self.on != "val" or self.weights is None or is_best(state):
             return out
         return out | {"best_model": self.weights}
@@ -74,7 +75,7 @@ class Chooser:
     def restore(self, payload: dict, model: torch.nn.Module) -> None:
         """The best weights from the checkpoint a run continues from: its own copy, or the model's where the
         checkpoint was taken at the best evaluation."""
-        self.best_confusion = payload.get("best_confusion")
+        self.best_confusion, self.latest_confusion = payload.get("best_confusion"), payload.get("latest_confusion")
         if self.on != "val":
             return
         best, progress = payload.get("best_model"), payload.get("progress", {})

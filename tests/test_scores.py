@@ -463,6 +463,14 @@ def test_a_one_class_model_is_never_chosen_over_one_that_separates_classes():
         again = Chooser(TrainConfig(), "val")
         again.restore(payload, model)
         assert torch.equal(again.chosen_confusion(), separating) and again.chosen_one_class() is None
+    alone = Chooser(TrainConfig(), "test")  # no val split: the end describes the final model's latest evaluation
+    state = Progress(epoch=1)
+    alone.judge(state, 0.5, model, separating)
+    state.epoch = 2
+    alone.judge(state, 0.2, model, constant)
+    again = Chooser(TrainConfig(), "test")
+    again.restore({"progress": {"best_epoch": 1, "epoch": 2, "epoch_step": 0}} | alone.saved(state), model)
+    assert torch.equal(again.chosen_confusion(), constant)  # resumed with no evaluation since: still described
 
 
 def test_a_one_class_warning_follows_its_epoch_line_and_the_end_says_the_chosen_model_is_one(tmp_path):
