@@ -40,19 +40,24 @@ class Chooser:
         self.latest_confusion: torch.Tensor | None = None
         self.test_confusion: torch.Tensor | None = None  # the chosen model's on test, at the end
 
-    def judge(self, state, accuracy: float, model: torch.nn.Module, confusion: torch.Tensor) -> str:
-        """Record an evaluation (its accuracy and confusion matrix) in the run's state (best_accuracy, best_epoch,
-        best_one_class, evals_since_best); the reason to stop early, or ''."""
+    def judge(self, state, accuracy: float, loss: float, model: torch.nn.Module, confusion: torch.Tensor) -> str:
+        """Record an evaluation (its accuracy, loss and confusion matrix) in the run's state (best_accuracy,
+        best_loss, best_epoch, best_one_class, evals_since_best); the reason to stop early, or ''. A tie in accuracy
+        (a small val split is often right on every sample from the first epochs on) goes to the lower loss; early
+        stopping counts the evaluations since the accuracy last improved."""
         self.latest_confusion = confusion
         one = scores.one_class(confusion) is not None
         better = accuracy > state.best_accuracy + (self.min_delta if state.best_epoch else 0.0)
+        tie = bool(state.best_epoch) and accuracy == state.best_accuracy and loss < state.best_loss
         if state.best_epoch and one != state.best_one_class:
-            better = not one  # telling classes apart beats any accuracy of saying one class
-        if better:
-            state.best_accuracy, state.best_epoch, state.evals_since_best = accuracy, state.epoch, 0
+            better, tie = not one, False  # telling classes apart beats any accuracy of saying one class
+        if better or tie:
+            state.best_accuracy, state.best_loss, state.best_epoch = accuracy, loss, state.epoch
             state.best_one_class, self.best_confusion = one, confusion
             if self.on == "val":
                 self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        if better:
+            state.evals_since_best = 0
             return ""
         state.evals_since_best += 1
         if self.patience and state.evals_since_best >= self.patience:

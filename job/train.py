@@ -300,7 +300,7 @@ def test_and_report(loop: Loop) -> str:
         "wall_s": round(now - loop.t_start, 3),
     }
     show(loop, on, scored.confusion)
-    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], r.model, scored.confusion)
+    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], record[f"{on}_loss"], r.model, scored.confusion)
     state.steps_since_eval = state.samples_since_eval = 0
     loop.report.evaluation(record)
     if (only := scores.one_class(scored.confusion)) is not None:  # under the epoch line it belongs to

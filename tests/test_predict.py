@@ -181,6 +181,8 @@ def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime
         assert json.loads(meta["labels"]) == card["classes"]
         assert json.loads(meta["preprocessing"]) == card["preprocessing"]
         logits = session.run(None, {session.get_inputs()[0].name: x})[0]
+        photos = sorted(new.glob("*_[01].jpg"))  # one stored upright and one turned by EXIF, of each class
+        assert serving_snippet_labels(out, photos) == predicted_labels(run, photos)
     else:
         extra = {"labels.json": "", "preprocessing.json": ""}
         program = torch.export.load(str(out), extra_files=extra)
@@ -193,6 +195,32 @@ def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
     assert logits.shape == (5, len(card["classes"])) and np.abs(logits - want).max() < 1e-3
+
+
+def serving_snippet_labels(model: Path, photos: list[Path]) -> list[str]:
+    """The labels docs/photos.md's ten lines of onnxruntime, Pillow and numpy give the photos, run as written."""
+    import contextlib
+    import io
+    import re
+
+    page = (Path(__file__).parents[1] / "docs" / "photos.md").read_text()
+    code = re.search(r"```python\n(.*?)```", page, re.S).group(1)
+    assert '"runs/pets/model.onnx"' in code and '"cat.jpg"' in code
+    labels = []
+    for photo in photos:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code.replace("runs/pets/model.onnx", str(model)).replace("cat.jpg", str(photo)), {})
+        labels.append(out.getvalue().strip())
+    return labels
+
+
+def predicted_labels(run: Path, photos: list[Path]) -> list[str]:
+    """`job predict`'s labels of the photos, in order."""
+    out = run.parent / "snippet.csv"
+    code, err = invoke(["predict", "--model", str(run), *map(str, photos), "--device", "cpu", "-o", str(out)])
+    assert code == 0, err
+    return [r["label"] for r in csv.DictReader(out.open(newline=""))]
 
 
 DRIFTING = """

@@ -453,21 +453,21 @@ def test_a_one_class_model_is_never_chosen_over_one_that_separates_classes():
     for first, second, chosen in ((separating, constant, 1), (constant, separating, 2)):
         chooser, state = Chooser(TrainConfig(), "val"), Progress()
         state.epoch = 1
-        chooser.judge(state, 0.30 if first is separating else 0.38, model, first)
+        chooser.judge(state, 0.30 if first is separating else 0.38, 1.0, model, first)
         state.epoch = 2
-        chooser.judge(state, 0.38 if second is constant else 0.30, model, second)
+        chooser.judge(state, 0.38 if second is constant else 0.30, 1.0, model, second)
         assert state.best_epoch == chosen and torch.equal(chooser.chosen_confusion(), separating)
         state.epoch = 3
-        chooser.judge(state, 0.2, model, constant)  # the latest evaluation is not what the end describes
+        chooser.judge(state, 0.2, 1.0, model, constant)  # the latest evaluation is not what the end describes
         payload = {"progress": {"best_epoch": state.best_epoch, "epoch": 3, "epoch_step": 0}} | chooser.saved(state)
         again = Chooser(TrainConfig(), "val")
         again.restore(payload, model)
         assert torch.equal(again.chosen_confusion(), separating) and again.chosen_one_class() is None
     alone = Chooser(TrainConfig(), "test")  # no val split: the end describes the final model's latest evaluation
     state = Progress(epoch=1)
-    alone.judge(state, 0.5, model, separating)
+    alone.judge(state, 0.5, 1.0, model, separating)
     state.epoch = 2
-    alone.judge(state, 0.2, model, constant)
+    alone.judge(state, 0.2, 1.0, model, constant)
     again = Chooser(TrainConfig(), "test")
     again.restore({"progress": {"best_epoch": 1, "epoch": 2, "epoch_step": 0}} | alone.saved(state), model)
     assert torch.equal(again.chosen_confusion(), constant)  # resumed with no evaluation since: still described
@@ -483,3 +483,23 @@ def test_a_one_class_warning_follows_its_epoch_line_and_the_end_says_the_chosen_
     assert len(warned) == 3 and all(lines[i - 1].startswith(f"epoch {n + 1}/3") for n, i in enumerate(warned)), err
     end = next(line for line in lines if line.startswith("warning: the chosen model"))
     assert "(epoch 1) predicts versicolor for every val sample" in end, err
+
+
+def test_a_tie_in_val_accuracy_is_broken_by_the_val_loss_and_early_stopping_counts_on():
+    """Val accuracy 1.0 from the first epoch on (a small val split): model.pt must not be the first epoch's barely
+    trained model. The lower val loss wins a tie; early stopping still counts evaluations since accuracy improved."""
+    from job.choose import Chooser
+    from job.config import TrainConfig
+    from job.progress import Progress
+
+    model = torch.nn.Linear(2, 2)
+    right = confusion_of([5, 0], [0, 5])
+    chooser, state = Chooser(TrainConfig(early_stopping_patience=3), "val"), Progress()
+    reasons = []
+    for epoch, loss in enumerate([0.9, 0.4, 0.5, 0.1], start=1):
+        state.epoch = epoch
+        with torch.no_grad():
+            model.weight.fill_(epoch)
+        reasons.append(chooser.judge(state, 1.0, loss, model, right))
+    assert state.best_epoch == 4 and state.best_loss == 0.1 and float(chooser.weights["weight"][0, 0]) == 4
+    assert reasons[:2] == ["", ""] and reasons[3].startswith("early stopping") and state.evals_since_best == 3
