@@ -4,6 +4,7 @@ tests a saved checkpoint with the data and model its config names."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,12 +13,12 @@ import torch.nn.functional as F
 
 from job import checkpoint, distributed, recipe, scores
 from job.attempts import RUN_JSON, attempts_in
-from job.cloud import filesystem
+from job.cloud import check_input, filesystem
 from job.config import apply_override, load_config, validate
 from job.data.batches import IGNORED, Loader
 from job.data.placement import restored
 from job.env import pick_device
-from job.errors import CheckpointError
+from job.errors import CheckpointError, DataError
 from job.memory import memory_guard
 from job.sync import send
 
@@ -95,6 +96,7 @@ def evaluate_checkpoint(
             apply_override(raw, item)
         cfg = validate(raw)
     device = pick_device(device_name)
+    check_data_path(cfg.data)
     data = recipe.read_data(cfg, restored(payload.get("placement")))  # read as the run read it
     r = recipe.build(cfg, device, data, pretrained=False, started=payload)  # the checkpoint holds the weights
     try:
@@ -117,6 +119,20 @@ def evaluate_checkpoint(
         "samples": int(counted),
         "device": str(device),
     } | run_record(url)
+
+
+def check_data_path(d) -> None:
+    """The run's data.path, there from here: a relative path is read from where the command runs, which may not be
+    where the run was trained."""
+    if not d.path or d.download:
+        return
+    try:
+        check_input(d.path, "data.path")
+    except DataError:
+        raise DataError(
+            f"the run's data.path {d.path}: no such file or folder from here ({os.getcwd()}); a relative path is read "
+            "from where the command runs: --set data.path=PATH, or score other data with --model RUN --data PATH"
+        ) from None
 
 
 def is_shards(url: str) -> bool:

@@ -185,3 +185,17 @@ def test_predicts_inputs_are_named_in_the_form_given(tmp_path, monkeypatch):
     assert "imgs/train/class0/scan1.png" in names and all(not n.startswith(("/", "file:")) for n in names), names
     names = [n for n, _ in listed([f"{root}/train/class0/a*b.png", "imgs/train/class0/scan[1].png"])]
     assert names == [f"{root}/train/class0/a*b.png", "imgs/train/class0/scan[1].png"], names
+
+
+def test_evaluate_of_a_run_whose_relative_data_path_is_not_found_from_here_is_one_line(tmp_path, monkeypatch):
+    """A run trained with data.path ../imgs from one folder, evaluated from another: its data is not where the path
+    says from here; one line naming the path and the way on (exit 3), never a traceback."""
+    odd_folder(tmp_path / "imgs")
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    over = sets("data.kind=folder", "data.path=../imgs", "train.epochs=1", "data.image_size=32")
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", "../run", *over])
+    assert code == 0, err
+    monkeypatch.chdir(tmp_path)
+    code, err = invoke(["evaluate", "--checkpoint", "run", "--device", "cpu"])
+    assert code == 3 and "Traceback" not in err and "data.path ../imgs" in err and "--data" in err, err

@@ -198,7 +198,7 @@ def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime
 
 
 def serving_snippet_labels(model: Path, photos: list[Path]) -> list[str]:
-    """The labels docs/photos.md's ten lines of onnxruntime, Pillow and numpy give the photos, run as written."""
+    """The labels that docs/photos.md's serving lines (onnxruntime, Pillow, numpy) give the photos, run as written."""
     import contextlib
     import io
     import re
