@@ -41,8 +41,8 @@ def user_errors() -> Iterator[None]:
         if code not in (75, 130) or os.environ.get("RANK", "0") == "0":  # a group's stop is told once, by rank 0
             print(f"{prefix}{e}", file=sys.stderr)
         raise typer.Exit(code) from None
-    except KeyboardInterrupt:
-        print("stopped at once by a second interrupt; the last committed checkpoint is kept", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl-C while a run stops (job/stop.py), or one where nothing watches
+        print("stopped at once by Ctrl-C; the last committed checkpoint, if any, is kept", file=sys.stderr)
         raise typer.Exit(130) from None
 
 

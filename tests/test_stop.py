@@ -333,3 +333,29 @@ def test_a_signal_while_the_data_is_read_stops_at_once(tmp_path, sig, code):
     assert proc.returncode == code, err[-2000:]
     assert f"stopped by {sig} before training began" in err.strip().splitlines()[-1] and "Traceback" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("after", [0.2, 0.6, 1.2, 2.0, 3.0])
+def test_ctrl_c_at_any_moment_of_starting_is_one_line_and_its_code(tmp_path, after):
+    """Ctrl-C a moment after `python -m job train` starts, wherever that lands on this machine (importing torch,
+    reading the config, setting up, or training): exit 130 (nothing saved) or 75 (a checkpoint committed), one
+    line, no traceback, and no claim of a second interrupt."""
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "job", "train", "--output", str(tmp_path / "run")],
+        env=job_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode in (75, 130, 0), err[-3000:]
+    assert "Traceback" not in err and "second interrupt" not in err, err[-3000:]
+    if proc.returncode == 130:
+        assert len([line for line in err.splitlines() if "stopped" in line]) == 1, err
