@@ -142,12 +142,15 @@ def to_pt2(model, example, path: str, labels: str, pre: str, x: torch.Tensor) ->
 
 def held_out_images(model_url: str, raw_config: dict, limit: int = CHECK_IMAGES) -> list[str]:
     """The run's val (else test) images, sorted into splits as the run sorted them (job/data/split.py), to check an
-    export with: an image folder's, at any URL; other data (an archive, shards, a table) needs --check-images."""
+    export with: an image folder's or a manifest's, at any URL; other data (an archive, shards, a table) needs
+    --check-images."""
     from job.config import validate
     from job.data.split import HoldOut, kind_of, sort_files
 
     cfg = validate(raw_config).data
     where = "export: name real images to check the export with: --check-images FOLDER"
+    if cfg.kind == "manifest" and cfg.path:
+        return manifest_held_out(cfg, where, limit)
     if cfg.kind != "folder" or not cfg.path:
         raise ConfigError(f"{where} (the run's data is not an image folder)")
     fs, path = filesystem(cfg.path)
@@ -165,6 +168,27 @@ def held_out_images(model_url: str, raw_config: dict, limit: int = CHECK_IMAGES)
     if not held:
         raise ConfigError(f"{where} (the run held no images out)")
     return [f"{cfg.path.rstrip('/')}/{n}" for n in across_classes(held, limit)]
+
+
+def manifest_held_out(cfg, where: str, limit: int) -> list[str]:
+    """A manifest's val (else test) rows, split as the run split them, each resolved beside the manifest."""
+    from job.data.files import beside, read_bytes
+    from job.data.manifest import Columns, manifest_files
+    from job.data.split import HoldOut
+
+    fs, path = filesystem(cfg.path)
+    try:
+        there = fs.isfile(path)
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read {cfg.path}: {describe_storage_error(cfg.path, e)}") from None
+    if not there:
+        raise ConfigError(f"{where} (the run's {cfg.path} is not there from here)")
+    raw = read_bytes(cfg.path, None, lambda _: None)
+    files, _ = manifest_files(cfg.path, raw, Columns.of(cfg), HoldOut.of(cfg))
+    held = files.roles["val"] or files.roles["test"]
+    if not held:
+        raise ConfigError(f"{where} (the run held no images out)")
+    return [beside(cfg.path, p) for p in across_classes(held, limit)]
 
 
 def across_classes(files: list[tuple[str, str]], limit: int) -> list[str]:

@@ -199,3 +199,17 @@ def test_evaluate_of_a_run_whose_relative_data_path_is_not_found_from_here_is_on
     monkeypatch.chdir(tmp_path)
     code, err = invoke(["evaluate", "--checkpoint", "run", "--device", "cpu"])
     assert code == 3 and "Traceback" not in err and "data.path ../imgs" in err and "--data" in err, err
+
+
+def test_export_of_a_manifests_run_is_checked_on_its_held_out_rows(tmp_path):
+    table, n = odd_manifest(tmp_path)
+    run = tmp_path / "run"
+    over = sets(
+        "data.kind=manifest", f"data.path={table}", "train.epochs=1", "data.image_size=32", "data.val_split=0.3"
+    )
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(run), *over])
+    assert code == 0, err
+    code, err = invoke(["export", "--model", str(run), "--format", "onnx"])
+    assert code == 0, err
+    check = json.loads((run / "model.onnx.check.json").read_text())
+    assert check["labels_agree"] and 0 < check["images"] < n, check
