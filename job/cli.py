@@ -41,6 +41,9 @@ def user_errors() -> Iterator[None]:
         if code not in (75, 130) or os.environ.get("RANK", "0") == "0":  # a group's stop is told once, by rank 0
             print(f"{prefix}{e}", file=sys.stderr)
         raise typer.Exit(code) from None
+    except BrokenPipeError:  # the reader of standard output has left (`| head`): no fault, and nothing more to say
+        quiet_stdout()
+        raise typer.Exit(0) from None
     except KeyboardInterrupt:  # a second Ctrl-C while a run stops (job/stop.py), or one where nothing watches
         print("stopped at once by Ctrl-C; the last committed checkpoint, if any, is kept", file=sys.stderr)
         raise typer.Exit(130) from None
@@ -216,6 +219,10 @@ def predict(
         from job.parts import PART, part_device, spread
 
         if nproc_per_node > 1 and PART not in os.environ:
+            if not output:  # said once here, not by each process
+                raise ConfigError(
+                    "--nproc-per-node: each process writes a part, <output>.part-<i>-of-<n>: give --output"
+                )
             raise typer.Exit(spread(sys.argv[1:], nproc_per_node))
         from job.predict import predict as run_predict
         from job.report import say
@@ -380,6 +387,15 @@ def end_process(code: int, exit_handlers: bool = True) -> NoReturn:
         decoders.close_pools()
     if exit_handlers:
         atexit._run_exitfuncs()
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader has left: what it did not read is not wanted
+        quiet_stdout()
     sys.stderr.flush()
     os._exit(code)
+
+
+def quiet_stdout() -> None:
+    """Standard output to /dev/null: its reader has gone, and a later write or flush would fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())

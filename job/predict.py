@@ -29,6 +29,7 @@ from job.data.decode import decoder_for
 from job.errors import ConfigError, DataError, StorageError
 from job.inputs import listed, read, table_rows
 from job.parts import part, share
+from job.sync import FILE_MODE
 
 AHEAD = 3  # batches decoded ahead of the model
 
@@ -64,8 +65,10 @@ def predict(
     except ConfigError as e:
         raise ConfigError(f"--decode {decode}: {e}") from None
     if count > 1:
-        log(f"predict: part {index + 1} of {count} on {torch.get_num_threads()} CPU threads, decoding in "
-            f"{decoder.workers} processes")  # fmt: skip
+        threads, workers = torch.get_num_threads(), decoder.workers
+        on = f"{threads} CPU thread{'s' if threads != 1 else ''}"
+        decoding = f"decoding in {workers} process{'es' if workers != 1 else ''}" if workers else "decoding in it"
+        log(f"predict: writing {output} on {on}, {decoding}")
     rows = Rows(output, k, jsonl)
     t0, done, failed = time.perf_counter(), 0, 0
     from tqdm import tqdm
@@ -177,6 +180,7 @@ class Rows:
         try:
             if isinstance(fs, LocalFileSystem):
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                os.chmod(self.local.name, FILE_MODE)  # a temporary file is private; the rows are the user's file
                 shutil.move(self.local.name, path)
             else:
                 fs.put_file(self.local.name, path)

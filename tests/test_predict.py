@@ -61,6 +61,9 @@ def test_predict_labels_new_photos_to_csv_and_jsonl_with_an_error_row_per_bad_fi
     assert code == 0, err
     rows = rows_of(tmp_path / "p.csv")
     assert len(rows) == 20 and "18 images labelled, 2 could not be read" in err
+    from job.sync import FILE_MODE
+
+    assert (tmp_path / "p.csv").stat().st_mode & 0o777 == FILE_MODE  # as readable as any file the user makes
     assert (
         rows["broken.jpg"]["error"]
         and rows["empty.png"]["error"] == f"cannot decode image {new}/empty.png: an empty file"
@@ -335,9 +338,13 @@ def test_predict_processes_each_take_their_share_of_the_cpus(trained, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     share = cpu_share(2)
     threads = os.environ.get("OMP_NUM_THREADS") or share  # a setting of the user's own is kept
-    for i in (1, 2):
-        line = f"part {i} of 2 on {threads} CPU threads, decoding in {auto_workers('auto', 'cpu', share)} processes"
-        assert line in done.stderr, done.stderr[-2000:]
+    workers = auto_workers("auto", "cpu", share)
+    decoding = f"decoding in {workers} process{'es' if workers != 1 else ''}" if workers else "decoding in it"
+    for i in (0, 1):
+        line = f"writing {tmp_path}/p.csv.part-{i}-of-2 on {threads} CPU thread{'s' if int(threads) != 1 else ''}, "
+        assert line + decoding in done.stderr, done.stderr[-2000:]
+    bare = run_job("predict", "-m", str(run), str(new), "--device", "cpu", "--nproc-per-node", "2")
+    assert bare.returncode == 2 and bare.stderr.count("give --output") == 1, bare.stderr  # said once, not per process
 
 
 def test_a_sigterm_to_predict_over_processes_stops_every_one(trained, tmp_path):
@@ -619,3 +626,19 @@ def test_export_checks_held_out_images_of_every_class(tmp_path):
     config = {"data": {"kind": "folder", "path": str(root), "val_split": 0.5}}
     chosen = held_out_images(str(tmp_path), config, limit=6)
     assert len(chosen) == 6 and len({Path(p).parent.name for p in chosen}) == 3, chosen
+
+
+def test_predict_into_a_pipe_that_is_closed_early_ends_quietly(trained):
+    """`job predict ... | head -1`: the reader leaving is no fault; exit 0, nothing on stderr."""
+    import subprocess
+    import sys
+
+    from conftest import job_env
+
+    run, new = trained
+    cmd = [sys.executable, "-m", "job", "predict", "-m", str(run), str(new), "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=job_env())
+    assert proc.stdout.readline().startswith(b"path,label")
+    proc.stdout.close()  # as head -1 does once it has its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(120) == 0 and "Error" not in err and "Traceback" not in err, err
