@@ -129,7 +129,7 @@ def chosen_lines(chooser: Chooser, classes: list[str], best_epoch: int) -> list[
             "no class from another (more epochs, another learning rate, or class weights: train.class_weights=balanced)"
         )
     confusion = chooser.chosen_confusion()
-    if confusion is not None and len(classes) >= 2:
-        shown = ", ".join(f"{name} {f1:.2f}" for name, f1 in scores.weakest(confusion, classes))
-        lines.append(f"weakest classes by F1: {shown}")
+    weakest = scores.weakest(confusion, classes) if confusion is not None and len(classes) >= 2 else []
+    if weakest and weakest[0][1] < 1.0:  # every class perfect: no weakest to name
+        lines.append("weakest classes by F1: " + ", ".join(f"{name} {f1:.2f}" for name, f1 in weakest))
     return lines

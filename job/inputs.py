@@ -33,7 +33,8 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
                 matches = [p for p in sorted(fs.glob(path)) if not fs.isdir(p)]
                 found += [(given_form(item, fs, p),) * 2 for p in matches]
                 if not matches:
-                    raise DataError(f"{item}: no file matches")
+                    hint = " ([ and ] are a pattern's: [[] matches a [ itself)" if "[" in item else ""
+                    raise DataError(f"{item}: no file matches{hint}")
             elif fs.isdir(path):
                 root = path.rstrip("/") + "/"
                 for p in sorted(fs.find(path)):

@@ -87,7 +87,8 @@ def predict(
     rows.close()
     seconds = time.perf_counter() - t0
     rate = done / max(seconds, 1e-9)
-    log(f"predict: {done} images labelled, {failed} could not be read, in {seconds:.1f} s ({rate:.0f} images/s)")
+    said = f"{done} image{'s' if done != 1 else ''} labelled"
+    log(f"predict: {said}, {failed} could not be read, in {seconds:.1f} s ({rate:.0f} images/s)")
     if done == 0 and failed:
         raise DataError(f"no input could be read ({failed} tried): see the error column")
     return {"labelled": done, "errors": failed}
