@@ -43,12 +43,15 @@ class Chooser:
     def judge(self, state, accuracy: float, loss: float, model: torch.nn.Module, confusion: torch.Tensor) -> str:
         """Record an evaluation (its accuracy, loss and confusion matrix) in the run's state (best_accuracy,
         best_loss, best_epoch, best_one_class, evals_since_best); the reason to stop early, or ''. A tie in accuracy
-        (a small val split is often right on every sample from the first epochs on) goes to the lower loss; early
-        stopping counts the evaluations since the accuracy last improved."""
+        (a small val split is often right on every sample from the first epochs on) goes to the lower loss, unless
+        early_stopping_min_delta asks for a gain; early stopping counts the evaluations since the accuracy improved."""
         self.latest_confusion = confusion
         one = scores.one_class(confusion) is not None
         better = accuracy > state.best_accuracy + (self.min_delta if state.best_epoch else 0.0)
-        tie = bool(state.best_epoch) and accuracy == state.best_accuracy and loss < state.best_loss
+        # min_delta asks that only a gain of that much counts: no tie then
+        tie = (
+            bool(state.best_epoch) and not self.min_delta and accuracy == state.best_accuracy and loss < state.best_loss
+        )
         if state.best_epoch and one != state.best_one_class:
             better, tie = not one, False  # telling classes apart beats any accuracy of saying one class
         if better or tie:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -363,6 +364,7 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     write_reports(loop)
     final = {
         "best_accuracy": state.best_accuracy,
+        **({f"best_{on}_loss": state.best_loss} if math.isfinite(state.best_loss) else {}),  # the chosen model's
         "final_accuracy": last.get(f"{on}_accuracy"),
         f"final_{on}_loss": last.get(f"{on}_loss"),
     } | {k: v for k, v in tested.items() if k.startswith(("test_", "final_test_"))}

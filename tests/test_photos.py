@@ -673,6 +673,8 @@ def test_model_json_describes_the_model_and_reproduces_its_input(tmp_path, sizes
     card = json.loads((out / "model.json").read_text())
     assert card["classes"] == ["cats", "dogs", "owls"] and card["model"]["num_classes"] == 3
     assert card["model"]["name"] == "mlp" and "best_accuracy" in card["metrics"]
+    chosen = next(r for r in metrics(str(out)) if r.get("epoch") == 1 and "val_loss" in r)
+    assert card["metrics"]["best_val_loss"] == chosen["val_loss"]  # the chosen model's, which model.pt holds
     pre = card["preprocessing"]
     ckpt = torch.load(next((out / "checkpoints").glob("*.pt")), weights_only=True)
     assert ckpt["model_json"]["preprocessing"] == pre  # any checkpoint describes its model the same way
