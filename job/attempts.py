@@ -33,6 +33,13 @@ PLATFORM_VARIABLES = (
 )
 
 
+def platform_name() -> str:
+    """The platform the job runs on, as its variables name it ('' on a machine of one's own)."""
+    names = {"CLOUD_ML_JOB_ID": "Vertex AI", "BATCH_TASK_INDEX": "Cloud Batch", "SKYPILOT_TASK_ID": "SkyPilot"}
+    names |= {"SKYPILOT_NODE_RANK": "SkyPilot", "COLAB_RELEASE_TAG": "Colab", "COLAB_GPU": "Colab"}
+    return next((name for var, name in names.items() if os.environ.get(var)), "")
+
+
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -44,6 +51,8 @@ class Attempt:
     def __init__(self, run_dir: RunDir | None) -> None:
         self.run_dir, self.entry, self.state = run_dir, None, None
         self.number = 0  # this attempt's place in run.json, from 1
+        self.tracker = None  # the run's MLflow sink (job/track.py), told how the attempt ends
+        self.cfg, self.metrics = None, {}
 
     def begin(self, state, world: int, device: torch.device) -> None:
         """Training starts from `state` (its epoch and step are read again at the end)."""
@@ -65,11 +74,27 @@ class Attempt:
         }
         self.write()
 
-    def end(self, exit_code: int) -> None:
+    def track(self, tracker, cfg, params: dict[str, Any]) -> None:
+        """The run is tracked: the MLflow run gets the settings and decisions as params, this attempt as tags."""
+        self.tracker, self.cfg = tracker, cfg
+        tags = {"job.version": self.entry["versions"]["job"], "job.git_commit": self.entry["versions"]["git_commit"]}
+        tags |= {"job.platform": platform_name(), "job.attempts": self.number, "job.host": self.entry["host"]}
+        tracker.add({"params": params})
+        tracker.add({"tags": {k: v for k, v in tags.items() if v is not None}})
+        tracker.add({"status": "RUNNING"})
+
+    def end(self, exit_code: int, metrics: dict[str, Any] | None = None) -> None:
+        """The attempt ended with `exit_code`; a finished run's `metrics` tag its registered model version."""
         if self.entry is None or self.entry["ended"] is not None:
             return
         self.entry.update(ended=now(), exit_code=exit_code, to={"epoch": self.state.epoch, "step": self.state.step})
+        if self.tracker is not None and self.tracker.run_id is not None:
+            self.entry["mlflow_run_id"] = self.tracker.run_id
         self.write()
+        if self.tracker is not None:
+            from job.report import say
+
+            say(self.tracker.end(exit_code, self.cfg, metrics))
 
     def write(self) -> None:
         """run.json with this attempt as its last entry (appended the first time, replaced after)."""

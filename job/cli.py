@@ -250,6 +250,25 @@ def export(
         run_export(model, fmt, output or None, check_images, log=say)
 
 
+@app.command()
+def track(
+    run: str = typer.Argument(..., help="The run folder, at any URL."),
+    mlflow: str = typer.Option("", "--mlflow", help="The tracking server; default: the one the run was tracked in."),
+) -> None:
+    """Send what a tracked run's MLflow server lacks (points, params, files, status, model version), kept in the
+    run's track.jsonl while the server could not take it. As often as you like: nothing is sent twice."""
+    with user_errors():
+        from job.errors import StorageError
+        from job.report import say
+        from job.storage import RunDir
+        from job.track import send_run
+
+        line, sent = send_run(RunDir(run), mlflow or None)
+        if not sent:
+            raise StorageError(line)
+        say(line)
+
+
 def chosen_weights(url: str) -> str:
     """--model's run folder is its model.pt (the weights it chose), as predict reads it; anything else as given."""
     from job.cloud import filesystem

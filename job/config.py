@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import threading
+import warnings
 from importlib import resources
 from typing import Any, Literal, get_args
 
@@ -420,6 +421,52 @@ class OutputConfig(Section):
     )
 
 
+# The key is track.register, as users write it; pydantic's note that it hides BaseModel.register is for models that use it.
+warnings.filterwarnings("ignore", 'Field name "register" in "TrackConfig"')
+
+
+class TrackConfig(Section):
+    mlflow: str = Field(
+        "",
+        description="MLflow tracking URI: http(s)://HOST:PORT, sqlite:///PATH or a folder; empty: the environment's "
+        "MLFLOW_TRACKING_URI, else no tracking. What the server does not take waits in the run folder "
+        "(track.jsonl) and is sent when it answers again, or by `python -m job track RUN`.",
+    )
+    experiment: str = Field("", description="The MLflow experiment; default: the config's name.")
+    log_model: bool = Field(True, description="Send the chosen model (model.pt, model.json) as the artifact `model`.")
+    register: str = Field(
+        "",
+        description="Register the chosen model as a new version of this name in the MLflow Model Registry, tagged "
+        "with its val metrics.",
+    )
+
+    @field_validator("mlflow")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        return tracking_uri(v) if v else v
+
+
+def tracking_uri(uri: str) -> str:
+    """A tracking URI the MLflow client can open, as given; a ValueError naming what is wrong. The one reading of it,
+    for track.mlflow and the environment's MLFLOW_TRACKING_URI alike."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme in ("http", "https"):
+        if not parts.hostname:
+            raise ValueError(f"{uri!r} names no host (http://HOST:PORT)")
+        try:
+            parts.port  # noqa: B018  (a port that is no number raises here)
+        except ValueError:
+            raise ValueError(f"{uri!r} has a port that is no number") from None
+    elif parts.scheme in ("sqlite", "postgresql", "mysql", "mssql"):
+        if not parts.path.strip("/") and parts.scheme == "sqlite":
+            raise ValueError(f"{uri!r} names no database file (sqlite:///PATH)")
+    elif parts.scheme not in ("", "file", "databricks") and len(parts.scheme) > 1:  # C:\ is a folder
+        raise ValueError(f"{uri!r}: expected http(s)://HOST:PORT, sqlite:///PATH or a folder")
+    return uri
+
+
 class Config(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Run name.")
     seed: int = Field(0, description="Seed of weights, data order and augmentation.")
@@ -428,6 +475,7 @@ class Config(Section):
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     output: OutputConfig = OutputConfig()
+    track: TrackConfig = TrackConfig()
 
 
 def load_config(source: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

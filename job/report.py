@@ -9,8 +9,11 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from job.track import JOURNAL, evaluation_points, metric_name, test_points
+
 if TYPE_CHECKING:
     from job.storage import RunDir
+    from job.track import Tracker
 
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -40,10 +43,19 @@ class Report:
     """The run's TensorBoard writer, metrics file and console progress. Values arrive as Python numbers:
     the loop reads device tensors itself, at the few points where it syncs anyway."""
 
-    def __init__(self, run: RunDir, hparams: dict[str, Any], epochs: int, steps_per_epoch: int, start_step: int):
+    def __init__(
+        self,
+        run: RunDir,
+        hparams: dict[str, Any],
+        epochs: int,
+        steps_per_epoch: int,
+        start_step: int,
+        tracker: Tracker | None = None,
+    ):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run, self.hparams, self.epochs, self.steps_per_epoch = run, hparams, epochs, steps_per_epoch
+        self.tracker = tracker  # the MLflow sink (job/track.py), given the same values
         # purge_step makes TensorBoard drop what an interrupted attempt logged after the checkpoint resumed from.
         self.writer = SummaryWriter(str(run.path(TENSORBOARD)), purge_step=start_step or None)
         self.records = read_records(run, start_step)
@@ -57,6 +69,9 @@ class Report:
         self.writer.add_scalar("train/lr", lr, step)
         for name, value in (system or {}).items():
             self.writer.add_scalar(f"system/{name}", value, step)
+        if self.tracker is not None:
+            system = {f"system/{name}": value for name, value in (system or {}).items()}
+            self.tracker.point(step, {"train/loss": loss, "train/lr": lr, **system})
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
@@ -90,6 +105,8 @@ class Report:
         self.scalars(record, on, step)
         self.writer.add_scalar("train/throughput", record["samples_per_s"], step)
         self.append(record)
+        if self.tracker is not None:
+            self.tracker.point(step, evaluation_points(record))
         say(
             f"epoch {record['epoch']}/{self.epochs}  step {step}  train_loss {record['train_loss']:.4f}  "
             f"{on}_loss {record[f'{on}_loss']:.4f}  {on}_accuracy {record[f'{on}_accuracy']:.4f}  "
@@ -103,6 +120,8 @@ class Report:
         if "final_test_accuracy" in record:
             self.writer.add_scalar("test/final_model_accuracy", record["final_test_accuracy"], step)
         self.append(record)
+        if self.tracker is not None:
+            self.tracker.point(step, test_points(record))
         final = record.get("final_test_accuracy")
         also = f"; the final model's {final:.4f}" if final is not None else ""
         say(
@@ -115,9 +134,12 @@ class Report:
         only where a report is written."""
         self.writer.add_image(tag, draw(), step, dataformats="HWC")
 
-    def class_table(self, on: str, table: str, step: int) -> None:
-        """The per-class scores of an evaluation, as a Markdown table in TensorBoard's text tab."""
+    def class_table(self, on: str, table: str, f1: dict[str, float], step: int) -> None:
+        """The per-class scores of an evaluation, as a Markdown table in TensorBoard's text tab; each class's F1 to
+        the tracker, as <split>_f1/<class>."""
         self.writer.add_text(f"{on}/classes", table, step)
+        if self.tracker is not None:
+            self.tracker.point(step, {metric_name(f"{on}_f1/{name}"): value for name, value in f1.items()})
 
     def scalars(self, record: dict[str, Any], on: str, step: int) -> None:
         """An evaluation's scores as <split>/<name> scalars: loss, accuracy, macro_f1, top5_accuracy, ..."""
@@ -134,7 +156,7 @@ class Report:
     def flush(self) -> None:
         """Make the event and metrics files whole on disk and mirror them to the run's URL."""
         self.writer.flush()
-        self.run.upload(METRICS)
+        self.run.upload(METRICS, *([JOURNAL] if self.tracker is not None else []))
         self.run.upload_tree(TENSORBOARD)
 
     def close(self, final: dict[str, float]) -> None:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from job import bundle, checkpoint, diagnostics, distributed, recipe, scores
+from job import bundle, checkpoint, diagnostics, distributed, recipe, scores, track
 from job.attempts import Attempt
 from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
@@ -119,6 +119,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     device = pick_device(req.device)
     seed_everything(cfg.seed, cfg.train.deterministic)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
+    where = track.target(cfg, run_dir.url, fresh=req.overwrite) if distributed.is_writer() else None
     resumption = decide(run_dir, req, cfg)
     if resumption.finished:
         return resumption.complete(cfg)
@@ -152,13 +153,20 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         run_dir.write("config.yaml", to_yaml(cfg).encode())
         if data.inventory is not None:  # which files the run learns from, chooses on and tests on
             run_dir.write("data.json", json.dumps(data.inventory.to_json(), indent=1, ensure_ascii=False).encode())
-        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), state.step + 1 if found else 0)
+        tracker = track.Tracker(where, run_dir, state.step if found else -1) if where is not None else None
+        start = state.step + 1 if found else 0
+        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), start, tracker)
     step = make_step(cfg, r, log, step_flops)
     if step.accumulator is not None and found is not None:
         step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)
     clock, now = TrainClock(device), time.perf_counter()
     loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser)
     attempt.begin(state, distributed.world(), device)
+    if report.tracker is not None:
+        decided = {"device": describe_device(device), "world_size": distributed.world(), "step": step.description}
+        decided |= {"data": data.describe(), "feed": r.feed.describe(), "parameters": params}
+        attempt.track(report.tracker, cfg, flat_items(cfg) | {f"decided.{k}": v for k, v in decided.items()})
+        say(f"tracking: {where.describe()}")
     first_epoch = state.epoch
     for epoch in range(state.epoch, state.epoch if state.stopped_early else cfg.train.epochs):
         finished = train_epoch(loop, epoch)
@@ -246,6 +254,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     payload |= {"placement": r.feed.streaming_choice.saved()}
     payload |= {"split": r.feed.inventory.digest()} if r.feed.inventory is not None else {}
     payload |= {"model_json": model_json(loop, metrics)}  # any checkpoint describes its model as model.json does
+    payload |= {"mlflow_run_id": report.tracker.run_id} if report.tracker is not None else {}
     if r.feed.mean is not None:
         payload |= {"normalization": {"mean": r.feed.mean.tolist(), "std": r.feed.std.tolist()}}
     t = cfg.train
@@ -273,7 +282,7 @@ def write_results(loop: Loop, final: dict) -> None:
     described = json.dumps(model_json(loop, final), indent=1, ensure_ascii=False)
     loop.run_dir.write(bundle.MODEL_JSON, described.encode())
     loop.report.close(final)
-    loop.attempt.end(0)
+    loop.attempt.end(0, final)
 
 
 def test_and_report(loop: Loop) -> str:
@@ -313,7 +322,8 @@ def test_and_report(loop: Loop) -> str:
 def show(loop: Loop, split: str, confusion: torch.Tensor) -> None:
     """An evaluation's per-class table and confusion picture in TensorBoard."""
     classes, step = loop.r.classes, loop.state.step
-    loop.report.class_table(split, scores.table(confusion, classes), step)
+    f1 = dict(zip(classes, scores.per_class(confusion)["f1"].tolist()))
+    loop.report.class_table(split, scores.table(confusion, classes), f1, step)
     loop.report.image(f"{split}/confusion", lambda: diagnostics.confusion_picture(confusion, classes, split), step)
 
 

@@ -1,0 +1,413 @@
+"""MLflow tracking: a job run is one MLflow run, and every point it makes reaches the server exactly once.
+
+The run keeps a journal of what it tells the tracker (track.jsonl in the run folder, committed with every checkpoint
+as metrics.jsonl is): points by step, params, tags, statuses and the files to send at the end. A resumed attempt cuts
+the journal back to its checkpoint and makes the same points again, bit for bit; the server is asked how far each
+metric got, and only later steps are sent. A thread sends, so a slow or absent server never slows a step; what it
+could not send stays in the journal, and `python -m job track RUN` sends it later, as often as asked, never twice.
+The server is the record of what was sent: nothing here can believe it sent what the server never took.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from job.config import tracking_uri
+from job.errors import ConfigError
+
+if TYPE_CHECKING:
+    from job.config import Config
+    from job.storage import RunDir
+
+JOURNAL = "track.jsonl"
+RUN_TAG = "job.run"  # the run folder's URL: the MLflow run of a job run is found by it when its id was not kept
+SPLITS = ("train", "val", "test")
+MEASURED = {"samples_per_s", "wall_s"}  # an evaluation's fields that are measured, not computed: under system/
+# MLflow's limits on one log_batch call.
+BATCH_METRICS, BATCH_PARAMS, BATCH_TAGS = 1000, 100, 100
+PARAM_CHARS = 6000
+END_WAIT_S = 120.0  # at the end, how long a server that is taking the points is given to take the rest
+STOP_WAIT_S = 5.0  # the same for an attempt that stops: within its grace period
+RETRY_MAX_S = 60.0
+ENDINGS = {0: "FINISHED", 75: "SCHEDULED", 130: "KILLED"}  # by exit code; any other: FAILED
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a run is tracked: the server, the experiment, and the MLflow run's name and identifying tag."""
+
+    uri: str
+    experiment: str
+    run_name: str
+    run_url: str
+    fresh: bool = False  # the folder starts afresh (--overwrite): a new MLflow run, not the one of its earlier run
+
+    def describe(self) -> str:
+        return f"MLflow {self.uri}, experiment {self.experiment}, run {self.run_name}"
+
+
+def target(cfg: Config, url: str, fresh: bool = False) -> Target | None:
+    """The tracking a config asks for (track.mlflow, else the environment's MLFLOW_TRACKING_URI), or None; a
+    ConfigError when its URI is malformed or the MLflow client is not installed."""
+    uri = cfg.track.mlflow or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri:
+        return None
+    try:
+        tracking_uri(uri)
+    except ValueError as e:
+        raise ConfigError(f"MLFLOW_TRACKING_URI: {e}") from None
+    check_client(uri)
+    run_url = run_identity(url)
+    return Target(uri, cfg.track.experiment or cfg.name, run_url.rsplit("/", 1)[-1] or cfg.name, run_url, fresh)
+
+
+def run_identity(url: str) -> str:
+    """The run folder's URL as its MLflow run is tagged with it: a local folder by its absolute path."""
+    url = url.rstrip("/") or url
+    return url if "://" in url else os.path.abspath(url)
+
+
+def check_client(uri: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(
+            f"tracking in MLflow ({uri}) needs its client: pip install mlflow-skinny (or mlflow for a sqlite:// URI)"
+        )
+
+
+def metric_name(name: str) -> str:
+    """A name MLflow accepts (letters, digits, _ - . / and spaces); a class named otherwise keeps its place."""
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in name)
+
+
+def evaluation_points(record: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's metrics.jsonl record as MLflow metrics: named as there, what was measured under system/."""
+    out = {}
+    for key, value in record.items():
+        if key in ("epoch", "step") or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        out[f"system/{key}" if key in MEASURED else key] = float(value)
+    return out
+
+
+def test_points(record: dict[str, Any]) -> dict[str, float]:
+    """The end's test record: the test split's metrics and the chosen epoch (system/: a choice, not a score). Its
+    val_* fields repeat the chosen evaluation's, already sent at their own step."""
+    out = {k: float(v) for k, v in record.items() if k.startswith(("test_", "final_test_"))}
+    if "chosen_epoch" in record:
+        out["system/chosen_epoch"] = float(record["chosen_epoch"])
+    return out
+
+
+def read_journal(data: bytes | None) -> list[dict[str, Any]]:
+    lines = []
+    for line in (data or b"").decode(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+        if isinstance(entry, dict):
+            lines.append(entry)
+    return lines
+
+
+class Journal:
+    """track.jsonl: appended by the loop (and by the sender, the MLflow run's id), read by the sender."""
+
+    def __init__(self, run_dir: RunDir, upto_step: int | None, fresh: bool = False) -> None:
+        """Open the run's journal; a resumed attempt keeps the points up to the step it resumes from (`upto_step`,
+        None: all) and every line that has no step; `fresh`: none of it."""
+        self.run_dir, self.lock = run_dir, threading.Lock()
+        lines = [] if fresh else read_journal(run_dir.read(JOURNAL))
+        if upto_step is not None:
+            lines = [e for e in lines if e.get("step") is None or e["step"] <= upto_step]
+        self.lines = lines
+        run_dir.write(JOURNAL, "".join(json.dumps(e) + "\n" for e in lines).encode())
+
+    def add(self, entry: dict[str, Any]) -> None:
+        with self.lock:
+            self.lines.append(entry)
+            with open(self.run_dir.path(JOURNAL), "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def since(self, at: int) -> list[dict[str, Any]]:
+        with self.lock:
+            return self.lines[at:]
+
+    def known(self, key: str) -> Any:
+        """The last value a line gave `key` (the MLflow run id, ...), or None."""
+        with self.lock:
+            return next((e[key] for e in reversed(self.lines) if key in e), None)
+
+
+class Sender:
+    """Sends journal lines to the MLflow server in order. It asks the server what it holds (the run, its params, how
+    far each metric got, its artifacts and model versions) and sends only the rest, so any number of senders, in
+    any number of processes, one after another, send each point once."""
+
+    def __init__(self, where: Target, run_dir: RunDir, run_id: str | None = None) -> None:
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the sender retries itself, in the background
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its notes on a model version are not the run's
+        self.where, self.run_dir, self.run_id = where, run_dir, run_id
+        self.client = None
+        self.reached: dict[str, int] = {}  # metric -> the last step the server holds
+        self.params: dict[str, str] | None = None
+        self.artifact_uri = ""
+
+    def connect(self) -> str:
+        """The MLflow run of this job run: the one kept, else the one tagged with the run's URL, else a new one."""
+        if self.client is None:
+            from mlflow import MlflowClient
+
+            self.client = MlflowClient(tracking_uri=self.where.uri)
+        c = self.client
+        if self.run_id is None:
+            exp = c.get_experiment_by_name(self.where.experiment)
+            exp_id = exp.experiment_id if exp is not None else c.create_experiment(self.where.experiment)
+            url = self.where.run_url.replace("'", "\\'")
+            found = [] if self.where.fresh else c.search_runs([exp_id], f"tags.`{RUN_TAG}` = '{url}'", max_results=1)
+            if found:
+                self.run_id = found[0].info.run_id
+            else:
+                made = c.create_run(exp_id, run_name=self.where.run_name, tags={RUN_TAG: self.where.run_url})
+                self.run_id = made.info.run_id
+        if self.params is None:
+            run = c.get_run(self.run_id)
+            self.params, self.artifact_uri = dict(run.data.params), run.info.artifact_uri
+            for key in run.data.metrics:  # how far each metric got; metrics the server lacks start from nothing
+                history = c.get_metric_history(self.run_id, key)
+                self.reached[key] = max((m.step for m in history), default=-1)
+        return self.run_id
+
+    def send(self, lines: list[dict[str, Any]]) -> int:
+        """Send `lines` in order; returns how many were sent: all of them, or the client raises and the caller keeps
+        them for another try (what the server took by then it holds, and is not sent again)."""
+        from mlflow.entities import Metric, Param, RunTag
+
+        self.connect()
+        c, run_id = self.client, self.run_id
+        batch: list[Metric] = []
+
+        def flush() -> None:
+            if batch:
+                c.log_batch(run_id, metrics=batch)
+                for m in batch:
+                    self.reached[m.key] = max(self.reached.get(m.key, -1), m.step)
+                batch.clear()
+
+        for entry in lines:
+            if "step" in entry:
+                step, t = int(entry["step"]), int(entry.get("t", time.time() * 1000))
+                for key, value in entry.get("m", {}).items():
+                    if step > self.reached.get(key, -1):
+                        batch.append(Metric(key, value, t, step))
+                if len(batch) >= BATCH_METRICS - 50:
+                    flush()
+                continue
+            flush()
+            if "params" in entry:
+                new = {k: str(v)[:PARAM_CHARS] for k, v in entry["params"].items() if k not in self.params}
+                items = [Param(k, v) for k, v in new.items()]
+                for at in range(0, len(items), BATCH_PARAMS):
+                    c.log_batch(run_id, params=items[at : at + BATCH_PARAMS])
+                self.params.update(new)
+            if "tags" in entry:
+                tags = [RunTag(k, str(v)) for k, v in entry["tags"].items()]
+                for at in range(0, len(tags), BATCH_TAGS):
+                    c.log_batch(run_id, tags=tags[at : at + BATCH_TAGS])
+            if "files" in entry:
+                self.send_files(entry["files"])
+            if "register" in entry:
+                self.register(entry["register"], entry.get("version_tags") or {})
+            if "status" in entry:
+                if entry["status"] == "RUNNING":
+                    c.update_run(run_id, status="RUNNING")
+                else:
+                    c.set_terminated(run_id, entry["status"])
+        flush()
+        return len(lines)
+
+    def send_files(self, files: list[list[str]]) -> None:
+        """The run's files ([rel, the artifact folder it goes to]), each one not already there."""
+        c = self.client
+        held: dict[str, set[str]] = {}
+        with tempfile.TemporaryDirectory(prefix="job-track-") as tmp:
+            for rel, folder in files:
+                if folder not in held:
+                    held[folder] = {Path(f.path).name for f in c.list_artifacts(self.run_id, folder or None)}
+                name = Path(rel).name
+                if name in held[folder]:
+                    continue
+                local = self.run_dir.path(rel)
+                if not local.is_file():  # a run in a bucket, sent later from another machine
+                    data = self.run_dir.read(rel)
+                    if data is None:
+                        continue
+                    local = Path(tmp) / name
+                    local.write_bytes(data)
+                c.log_artifact(self.run_id, str(local), folder or None)
+                held[folder].add(name)
+
+    def register(self, name: str, tags: dict[str, Any]) -> None:
+        """The run's model as a new version of `name`, once."""
+        from mlflow.exceptions import MlflowException
+
+        c = self.client
+        try:
+            c.create_registered_model(name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        if any(v.run_id == self.run_id for v in c.search_model_versions(f"name='{name}'")):
+            return
+        c.create_model_version(
+            name, f"{self.artifact_uri}/model", run_id=self.run_id, tags={k: str(v) for k, v in tags.items()}
+        )
+
+
+class Tracker:
+    """The run's MLflow sink, kept by the process that writes the run: the loop adds lines to the journal and a
+    thread sends them."""
+
+    def __init__(self, where: Target, run_dir: RunDir, upto_step: int | None) -> None:
+        self.where, self.run_dir = where, run_dir
+        self.journal = Journal(run_dir, upto_step, where.fresh)
+        self.sender = Sender(where, run_dir, self.journal.known("run_id"))
+        self.at, self.problem, self.failures = 0, "", 0
+        self.wake, self.quit = threading.Event(), False
+        self.journal.add({"server": where.uri, "experiment": where.experiment, "run_name": where.run_name})
+        self.thread = threading.Thread(target=self.work, name="job-track", daemon=True)
+        self.thread.start()
+
+    @property
+    def run_id(self) -> str | None:
+        return self.sender.run_id
+
+    def point(self, step: int, metrics: dict[str, float]) -> None:
+        """Metrics at `step`; sent within seconds (the loop never waits for the server)."""
+        if metrics:
+            self.journal.add({"step": step, "t": int(time.time() * 1000), "m": metrics})
+            self.wake.set()
+
+    def add(self, entry: dict[str, Any]) -> None:
+        """Params, tags, a status, files or a registration, in order with the points."""
+        self.journal.add(entry)
+        self.wake.set()
+
+    def work(self) -> None:
+        while True:
+            self.wake.wait(self.retry_in() if self.problem else None)
+            self.wake.clear()
+            sent = self.send_pending()
+            if self.quit and (not sent or not self.unsent()):  # at the end a server that fails is not waited for
+                return
+
+    def retry_in(self) -> float:
+        return min(2.0**self.failures, RETRY_MAX_S)
+
+    def send_pending(self) -> bool:
+        lines = self.journal.since(self.at)
+        if not lines:
+            return True
+        kept = self.sender.run_id
+        try:
+            self.at += self.sender.send(lines)
+            self.problem, self.failures = "", 0
+        except Exception as e:  # whatever the server or the network says: the lines wait for the next try
+            self.problem, self.failures = one_line(e), self.failures + 1
+            return False
+        finally:
+            if kept is None and self.sender.run_id is not None:  # kept in the run: the next attempt continues it
+                self.journal.add({"run_id": self.sender.run_id})
+        return True
+
+    def unsent(self) -> list[dict[str, Any]]:
+        return [e for e in self.journal.since(self.at) if carries(e)]
+
+    def end(self, exit_code: int, cfg: Config | None = None, metrics: dict[str, Any] | None = None) -> str:
+        """The attempt ended with `exit_code`; a finished run's files (and its model version, as `cfg` asks, tagged
+        with `metrics`) and the status are sent, waited for while the server takes them (not at all when it is
+        down); one line saying where it went or what still waits."""
+        if exit_code == 0 and cfg is not None:
+            self.add({"files": run_files(self.run_dir, cfg.track.log_model)})
+            if cfg.track.register and cfg.track.log_model:
+                self.add({"register": cfg.track.register, "version_tags": metrics or {}})
+        self.add({"status": ENDINGS.get(exit_code, "FAILED")})
+        self.run_dir.upload(JOURNAL)
+        self.quit = True
+        self.wake.set()
+        self.thread.join(timeout=END_WAIT_S if exit_code == 0 else STOP_WAIT_S)
+        return self.describe_end()
+
+    def describe_end(self) -> str:
+        left = self.unsent()
+        if not left:
+            return f"tracking: sent to {self.where.describe()}"
+        points = sum(len(e.get("m", {})) for e in left)
+        what = f"{points:,} points" if points else "the run's end"
+        why = f" ({self.problem})" if self.problem else ""
+        return (
+            f"tracking: {what} not yet sent to MLflow {self.where.uri}{why}; kept in {JOURNAL}: "
+            f"python -m job track {self.run_dir.url} sends them"
+        )
+
+
+def run_files(run_dir: RunDir, log_model: bool) -> list[list[str]]:
+    """[file of the run, artifact folder] of what a finished run sends: its description and reports, and the chosen
+    model (model.pt with model.json, as `job predict` reads them) under model/."""
+    described = ("model.json", "config.yaml", "data.json", "run.json", "curves.png")
+    files = [[rel, ""] for rel in described if run_dir.has(rel)]
+    for split in SPLITS:
+        files += [[f"report/{split}/{name}", f"report/{split}"] for name in run_dir.list(f"report/{split}")]
+    files += [[rel, "model"] for rel in ("model.pt", "model.json") if log_model and run_dir.has(rel)]
+    return files
+
+
+def carries(entry: dict[str, Any]) -> bool:
+    """Whether a journal line has something for the server (not only a note of the run's own: its MLflow run id)."""
+    return any(k in entry for k in ("step", "params", "tags", "files", "register", "status"))
+
+
+def one_line(e: BaseException) -> str:
+    """What went wrong in words: the client's messages carry whole URLs and retry counts."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    for sign, said in (("Connection refused", "connection refused"), ("timed out", "no answer in time")):
+        if sign in text:
+            return f"the server: {said}"
+    return text[:200]
+
+
+def send_run(run_dir: RunDir, uri: str | None = None) -> tuple[str, bool]:
+    """`job track`: send what a run's journal holds that the server lacks; (a line for the user, all sent)."""
+    lines = read_journal(run_dir.read(JOURNAL))
+    if not lines:
+        raise ConfigError(f"{run_dir.url} holds no {JOURNAL}: it was not run with track.mlflow or MLFLOW_TRACKING_URI")
+    server = next((e for e in reversed(lines) if "server" in e), {})
+    uri = uri or server.get("server") or os.environ.get("MLFLOW_TRACKING_URI", "")
+    try:
+        tracking_uri(uri)
+    except ValueError as e:
+        raise ConfigError(f"--mlflow: {e}") from None
+    check_client(uri)
+    run_name = server.get("run_name") or run_dir.url.rstrip("/").rsplit("/", 1)[-1]
+    where = Target(uri, server.get("experiment") or "Default", run_name, run_identity(run_dir.url))
+    sender = Sender(where, run_dir, next((e["run_id"] for e in reversed(lines) if "run_id" in e), None))
+    try:
+        sender.connect()
+        held = dict(sender.reached)
+        sender.send(lines)
+    except Exception as e:
+        return f"tracking: {run_dir.url} not sent to MLflow {uri}: {one_line(e)}", False
+    sent = sum(1 for e in lines if "step" in e for k in e.get("m", {}) if e["step"] > held.get(k, -1))
+    return f"tracking: {sent:,} points sent; {run_dir.url} is in {where.describe()} (run id {sender.run_id})", True
