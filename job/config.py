@@ -421,7 +421,7 @@ class OutputConfig(Section):
     )
 
 
-# The key is track.register, as users write it; pydantic's note that it hides BaseModel.register is for models that use it.
+# The key is track.register, as users write it; pydantic warns that it hides BaseModel.register, used by no config.
 warnings.filterwarnings("ignore", 'Field name "register" in "TrackConfig"')
 
 
