@@ -88,13 +88,15 @@ class Attempt:
         if self.entry is None or self.entry["ended"] is not None:
             return
         self.entry.update(ended=now(), exit_code=exit_code, to={"epoch": self.state.epoch, "step": self.state.step})
-        if self.tracker is not None and self.tracker.run_id is not None:
-            self.entry["mlflow_run_id"] = self.tracker.run_id
         self.write()
         if self.tracker is not None:
             from job.report import say
 
-            say(self.tracker.end(exit_code, self.cfg, metrics))
+            said = self.tracker.end(exit_code, self.cfg, metrics)
+            if self.tracker.run_id is not None:  # known once the server answered, maybe only now
+                self.entry["mlflow_run_id"] = self.tracker.run_id
+                self.write()
+            say(said)
 
     def write(self) -> None:
         """run.json with this attempt as its last entry (appended the first time, replaced after)."""

@@ -226,6 +226,7 @@ class FollowerReport:
 
     def __init__(self) -> None:
         self.records: list[dict] = []
+        self.tracker = None  # rank 0 alone talks to the tracking server
 
     def evaluation(self, record: dict) -> None:
         self.records.append(record)

@@ -78,7 +78,11 @@ def run_identity(url: str) -> str:
 def check_client(uri: str) -> None:
     import importlib.util
 
-    if importlib.util.find_spec("mlflow") is None:
+    try:
+        found = importlib.util.find_spec("mlflow") is not None
+    except ValueError:  # marked absent in sys.modules
+        found = False
+    if not found:
         raise ConfigError(
             f"tracking in MLflow ({uri}) needs its client: pip install mlflow-skinny (or mlflow for a sqlite:// URI)"
         )

@@ -1,0 +1,203 @@
+"""MLflow tracking against a real MLflow server (SQLite backend, artifacts served by it) on 127.0.0.1: one MLflow run
+per job run, each point once however often the run is killed and resumed, params, artifacts and a model version;
+a server that is down costs the run nothing, and `job track` sends what waited, once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import free_port, run_job, sets, start_job
+
+mlflow = pytest.importorskip("mlflow", reason="the MLflow server and client (requirements-test.txt)")
+
+JOB = ["train", "--device", "cpu", "--config", "iris"]
+# Iris with a val split: 4 evaluations, a checkpoint every 1000 epochs, a loss window every 200 steps.
+RUN = sets("data.val_split=0.2", "train.epochs=4000", "train.checkpoint_every_epochs=1000", "track.experiment=tests")
+
+
+def start_server(root: Path, port: int) -> subprocess.Popen:
+    args = ["--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts")]
+    log = open(root / "server.log", "ab")  # noqa: SIM115 (the server writes it while it runs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", *args, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.time() + 300  # the first start migrates the database: a minute on a busy machine
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=2).read().strip() == b"OK":
+                return
+        except OSError:
+            pass
+        alive = proc.poll() is None and time.time() < deadline
+        assert alive, f"the MLflow server did not start: {log.read_text()[-500:]}"
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("mlflow")
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = start_server(root, int(url.rsplit(":", 1)[1]))
+    wait_healthy(url, proc, root / "server.log")
+    yield url
+    stop(proc)
+
+
+def client(url: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=url)
+
+
+def runs_named(url: str, name: str) -> list:
+    c = client(url)
+    exp = c.get_experiment_by_name("tests")
+    return [r for r in c.search_runs([exp.experiment_id], max_results=1000) if r.info.run_name == name] if exp else []
+
+
+def histories(url: str, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    c = client(url)
+    keys = c.get_run(run_id).data.metrics
+    return {k: sorted((m.step, m.value) for m in c.get_metric_history(run_id, k)) for k in keys}
+
+
+def artifacts(url: str, run_id: str, path: str | None = None) -> list[str]:
+    out = []
+    for f in client(url).list_artifacts(run_id, path):
+        out += artifacts(url, run_id, f.path) if f.is_dir else [f.path]
+    return out
+
+
+def computed(h: dict) -> dict:
+    """The metrics that are computed from the model and data (system/ ones are measured: they differ run to run)."""
+    return {k: v for k, v in h.items() if not k.startswith("system/")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(server, tmp_path_factory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("runs") / "A"
+    r = run_job(*JOB, *RUN, *sets(f"track.mlflow={server}", "track.register=tests-model"), "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = runs_named(server, "A")
+    return str(out), {"run": run, "stderr": r.stderr, "histories": histories(server, run.info.run_id)}
+
+
+def test_a_run_is_one_mlflow_run_with_its_params_metrics_files_and_model_version(server, uninterrupted):
+    out, a = uninterrupted
+    run, h = a["run"], a["histories"]
+    assert f"tracking: MLflow {server}, experiment tests, run A" in a["stderr"]
+    assert f"tracking: sent to MLflow {server}" in a["stderr"]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optim.lr"] == "0.01" and run.data.params["decided.world_size"] == "1"
+    assert run.data.tags["job.run"] == out and run.data.tags["job.attempts"] == "1"
+    # one point per log window (every 200 steps) and per evaluation (every 1000), steps increasing
+    assert [s for s, _ in h["train/loss"]] == list(range(200, 4001, 200))
+    assert [s for s, _ in h["val_accuracy"]] == [1000, 2000, 3000, 4000]
+    records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    assert [v for _, v in h["val_loss"]] == [r["val_loss"] for r in records if "val_loss" in r]
+    assert {"val_f1/setosa", "test_f1/virginica", "test_accuracy", "system/samples_per_s"} <= set(h)
+    files = artifacts(server, run.info.run_id)
+    assert {"model.json", "run.json", "model/model.pt", "model/model.json", "report/val/classes.csv"} <= set(files)
+    (version,) = client(server).search_model_versions("name='tests-model'")
+    assert version.run_id == run.info.run_id and float(version.tags["best_accuracy"]) > 0.5
+    assert json.loads(Path(out, "run.json").read_text())["attempts"][-1]["mlflow_run_id"] == run.info.run_id
+
+
+def test_a_run_killed_and_resumed_sends_every_point_once_as_the_uninterrupted_run(server, uninterrupted, tmp_path):
+    """SIGKILL at whatever moment the kill lands (before a checkpoint, after one, while points are in flight): the
+    MLflow run's histories end exactly as the uninterrupted run's, one point per step."""
+    out = tmp_path / "B"
+    args = [*JOB, *RUN, *sets(f"track.mlflow={server}"), "--output", str(out)]
+    for evaluations in (1, 2, 3):
+        proc = start_job(*args, start_new_session=True)
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= evaluations):
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    r = run_job(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = runs_named(server, "B")
+    h = histories(server, run.info.run_id)
+    a = uninterrupted[1]["histories"]
+    assert computed(h) == computed(a)
+    assert {k: [s for s, _ in v] for k, v in h.items()} == {k: [s for s, _ in v] for k, v in a.items()}
+    assert run.info.status == "FINISHED" and int(run.data.tags["job.attempts"]) >= 2
+
+
+def test_a_server_that_is_down_costs_the_run_nothing_and_job_track_sends_it_later_once(server, uninterrupted, tmp_path):
+    out, down = tmp_path / "C", f"http://127.0.0.1:{free_port()}"
+    r = run_job(*JOB, *RUN, *sets(f"track.mlflow={down}"), "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"not yet sent to MLflow {down}" in r.stderr and f"python -m job track {out}" in r.stderr
+    assert runs_named(server, "C") == []
+    sent = run_job("track", str(out), "--mlflow", server)
+    assert sent.returncode == 0, sent.stderr
+    (run,) = runs_named(server, "C")
+    h = histories(server, run.info.run_id)
+    assert computed(h) == computed(uninterrupted[1]["histories"])
+    assert run.info.status == "FINISHED" and "model/model.pt" in artifacts(server, run.info.run_id)
+    again = run_job("track", str(out), "--mlflow", server)
+    assert again.returncode == 0 and "tracking: 0 points sent" in again.stderr, again.stderr
+    assert histories(server, run.info.run_id) == h and len(runs_named(server, "C")) == 1
+    unreachable = run_job("track", str(out))  # the server it was tracked in: still down
+    assert unreachable.returncode == 4 and "connection refused" in unreachable.stderr
+    assert len(unreachable.stderr.strip().splitlines()) == 1, unreachable.stderr
+
+
+def test_two_processes_make_one_mlflow_run(server, tmp_path):
+    out = tmp_path / "G"
+    args = sets("train.epochs=400", "train.eval_every_epochs=200")
+    r = run_job(*JOB, *RUN, *args, *sets(f"track.mlflow={server}"), "--nproc-per-node", "2", "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = runs_named(server, "G")
+    assert run.data.params["decided.world_size"] == "2"
+    assert [s for s, _ in histories(server, run.info.run_id)["val_accuracy"]] == [200, 400]
+
+
+@pytest.mark.parametrize(
+    "setting, env, said",
+    [
+        ("track.mlflow=http://", {}, "track.mlflow"),
+        ("track.mlflow=ftp://host/x", {}, "track.mlflow"),
+        ("train.epochs=1", {"MLFLOW_TRACKING_URI": "http://:80"}, "MLFLOW_TRACKING_URI"),
+    ],
+)
+def test_a_malformed_tracking_uri_is_one_line_and_exit_2(tmp_path, setting, env, said):
+    r = run_job(*JOB, *sets(setting), "--output", str(tmp_path / "run"), env=env)
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_tracking_without_the_mlflow_client_is_one_line_and_exit_2(tmp_path):
+    """A Python where `import mlflow` fails (sys.modules marks it absent, as an uninstalled package is)."""
+    code = "import sys; sys.modules['mlflow'] = None; from job.cli import main; main()"
+    argv = [*JOB, *sets("track.mlflow=http://127.0.0.1:5000"), "--output", str(tmp_path / "run")]
+    r = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+        timeout=300,
+    )
+    assert r.returncode == 2 and "pip install mlflow-skinny" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
