@@ -77,15 +77,18 @@ class Resumption:
         return self.found[0] if self.found is not None else None
 
     def begin(self, cfg: Config) -> None:
-        """Rank 0's part: the checkpoint checked against the run, an overwritten run cleared, uploads started."""
-        check_resumable(self.run_dir, self.req, cfg, self.found)
-        if self.req.overwrite and (self.found is None or self.req.resume != "auto"):  # afresh, or for the one given
-            clear_run(self.run_dir)
-        self.run_dir.start_sync()
+        """Rank 0 checks the checkpoint against the run, clears an overwritten run and starts the uploads; the
+        group's others wait until it is done (its fault is theirs)."""
+        with distributed.writer_first() as writer:
+            if writer:
+                check_resumable(self.run_dir, self.req, cfg, self.found)
+                if self.req.overwrite and (self.found is None or self.req.resume != "auto"):  # afresh, or as given
+                    clear_run(self.run_dir)
+                self.run_dir.start_sync()
 
     def complete(self, cfg: Config) -> dict:
         """A finished run, left exactly as it is: rank 0 begins it (checks, no change) and every process says so."""
-        distributed.on_writer(lambda: self.begin(cfg))
+        self.begin(cfg)
         return complete(cfg, self.run_dir, self.found)
 
 

@@ -130,7 +130,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     check_split(started, data.inventory)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
-    distributed.on_writer(lambda: resumption.begin(cfg))
+    resumption.begin(cfg)
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
     chooser = Chooser(cfg.train, r.evaluated_on)
