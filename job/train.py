@@ -117,8 +117,8 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> 
 
 def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_start: float, attempt: Attempt) -> dict:
     device = pick_device(req.device)
-    seed_everything(cfg.seed, cfg.train.deterministic)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
+    seed_everything(cfg.seed, cfg.train.deterministic)
     resumption = decide(run_dir, req, cfg)
     if resumption.finished:
         return resumption.complete(cfg)
