@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -235,21 +235,50 @@ def on_writer(work: Callable[[], T], share: Callable[[T], tuple[dict, bytes]] | 
     if not active() or world() == 1:
         return work()
     if not is_writer():
-        header, blob = receive()
-        if "error" in header:
-            raise rebuild(header)
-        return (header, blob) if share is not None else None
-    try:
+        got = writer_done()
+        return got if share is not None else None
+    with faults_to_group():
         result = work()
         header, blob = share(result) if share is not None else ({}, b"")
+    send(header, blob)
+    return result
+
+
+@contextlib.contextmanager
+def writer_first() -> Iterator[bool]:
+    """`with writer_first() as writer:` rank 0 does the block's work (writer is True) while the others wait until it
+    is done (False), as on_writer does for work written in place: a fault on rank 0 is raised on every process, as
+    the same error. Alone, writer is True."""
+    if not active() or world() == 1:
+        yield True
+    elif not is_writer():
+        writer_done()
+        yield False
+    else:
+        with faults_to_group():
+            yield True
+        send({}, b"")
+
+
+def writer_done() -> tuple[dict, bytes]:
+    """What rank 0 sent when its work ended: its header and bytes, or its fault, raised here."""
+    header, blob = receive()
+    if "error" in header:
+        raise rebuild(header)
+    return header, blob
+
+
+@contextlib.contextmanager
+def faults_to_group() -> Iterator[None]:
+    """Rank 0's fault in the block sent to the others (who wait in writer_done) before it is raised here."""
+    try:
+        yield
     except JobError as e:
         send({"error": type(e).__name__, "message": str(e)}, b"")
         raise
     except BaseException as e:
         send({"error": "", "message": f"{type(e).__name__}: {one_line(e)}"}, b"")
         raise
-    send(header, blob)
-    return result
 
 
 def gather_to_writer(obj: T) -> list[T] | None:

@@ -81,15 +81,18 @@ class Resumption:
         return self.found[0] if self.found is not None else None
 
     def begin(self, cfg: Config) -> None:
-        """Rank 0's part: the checkpoint checked against the run, an overwritten run cleared, uploads started."""
-        check_resumable(self.run_dir, self.req, cfg, self.found)
-        if self.req.overwrite and (self.found is None or self.req.resume != "auto"):  # afresh, or for the one given
-            clear_run(self.run_dir)
-        self.run_dir.start_sync()
+        """Rank 0 checks the checkpoint against the run, clears an overwritten run and starts the uploads; the
+        group's others wait until it is done (its fault is theirs)."""
+        with distributed.writer_first() as writer:
+            if writer:
+                check_resumable(self.run_dir, self.req, cfg, self.found)
+                if self.req.overwrite and (self.found is None or self.req.resume != "auto"):  # afresh, or as given
+                    clear_run(self.run_dir)
+                self.run_dir.start_sync()
 
     def complete(self, cfg: Config) -> dict:
         """A finished run, left exactly as it is: rank 0 begins it (checks, no change) and every process says so."""
-        distributed.on_writer(lambda: self.begin(cfg))
+        self.begin(cfg)
         return complete(cfg, self.run_dir, self.found)
 
 
@@ -134,18 +137,18 @@ def check_same_run(run_dir: RunDir, payload: dict) -> None:
         )
 
 
-def changed_settings(saved: dict, cfg: Config) -> list[str]:
-    """The settings that change what a checkpoint means (not RESUME_SAFE) and differ between it and `cfg`."""
+def changed_settings(saved: dict, cfg: Config) -> dict[str, tuple]:
+    """The settings that change what a checkpoint means (not RESUME_SAFE) and differ between it and `cfg`, in name
+    order: each as (the checkpoint's value, `cfg`'s)."""
     old, new = flat_items(Config.model_validate(saved)), flat_items(cfg)
-    return sorted(k for k in new if k not in RESUME_SAFE and old.get(k) != new[k])
+    return {k: (old.get(k), new[k]) for k in sorted(new) if k not in RESUME_SAFE and old.get(k) != new[k]}
 
 
 def check_compatible(saved: dict, cfg: Config) -> None:
     """Refuse to resume when a setting that changes what the checkpoint means differs."""
-    old, new = flat_items(Config.model_validate(saved)), flat_items(cfg)
     changed = changed_settings(saved, cfg)
     if changed:
-        detail = ", ".join(f"{k}: {old.get(k)!r} -> {new[k]!r}" for k in changed[:4])
+        detail = ", ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in list(changed.items())[:4])
         raise ConfigError(
             f"cannot resume: the checkpoint was trained with other settings ({detail}); keep them to continue this "
             "run, use another --output for a new one, or --overwrite to start this folder afresh"

@@ -117,8 +117,8 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> 
 
 def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_start: float, attempt: Attempt) -> dict:
     device = pick_device(req.device)
-    seed_everything(cfg.seed, cfg.train.deterministic)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
+    seed_everything(cfg.seed, cfg.train.deterministic)
     where = track.target(cfg, run_dir.url, fresh=req.overwrite) if distributed.is_writer() else None
     resumption = decide(run_dir, req, cfg)
     if resumption.finished:
@@ -131,7 +131,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     check_split(started, data.inventory)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
-    distributed.on_writer(lambda: resumption.begin(cfg))
+    resumption.begin(cfg)
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
     chooser = Chooser(cfg.train, r.evaluated_on)

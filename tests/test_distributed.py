@@ -263,6 +263,15 @@ def test_faults_end_the_group_with_their_line_and_code(tmp_path):
     assert_fault_ended_group(odd, "a training batch of 1 samples cannot be split over 2 processes", 2)
 
 
+def test_a_resume_refused_by_rank_0_ends_every_rank_with_its_line(tmp_path):
+    """Rank 0 alone checks the checkpoint against the run (settings changed since): every rank ends with its error."""
+    out = str(tmp_path / "run")
+    first = run_job("train", *IRIS, "--set", "train.epochs=1", "--output", out)
+    assert first.returncode == 0, first.stderr[-2000:]
+    changed = torchrun("train", *IRIS, *sets("train.epochs=2", "optim.lr=0.5"), "--output", out)
+    assert_fault_ended_group(changed, "cannot resume: the checkpoint was trained with other settings", 2)
+
+
 @pytest.mark.gpu
 def test_nccl_on_one_gpu_equals_a_plain_run(tmp_path):
     """Sanity of the nccl path where there is a GPU: torchrun with one process (DDP over nccl) equals a plain run."""
