@@ -90,7 +90,7 @@ class Attempt:
         self.entry.update(ended=now(), exit_code=exit_code, to={"epoch": self.state.epoch, "step": self.state.step})
         self.write()
         if self.tracker is not None:
-            from job.report import say
+            from job.console import say
 
             said = self.tracker.end(exit_code, self.cfg, metrics)
             if self.tracker.run_id is not None:  # known once the server answered, maybe only now

@@ -23,10 +23,10 @@ from job.memory import is_out_of_memory, memory_guard, memory_limit, out_of_memo
 def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | None = None) -> dict:
     """The largest batch size that trains on the device; a dict with the search's trials."""
     from job import recipe
+    from job.console import say
     from job.env import describe_device, pick_device, seed_everything
     from job.models import own_class
     from job.plan import build_step, plan_step, step_facts
-    from job.report import say
     from job.step import CudaGraphStep
 
     device = pick_device(device_name)

@@ -13,11 +13,11 @@ import time
 import torch
 
 from job.config import Config
+from job.console import say
 from job.env import pick_device, resolve_precision
 from job.errors import ConfigError, Interrupted
 from job.naive import check_tutorial_recipe, train_naive
 from job.recipe import read_data
-from job.report import say
 
 
 def parse_devices(text: str) -> list[torch.device]:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from job.cloud import describe_storage_error, filesystem
+from job.console import say
 from job.errors import CheckpointError, StorageError, one_line
-from job.report import say
 from job.storage import RunDir
 
 FORMAT = 1

@@ -117,7 +117,7 @@ def train(
     # Watch for SIGTERM from the start: a preemption during the slow imports and data loading still exits 75.
     with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
         from job.config import load_config
-        from job.report import say
+        from job.console import say
         from job.train import run
 
         cfg = load_config(config, [*overrides, *limit])
@@ -224,8 +224,8 @@ def predict(
                     "--nproc-per-node: each process writes a part, <output>.part-<i>-of-<n>: give --output"
                 )
             raise typer.Exit(spread(sys.argv[1:], nproc_per_node))
+        from job.console import say
         from job.predict import predict as run_predict
-        from job.report import say
 
         if decode not in ("auto", "host", "device"):
             raise ConfigError(f"--decode {decode}: expected auto, host or device")
@@ -244,8 +244,8 @@ def export(
     """The model as an ONNX or torch.export (pt2) file, with its class names and preprocessing, run with its own
     runtime on real images and compared with the model before it is called done (<output>.check.json)."""
     with user_errors():
+        from job.console import say
         from job.export import export as run_export
-        from job.report import say
 
         run_export(model, fmt, output or None, check_images, log=say)
 
@@ -258,8 +258,8 @@ def track(
     """Send what a tracked run's MLflow server lacks (points, params, files, status, model version), kept in the
     run's track.jsonl while the server could not take it. As often as you like: nothing is sent twice."""
     with user_errors():
+        from job.console import say
         from job.errors import StorageError
-        from job.report import say
         from job.storage import RunDir
         from job.track import send_run
 
@@ -337,10 +337,10 @@ def shard(
     """Pack an image folder or a manifest's images into WebDataset-style tar shards, shuffled, for streaming
     (data.kind=shards); files that cannot be decoded or are not there are skipped and listed in index.json."""
     with user_errors():
+        from job.console import say
         from job.data.manifest import Columns
         from job.data.pack import pack, parse_size
         from job.data.split import HoldOut
-        from job.report import say
 
         hold = HoldOut(val_split, test_split, split_seed)
         columns = Columns(path_column, label_column, split_column)

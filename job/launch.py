@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import psutil
 
+from job.console import say
 from job.env import cpus, die_with_parent
 from job.errors import ConfigError, JobError, one_line
-from job.report import say
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 

@@ -169,7 +169,7 @@ class Lease:
     def _wait_out(self, held: dict) -> tuple[dict | None, float]:
         """A holder elsewhere that missed a heartbeat, watched until it beats again (live: refused), goes stale
         (taken over) or lets go; at most STALE_BEATS of its heartbeats."""
-        from job.report import say
+        from job.console import say
 
         stale_at = held["heartbeat"] + STALE_BEATS * held["every"]
         say(

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from job import distributed
+from job.console import say
 from job.models import own_class
-from job.report import say
 from job.step import CpuTracedStep, CudaGraphStep, EagerStep, StepKind, StepPlan
 
 if TYPE_CHECKING:

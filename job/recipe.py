@@ -17,6 +17,7 @@ from torch import nn
 
 from job import weights
 from job.config import Config
+from job.console import say, say_own
 from job.data.augment import View, channel_stats, to_float
 from job.data.batches import Loader
 from job.data.dataset import Dataset, Split
@@ -29,7 +30,6 @@ from job.env import resolve_precision
 from job.errors import ConfigError
 from job.memory import available_host_memory
 from job.models import build_model
-from job.report import say, say_own
 from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
 

@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from job.console import say
 from job.track import JOURNAL, evaluation_points, metric_name, test_points
 
 if TYPE_CHECKING:
@@ -18,25 +18,6 @@ if TYPE_CHECKING:
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
 CURVES = "curves.png"
-
-
-def follower() -> str:
-    """This process's rank under torchrun when it is not rank 0; '' for rank 0 and outside torchrun."""
-    rank = os.environ.get("RANK", "0") if os.environ.get("LOCAL_RANK") is not None else "0"
-    return "" if rank == "0" else rank
-
-
-def say(message: str) -> None:
-    """One line for the user on the console; under torchrun from rank 0 only (every rank prints its errors, cli.py)."""
-    if not follower():
-        print(message, file=sys.stderr, flush=True)
-
-
-def say_own(message: str) -> None:
-    """A line only this process can say (what its own part of the data held), from every rank of a group, each
-    marked with its rank."""
-    rank = follower()
-    print(f"rank {rank}: {message}" if rank else message, file=sys.stderr, flush=True)
 
 
 class Report:

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 from job import checkpoint, cloud, distributed, recipe, schedule
 from job.config import Config, flat_items
+from job.console import say
 from job.errors import ConfigError, DataError
 from job.progress import Progress
-from job.report import say
 from job.storage import RunDir
 
 if TYPE_CHECKING:

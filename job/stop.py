@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from job.console import say
 from job.duration import format_duration
 from job.errors import Cancelled, ConfigError, Interrupted, JobError
-from job.report import say
 
 # The reason a time limit gives, in the same integer as a signal number so that a process group combines both in one
 # reduction (the highest wins): below SIGINT and SIGTERM, so a real signal is the one named when both came.

@@ -20,6 +20,7 @@ from job import bundle, checkpoint, diagnostics, distributed, recipe, scores, tr
 from job.attempts import Attempt
 from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
+from job.console import say
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Interrupted, StorageError, exit_code
@@ -30,7 +31,7 @@ from job.models import describe as describe_model
 from job.plan import make_step, set_cpu_threads
 from job.progress import Progress, is_best, position
 from job.recipe import Recipe
-from job.report import FollowerReport, Report, say
+from job.report import FollowerReport, Report
 from job.resume import Request, check_split, decide, preflight, replan_schedule, restore
 from job.step import EagerStep
 from job.stop import StopRequest

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from job.cloud import describe_storage_error, filesystem
+from job.console import say
 from job.errors import CheckpointError, ConfigError, StorageError, one_line
-from job.report import say
 
 # How a torchvision weights name looks: DEFAULT, IMAGENET1K_V2, or ResNet50_Weights.IMAGENET1K_V2.
 TORCHVISION_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")

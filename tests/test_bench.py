@@ -10,11 +10,11 @@ from conftest import run_job, write_cifar_batches, write_image_folder
 
 from job.bench import bench, format_table
 from job.config import load_config
+from job.console import say
 from job.data.augment import channel_stats, crop_flip
 from job.data.loader import BatchLoader
 from job.data.read import load_data
 from job.naive import make_data_loaders
-from job.report import say
 
 CPU = torch.device("cpu")
 

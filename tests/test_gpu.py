@@ -12,12 +12,13 @@ from job import recipe
 from job.attempts import Attempt
 from job.choose import Chooser
 from job.config import load_config
+from job.console import say
 from job.data.loader import BatchLoader
 from job.data.read import load_data
 from job.meters import LossLog, TrainClock
 from job.plan import build_step, plan_step, step_facts
 from job.progress import Progress
-from job.report import Report, say
+from job.report import Report
 from job.step import CudaGraphStep, host_waits
 from job.stop import StopRequest
 from job.storage import RunDir
