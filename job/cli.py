@@ -240,6 +240,7 @@ def export(
     check_images: list[str] = typer.Option(
         [], "--check-images", help="Images to check the export on; default: the run's val (or test) images."
     ),
+    track: bool = typer.Option(False, "--track", help="Send the export to the run's MLflow run (export/)."),
 ) -> None:
     """The model as an ONNX or torch.export (pt2) file, with its class names and preprocessing, run with its own
     runtime on real images and compared with the model before it is called done (<output>.check.json)."""
@@ -247,7 +248,15 @@ def export(
         from job.console import say
         from job.export import export as run_export
 
-        run_export(model, fmt, output or None, check_images, log=say)
+        check = run_export(model, fmt, output or None, check_images, log=say)
+        if track:
+            from job.errors import StorageError
+            from job.track import send_export
+
+            line, sent = send_export(model, [check["output"], f"{check['output']}.check.json"])
+            if not sent:
+                raise StorageError(f"{line}; python -m job track RUN sends it later")
+            say(line)
 
 
 @app.command()

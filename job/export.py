@@ -84,6 +84,7 @@ def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str]
         }
         check |= {"tolerance": bound, "relative_tolerance": TOLERANCE}
         check["runtime"] = "onnxruntime" if fmt == "onnx" else "torch.export.load"
+        check["output"] = output
         if diff > bound or not agree:  # exit 1, and nothing written
             raise JobError(
                 f"export: the {fmt} file differs from the model on {len(x)} images (largest logit difference "

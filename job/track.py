@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from job.cloud import filesystem
 from job.config import tracking_uri
 from job.errors import ConfigError
 
@@ -253,15 +254,32 @@ class Sender:
                 name = Path(rel).name
                 if name in held[folder]:
                     continue
-                local = self.run_dir.path(rel)
-                if not local.is_file():  # a run in a bucket, sent later from another machine
-                    data = self.run_dir.read(rel)
-                    if data is None:
-                        continue
-                    local = Path(tmp) / name
-                    local.write_bytes(data)
+                local = self.local_copy(rel, Path(tmp) / name)
+                if local is None:
+                    continue
                 c.log_artifact(self.run_id, str(local), folder or None)
                 held[folder].add(name)
+
+    def local_copy(self, rel: str, spare: Path) -> Path | None:
+        """A file of the run (or at a URL of its own: an export written elsewhere) on this machine's disk; None when
+        it is gone."""
+        if "://" in rel or os.path.isabs(rel):
+            if os.path.isfile(rel):
+                return Path(rel)
+            fs, path = filesystem(rel)
+            try:
+                spare.write_bytes(fs.cat_file(path))
+            except FileNotFoundError:
+                return None
+            return spare
+        local = self.run_dir.path(rel)
+        if local.is_file():
+            return local
+        data = self.run_dir.read(rel)  # a run in a bucket, sent later from another machine
+        if data is None:
+            return None
+        spare.write_bytes(data)
+        return spare
 
     def register(self, name: str, tags: dict[str, Any]) -> None:
         """The run's model as a new version of `name`, once."""
@@ -390,6 +408,29 @@ def one_line(e: BaseException) -> str:
         if sign in text:
             return f"the server: {said}"
     return text[:200]
+
+
+def run_of(model_url: str) -> RunDir | None:
+    """The tracked run of a model: its run folder, its model.pt, or one of its checkpoints; None if untracked."""
+    from job.storage import RunDir
+
+    url = model_url.rstrip("/")
+    for candidate in (url, url.rsplit("/", 1)[0], url.rsplit("/", 2)[0]):
+        run = RunDir(candidate)
+        if run.read(JOURNAL):
+            return run
+    return None
+
+
+def send_export(model_url: str, files: list[str]) -> tuple[str, bool]:
+    """`job export --track`: the export's files join the run's journal (artifact folder export/) and are sent with
+    whatever else the server lacks."""
+    run = run_of(model_url)
+    if run is None:
+        raise ConfigError(f"export --track: {model_url} is not of a run tracked in MLflow (no {JOURNAL} in its folder)")
+    journal = run.read(JOURNAL) or b""
+    run.send(JOURNAL, journal + (json.dumps({"files": [[f, "export"] for f in files]}) + "\n").encode())
+    return send_run(run)
 
 
 def send_run(run_dir: RunDir, uri: str | None = None) -> tuple[str, bool]:

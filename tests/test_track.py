@@ -201,3 +201,28 @@ def test_tracking_without_the_mlflow_client_is_one_line_and_exit_2(tmp_path):
     )
     assert r.returncode == 2 and "pip install mlflow-skinny" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_an_export_with_track_joins_the_runs_mlflow_run(server, tmp_path, image_folder):
+    out = tmp_path / "P"
+    photos = sets("data.kind=folder", f"data.path={image_folder}", "data.val_split=0.25", "data.image_size=32")
+    photos += sets("train.epochs=1")
+    r = run_job(
+        "train",
+        "--device",
+        "cpu",
+        "--config",
+        "cifar10",
+        *photos,
+        *sets(f"track.mlflow={server}"),
+        *sets("track.experiment=tests"),
+        "--output",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    e = run_job("export", "--model", str(out), "--format", "onnx", "--track")
+    assert e.returncode == 0, e.stderr[-2000:]
+    (run,) = runs_named(server, "P")
+    assert {"export/model.onnx", "export/model.onnx.check.json"} <= set(artifacts(server, run.info.run_id))
+    again = run_job("export", "--model", str(out), "--format", "onnx", "--track")
+    assert again.returncode == 0 and "tracking: 0 points sent" in again.stderr, again.stderr
