@@ -348,6 +348,7 @@ class Tracker:
             self.problem, self.failures = "", 0
         except Exception as e:  # whatever the server or the network says: the lines wait for the next try
             self.problem, self.failures = one_line(e), self.failures + 1
+            self.sender.params = None  # a request may have reached it with its answer lost: ask it again what it holds
             return False
         finally:
             if kept is None and self.sender.run_id is not None:  # kept in the run: the next attempt continues it

@@ -226,3 +226,25 @@ def test_an_export_with_track_joins_the_runs_mlflow_run(server, tmp_path, image_
     assert {"export/model.onnx", "export/model.onnx.check.json"} <= set(artifacts(server, run.info.run_id))
     again = run_job("export", "--model", str(out), "--format", "onnx", "--track")
     assert again.returncode == 0 and "tracking: 0 points sent" in again.stderr, again.stderr
+
+
+def test_a_server_that_fails_and_goes_away_mid_run_loses_no_point_and_sends_none_twice(server, uninterrupted, tmp_path):
+    """Through a proxy that fails a third of the requests (503, connection reset, delay) and goes down for good once
+    the first val accuracy reached the server: the run finishes (exit 0), and `job track` later completes the same
+    histories as the uninterrupted run's."""
+    from faultproxy import FaultProxy
+
+    out = tmp_path / "F"
+    with FaultProxy(server, fail_rate=0.33, seed=3, delay_s=0.2, down_after="val_accuracy") as proxy:
+        r = run_job(*JOB, *RUN, *sets(f"track.mlflow={proxy.url}"), "--output", str(out))
+        assert proxy.down, proxy.counts
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "not yet sent to MLflow" in r.stderr, r.stderr[-1000:]
+    sent = run_job("track", str(out), "--mlflow", server)
+    assert sent.returncode == 0, sent.stderr
+    (run,) = runs_named(server, "F")
+    h = histories(server, run.info.run_id)
+    assert computed(h) == computed(uninterrupted[1]["histories"])
+    assert {k: [s for s, _ in v] for k, v in h.items()} == {
+        k: [s for s, _ in v] for k, v in uninterrupted[1]["histories"].items()
+    }
