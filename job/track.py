@@ -87,6 +87,9 @@ def check_client(uri: str) -> None:
         raise ConfigError(
             f"tracking in MLflow ({uri}) needs its client: pip install mlflow-skinny (or mlflow for a sqlite:// URI)"
         )
+    database = uri.split(":", 1)[0] in ("sqlite", "postgresql", "mysql", "mssql")
+    if database and importlib.util.find_spec("alembic") is None:
+        raise ConfigError(f"tracking in a database ({uri}) needs the whole MLflow package: pip install mlflow")
 
 
 def metric_name(name: str) -> str:
