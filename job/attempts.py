@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import torch
 
-from job.cost import Budget, Price, in_budget_unit, price_of, spent_of, totals
+from job.cost import Budget, Price, in_budget_unit, parse_budget, price_of, spent_of, totals
 from job.env import cpus
 from job.errors import ConfigError
 from job.storage import PULSE, RunDir
@@ -254,8 +254,6 @@ def budget_spent(run_dir: RunDir, budget: Budget, price: Price, device: torch.de
 
 
 def _same_unit_at_most(budget: Budget, earlier: str) -> bool:
-    from job.cost import parse_budget
-
     try:
         before = parse_budget(earlier)
     except ValueError:

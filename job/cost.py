@@ -87,7 +87,8 @@ def describe(cost: dict[str, Any]) -> str:
     """'0.0123 device hours, $0.03 spent' for the end line."""
     hours = cost["device_hours"]
     said = f"{hours:.3g} device hours" if hours >= 0.001 else f"{format_duration(round(hours * 3600, 1))} device time"
-    return said + (f", ${cost['spent']:.2f} spent" if cost.get("spent") is not None else "")
+    spent = cost.get("spent")
+    return said + ("" if spent is None else f", ${spent:.2f} spent" if spent >= 1 else f", ${spent:.3g} spent")
 
 
 def in_budget_unit(amount: float, budget: Budget) -> str:
