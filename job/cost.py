@@ -85,11 +85,20 @@ def spent_of(cost: dict[str, Any], budget: Budget) -> float | None:
 
 def describe(cost: dict[str, Any]) -> str:
     """'0.0123 device hours, $0.03 spent' for the end line."""
-    hours = cost["device_hours"]
-    said = f"{hours:.3g} device hours" if hours >= 0.001 else f"{format_duration(round(hours * 3600, 1))} device time"
     spent = cost.get("spent")
-    return said + ("" if spent is None else f", ${spent:.2f} spent" if spent >= 1 else f", ${spent:.3g} spent")
+    return hours_text(cost["device_hours"]) + ("" if spent is None else f", {money_text(spent)} spent")
+
+
+def hours_text(hours: float) -> str:
+    """Device hours in words: '1.25 device hours', or under a minute's worth, '4.2s of device time'."""
+    return (
+        f"{hours:.3g} device hours" if hours >= 1 / 60 else f"{format_duration(round(hours * 3600, 1))} of device time"
+    )
+
+
+def money_text(amount: float) -> str:
+    return f"${amount:.2f}" if amount >= 1 else f"${amount:.3g}"
 
 
 def in_budget_unit(amount: float, budget: Budget) -> str:
-    return f"${amount:.2f}" if budget.money else f"{amount:.3g} device hours"
+    return money_text(amount) if budget.money else hours_text(amount)

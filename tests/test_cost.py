@@ -11,7 +11,7 @@ import time
 import pytest
 from conftest import assert_same_run, invoke, pointer, run_job, scalars, sets, start_job
 
-from job.cost import parse_budget, price_of, totals
+from job.cost import describe, parse_budget, price_of, totals
 
 ARGS = ["--device", "cpu", *sets("train.eval_every_epochs=1000", "train.log_every_steps=500")]
 PRICE = 2.5
@@ -75,8 +75,7 @@ def test_a_killed_attempts_lost_seconds_match_the_time_since_its_last_commit_mea
     assert finished["lost_s"] == 0 and finished["exit_code"] == 0  # its last commit is its end: nothing lost
     assert_cost_adds_up(doc, PRICE)
     assert doc["cost"]["projected"] == doc["cost"]["spent"]  # the run is done: what it will have cost is what it did
-    spent = f"{doc['cost']['device_hours']:.3g} device hours"
-    assert spent in done.stderr.splitlines()[-1], done.stderr[-500:]
+    assert f"; {describe(doc['cost'])}; outputs in" in done.stderr.splitlines()[-1], done.stderr[-500:]
     tb = dict(scalars(str(out), "cost/device_hours"))
     assert math.isclose(tb[last + 1000], doc["cost"]["device_hours"], rel_tol=1e-3)  # the same figure, at the end
     assert not (out / ".alive").exists()  # the sign of life goes with the attempt that ends
@@ -162,5 +161,7 @@ def test_prices_by_device_and_the_totals():
         "spent": None,
         "projected": None,
     }
+    assert describe({"device_hours": 2.5, "spent": 6.25}) == "2.5 device hours, $6.25 spent"
+    assert describe({"device_hours": 0.5 / 3600, "spent": None}) == "0.5s of device time"
     assert parse_budget("$12.50").amount == 12.5 and parse_budget("2h30m").amount == 2.5
     assert not parse_budget("90m").money and parse_budget(" $3 ").money
