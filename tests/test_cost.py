@@ -11,6 +11,7 @@ import time
 import pytest
 from conftest import assert_same_run, invoke, pointer, run_job, scalars, sets, start_job
 
+from job.attempts import iso
 from job.cost import describe, parse_budget, price_of, totals
 
 ARGS = ["--device", "cpu", *sets("train.eval_every_epochs=1000", "train.log_every_steps=500")]
@@ -79,6 +80,39 @@ def test_a_killed_attempts_lost_seconds_match_the_time_since_its_last_commit_mea
     tb = dict(scalars(str(out), "cost/device_hours"))
     assert math.isclose(tb[last + 1000], doc["cost"]["device_hours"], rel_tol=1e-3)  # the same figure, at the end
     assert not (out / ".alive").exists()  # the sign of life goes with the attempt that ends
+
+
+def test_an_attempt_killed_on_another_machine_is_bounded_by_the_heartbeat_of_the_lease_it_left(tmp_path):
+    """No sign of life here (the machine went away with it): the stale lease's last heartbeat bounds the stop."""
+    out, beat = tmp_path / "run", time.time() - 100
+    out.mkdir()
+    killed = {
+        "started": iso(beat - 17),
+        "ended": None,
+        "exit_code": None,
+        "host": "gone-7",
+        "pid": 4242,
+        "devices": [{"type": "cuda", "name": "NVIDIA H100 80GB HBM3"}],
+        "world_size": 2,
+        "from": {"epoch": 0, "step": 0},
+        "to": None,
+        "startup_s": 3.0,
+        "device_hours": 0.0,
+        "lost_s": None,
+        "committed": {"time": iso(beat - 7), "epoch": 3, "step": 30},
+    }
+    (out / "run.json").write_text(json.dumps({"attempts": [killed], "tracking": {"kept": True}}))
+    lease = {"host": "gone-7", "machine": "gone-7 pid:[1]", "pid": 4242, "pid_started": beat - 20, "every": 1.0}
+    (out / "lease.json").write_text(json.dumps({**lease, "heartbeat": beat, "started": iso(beat - 20), "token": "t"}))
+    prices = "train.price_per_device_hour={cpu: 0.5, H100: 3.0}"
+    done = run_job("train", *ARGS, *sets("train.epochs=1000", prices), "--output", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = run_json(out)
+    first, second = doc["attempts"]
+    assert first["last_seen"] == {"time": iso(beat), "by": "lease"} and first["lost_s"] == pytest.approx(7.0, abs=0.01)
+    assert first["device_hours"] == pytest.approx(2 * 20 / 3600, abs=1e-5)  # two devices, from its process's start
+    assert doc["cost"]["spent"] == pytest.approx(first["device_hours"] * 3.0 + second["device_hours"] * 0.5, rel=1e-3)
+    assert doc["tracking"] == {"kept": True}  # what else run.json holds is kept
 
 
 def test_a_budget_ends_the_run_at_a_checkpoint_and_a_larger_one_continues_it(tmp_path):
