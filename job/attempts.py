@@ -218,9 +218,9 @@ def history(run_dir: RunDir) -> list[dict[str, Any]]:
             continue
         mark = moment((a.get("committed") or {}).get("time") or a["started"])
         seen = [(mark, "run.json")]
-        if pulse.get("pid") == a.get("pid") and pulse.get("started") == a["started"] and pulse.get("host") == a["host"]:
+        if same_process(pulse, a) and pulse.get("started") == a["started"] and "alive" in pulse:
             seen.append((float(pulse["alive"]), "heartbeat"))
-        if left.get("pid") == a.get("pid") and left.get("host") == a.get("host") and "heartbeat" in left:
+        if same_process(left, a) and "heartbeat" in left:
             seen.append((float(left["heartbeat"]), "lease"))
         alive, by = max(seen)
         start = moment(a["started"]) - (a.get("startup_s") or 0.0)
@@ -228,6 +228,10 @@ def history(run_dir: RunDir) -> list[dict[str, Any]]:
         a["lost_s"] = round(max(0.0, alive - mark), 3)
         a["last_seen"] = {"time": iso(alive), "by": by}
     return attempts
+
+
+def same_process(record: dict[str, Any], attempt: dict[str, Any]) -> bool:
+    return record.get("pid") == attempt.get("pid") and record.get("host") == attempt.get("host")
 
 
 def budget_spent(run_dir: RunDir, budget: Budget, price: Price, device: torch.device) -> str:
