@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from job.cloud import describe_storage_error, filesystem
+from job.cost import parse_budget
 from job.duration import parse_duration
 from job.errors import ConfigError, StorageError
 
@@ -376,6 +377,20 @@ class TrainConfig(Section):
         description="Use deterministic algorithms (slower on a GPU); an operation that has none "
         "warns once and runs as it can.",
     )
+    price_per_device_hour: float | dict[str, float] | None = Field(
+        None,
+        description="What a device hour costs, for run.json's cost and the end line: a number, or a map from device "
+        "to price, keyed by the device's name as run.json records it, a part of it (H100, A100), or its type (cpu, "
+        "cuda); a device the map does not name leaves the cost unpriced. A CPU run counts a device per process.",
+    )
+    budget: str | None = Field(
+        None,
+        description="The most the run may spend, counted over all its attempts: device time (2h30m: device hours, so "
+        "two GPUs spend it in half the time) or money ($12.50, priced by train.price_per_device_hour). The run ends at "
+        "the first checkpoint after which training on to the next would pass it, estimated from the time the last "
+        "checkpoint interval took: the checkpoint is committed, exit 0; the same command with a larger budget "
+        "continues it.",
+    )
 
     @field_validator("channels_last", "step_capture", mode="before")
     @classmethod
@@ -396,6 +411,28 @@ class TrainConfig(Section):
     @classmethod
     def _cpu_threads(cls, v: Any) -> Any:
         return positive_int_or("auto", v)
+
+    @field_validator("price_per_device_hour", mode="before")
+    @classmethod
+    def _price(cls, v: Any) -> Any:
+        prices = v.items() if isinstance(v, dict) else [("", v)] if v is not None else []
+        for device, p in prices:
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < float("inf"):
+                of = f", got {p!r} for {device}" if device else ""  # a map is not shown: say which entry
+                raise ValueError(f"expected a price of 0 or more (a number, or a map from device to one){of}")
+        return v
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise ValueError("expected device time such as 2h30m, or money such as $12.50")
+        budget = parse_budget(str(v))
+        if budget.money and info.data.get("price_per_device_hour") is None:
+            raise ValueError("money needs a price: set train.price_per_device_hour, or give device time (2h30m)")
+        return budget.text
 
 
 class OutputConfig(Section):

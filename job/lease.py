@@ -131,6 +131,7 @@ class Lease:
             "token": uuid.uuid4().hex,
         }
         self.taken_from = ""  # the stale holder this lease replaced, in words
+        self.taken: dict = {}  # the stale lease this one replaced: its holder's last heartbeat bounds when it stopped
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -147,6 +148,7 @@ class Lease:
             if not why:
                 raise refusal(self.url, held, now)
             self.taken_from = f"host {held.get('host', '?')}, pid {held.get('pid', '?')}: {why}"  # said by the caller
+            self.taken = held
             self._call(remove, self.fs, self.path)
         self._call(create, self.fs, self.path, self._bytes())  # False: another run created it first
         self._refuse_if_other()

@@ -140,8 +140,17 @@ class Report:
         self.run.upload(METRICS, *([JOURNAL] if self.tracker is not None else []))
         self.run.upload_tree(TENSORBOARD)
 
-    def close(self, final: dict[str, float]) -> None:
-        """The hparams summary with the run's final metrics, curves.png, and a last upload."""
+    def cost(self, cost: dict[str, Any], step: int) -> None:
+        """What the run has cost so far (job/cost.py), as cost/device_hours and cost/spent (with a price)."""
+        known = {name: cost[name] for name in ("device_hours", "spent") if cost.get(name) is not None}
+        for name, value in known.items():
+            self.writer.add_scalar(f"cost/{name}", value, step)
+        if self.tracker is not None:
+            self.tracker.point(step, {f"system/cost_{name}": float(value) for name, value in known.items()})
+        self.flush()
+
+    def close(self, final: dict[str, float], cost: dict[str, Any] | None = None) -> None:
+        """The hparams summary with the run's final metrics, its cost, curves.png, and a last upload."""
         from torch.utils.tensorboard.summary import hparams
 
         metrics = {f"hparam/{k}": v for k, v in final.items()}
@@ -150,6 +159,8 @@ class Report:
         step = self.records[-1]["step"] if self.records else 0
         for tag, value in metrics.items():  # the HPARAMS tab reads its metric columns from these scalars
             self.writer.add_scalar(tag, value, step)
+        if cost is not None:
+            self.cost(cost, step)
         self.writer.close()
         self.run.write(CURVES, plot_curves(self.records))
         self.flush()
@@ -234,6 +245,9 @@ class FollowerReport:
         pass
 
     def flush(self) -> None:
+        pass
+
+    def cost(self, *args) -> None:
         pass
 
     def close(self, *args) -> None:

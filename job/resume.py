@@ -49,6 +49,8 @@ RESUME_SAFE = {
     "train.grace_seconds",
     "train.keep_best",
     "train.deterministic",  # cuDNN's choice of kernels, not the state
+    "train.price_per_device_hour",
+    "train.budget",
 }
 
 

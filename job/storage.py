@@ -23,6 +23,8 @@ from job.cloud import describe_storage_error, filesystem
 from job.errors import StorageError, one_line
 from job.sync import Uploader, write_atomic
 
+PULSE = ".alive"  # the writing process's sign of life (job/attempts.py): kept in staging for the next attempt here
+
 
 def cache_dir(*parts: str) -> Path:
     """The job's local cache (remote inputs, staging of remote runs): $JOB_CACHE_DIR, else ~/.cache/job."""
@@ -140,7 +142,7 @@ class RunDir:
 
     def clear_staging(self) -> None:
         for entry in self.local.iterdir() if self.remote and self.local.is_dir() else []:
-            if entry.name != ".lock":
+            if entry.name not in (".lock", PULSE):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
     def write(self, rel: str, data: bytes) -> None:

@@ -92,6 +92,12 @@ def check_client(uri: str) -> None:
         raise ConfigError(f"tracking in a database ({uri}) needs the whole MLflow package: pip install mlflow")
 
 
+def ending(exit_code: int, short: bool = False) -> str:
+    """The MLflow status of a run whose attempt ended with `exit_code`: SCHEDULED while it waits to be continued
+    (stopped by a signal, a time limit, or `short` of its end by its budget)."""
+    return "SCHEDULED" if short else ENDINGS.get(exit_code, "FAILED")
+
+
 def metric_name(name: str) -> str:
     """A name MLflow accepts (letters, digits, _ - . / and spaces); a class named otherwise keeps its place."""
     return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in name)
@@ -361,19 +367,20 @@ class Tracker:
     def unsent(self) -> list[dict[str, Any]]:
         return [e for e in self.journal.since(self.at) if carries(e)]
 
-    def end(self, exit_code: int, cfg: Config | None = None, metrics: dict[str, Any] | None = None) -> str:
-        """The attempt ended with `exit_code`; a finished run's files (and its model version, as `cfg` asks, tagged
-        with `metrics`) and the status are sent, waited for while the server takes them (not at all when it is
-        down); one line saying where it went or what still waits."""
-        if exit_code == 0 and cfg is not None:
+    def end(self, status: str, cfg: Config | None = None, metrics: dict[str, Any] | None = None) -> str:
+        """The attempt ended (`status`, as ending() names it); a finished run's files (and its model version, as `cfg`
+        asks, tagged with `metrics`) and the status are sent, waited for while the server takes them (not at all when
+        it is down); one line saying where it went or what still waits."""
+        finished = status == "FINISHED"
+        if finished and cfg is not None:
             self.add({"files": run_files(self.run_dir, cfg.track.log_model)})
             if cfg.track.register and cfg.track.log_model:
                 self.add({"register": cfg.track.register, "version_tags": metrics or {}})
-        self.add({"status": ENDINGS.get(exit_code, "FAILED")})
+        self.add({"status": status})
         self.run_dir.upload(JOURNAL)
         self.quit = True
         self.wake.set()
-        self.thread.join(timeout=END_WAIT_S if exit_code == 0 else STOP_WAIT_S)
+        self.thread.join(timeout=END_WAIT_S if finished else STOP_WAIT_S)
         return self.describe_end()
 
     def describe_end(self) -> str:

@@ -17,10 +17,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from job import bundle, checkpoint, diagnostics, distributed, recipe, scores, track
-from job.attempts import Attempt
+from job.attempts import Attempt, budget_spent
 from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
 from job.console import say
+from job.cost import Budget, parse_budget
+from job.cost import describe as describe_cost
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Interrupted, StorageError, exit_code
@@ -56,6 +58,8 @@ class Loop:
     t_eval: float  # when the last evaluation ended: throughput is measured from there
     attempt: Attempt  # this invocation's entry in run.json
     chooser: Chooser  # the best evaluation and its weights
+    budget: Budget | None = None  # train.budget, read
+    over_budget: str = ""  # why the run stops at the checkpoint just committed, to keep within train.budget
 
 
 def run(
@@ -124,6 +128,11 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     resumption = decide(run_dir, req, cfg)
     if resumption.finished:
         return resumption.complete(cfg)
+    budget = parse_budget(cfg.train.budget) if cfg.train.budget else None
+    if budget is not None and (
+        spent := shared(lambda: budget_spent(run_dir, budget, cfg.train.price_per_device_hour, device))
+    ):
+        return nothing_left(run_dir, spent)
     found, started = resumption.found, resumption.started
     if started is None:  # the weights are at hand before the data is read: a failed download takes seconds to find
         weights_at_hand(cfg.model, cache_dir("weights"))
@@ -161,8 +170,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     if step.accumulator is not None and found is not None:
         step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)
     clock, now = TrainClock(device), time.perf_counter()
-    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser)
-    attempt.begin(state, distributed.world(), device)
+    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser, budget)
+    attempt.begin(state, distributed.world(), device, cfg.train.price_per_device_hour, cfg.train.epochs * len(r.train))
     if report.tracker is not None:
         decided = {"device": describe_device(device), "world_size": distributed.world(), "step": step.description}
         decided |= {"data": data.describe(), "feed": r.feed.describe(), "parameters": params}
@@ -188,6 +197,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
                 f"stopped by {stop.describe()} {position(state)}; "
                 f"checkpoint committed to {run_dir.url}: run the same command again to continue"
             )
+        if loop.over_budget and not last:
+            return end_by_budget(loop)
     if req.overwrite and req.resume != "auto" and not loop.report.records:  # a finished checkpoint, folder cleared
         test_and_report(loop)
     stop.finishing()
@@ -237,11 +248,18 @@ def save(loop: Loop) -> None:
     sums = distributed.gather(loop.log.sums).tolist()  # one row per process
     places = distributed.gather_objects(loop.r.train.position()) if loop.state.epoch_step else None
     rngs = distributed.gather_objects(checkpoint.rng_state()) if distributed.world() > 1 else []
-    distributed.on_writer(lambda: commit(loop, sums, places, rngs))
+    loop.over_budget = shared(lambda: commit(loop, sums, places, rngs))
 
 
-def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None, rngs: list | None = None) -> None:
-    """Rank 0 commits the checkpoint: `rngs`, every process's RNG state in a group (kept by rank)."""
+def shared(decide) -> str:
+    """Rank 0's answer (a line; empty: none), which every process of a group takes."""
+    said = distributed.on_writer(decide, lambda line: ({"line": line}, b""))
+    return said[0]["line"] if isinstance(said, tuple) else said
+
+
+def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None, rngs: list | None = None) -> str:
+    """Rank 0 commits the checkpoint: `rngs`, every process's RNG state in a group (kept by rank). Returns why the
+    run stops here to keep within its budget (empty: it goes on)."""
     cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
     for window in loop.log.ready(wait=True):
         report.loss(*window)
@@ -271,6 +289,8 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
         chosen=(state.best_epoch, is_best(state)),
     )
     loop.run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
+    loop.attempt.committed(state.epoch, state.step)
+    return loop.attempt.over(loop.budget) if loop.budget is not None else ""
 
 
 def model_json(loop: Loop, metrics: dict) -> dict:
@@ -282,8 +302,8 @@ def write_results(loop: Loop, final: dict) -> None:
     loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.model))
     described = json.dumps(model_json(loop, final), indent=1, ensure_ascii=False)
     loop.run_dir.write(bundle.MODEL_JSON, described.encode())
-    loop.report.close(final)
-    loop.attempt.end(0, final)
+    loop.report.close(final, loop.attempt.settle())
+    loop.attempt.end(0, metrics=final)
 
 
 def test_and_report(loop: Loop) -> str:
@@ -385,6 +405,7 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     if run_dir.remote:
         say(f"uploading the run's last files to {run_dir.url}")
     run_dir.finish()
+    cost = loop.attempt.cost()
     summary = {
         **final,
         "best_epoch": state.best_epoch,
@@ -396,6 +417,7 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         "epochs_run": state.epoch - first_epoch,
         "output": run_dir.url,
         "attempt": loop.attempt.number,
+        "cost": cost,
     } | ({"stopped_early": state.stopped_early} if state.stopped_early else {})
     if stop.signal or stop.received:  # it came during the last step or while the results were written
         reason = stop.describe(stop.signal or stop.received)
@@ -404,6 +426,34 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         say(line)  # before the last line, which says where the outputs are
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; {outcome(on, final, state)}; "
-        f"outputs in {run_dir.url}" + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
+        f"{describe_cost(cost)}; outputs in {run_dir.url}"
+        + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
     )
     return summary
+
+
+def end_by_budget(loop: Loop) -> dict:
+    """The checkpoint just committed is the last within train.budget: the run ends there (exit 0), and the same
+    command with a larger budget continues it."""
+    run_dir, state, where = loop.run_dir, loop.state, position(loop.state)
+    note = f"stopped {where} by {loop.over_budget}; a larger train.budget continues it"
+    summary = {"stopped": "budget", "epochs": state.epoch, "steps": state.step, "output": run_dir.url}
+    if not distributed.is_writer():
+        return summary
+    cost = loop.attempt.settle()
+    loop.report.cost(cost, state.step)
+    loop.attempt.end(0, loop.budget, note)
+    run_dir.finish()
+    say(
+        f"stopped by the budget {where}: {loop.over_budget}; {describe_cost(cost)}; checkpoint committed to "
+        f"{run_dir.url}: the same command with a larger train.budget continues it"
+    )
+    return summary | {"attempt": loop.attempt.number, "cost": cost}
+
+
+def nothing_left(run_dir: RunDir, spent: str) -> dict:
+    """The run has spent its budget: it is left exactly as it is, and the command says so."""
+    if distributed.is_writer():
+        run_dir.finish()  # nothing was queued: this only stops the uploader and lets the folder go
+    say(spent)
+    return {"stopped": "budget", "epochs_run": 0, "output": run_dir.url}
