@@ -228,23 +228,42 @@ def test_an_export_with_track_joins_the_runs_mlflow_run(server, tmp_path, image_
     assert again.returncode == 0 and "tracking: 0 points sent" in again.stderr, again.stderr
 
 
-def test_a_server_that_fails_and_goes_away_mid_run_loses_no_point_and_sends_none_twice(server, uninterrupted, tmp_path):
-    """Through a proxy that fails a third of the requests (503, connection reset, delay) and goes down for good once
-    the first val accuracy reached the server: the run finishes (exit 0), and `job track` later completes the same
-    histories as the uninterrupted run's."""
+def same_histories(server: str, name: str, uninterrupted: dict) -> None:
+    (run,) = runs_named(server, name)
+    h, a = histories(server, run.info.run_id), uninterrupted[1]["histories"]
+    assert computed(h) == computed(a)
+    assert {k: [s for s, _ in v] for k, v in h.items()} == {k: [s for s, _ in v] for k, v in a.items()}
+
+
+def test_a_server_that_answers_errors_loses_no_point_and_gets_none_twice(server, uninterrupted, tmp_path):
+    """Through a proxy that fails a third of the requests (503, connection reset, delay): the run finishes (exit 0),
+    and what it could not send `job track` sends, to the same histories as the uninterrupted run's."""
+    from faultproxy import FaultProxy
+
+    out = tmp_path / "E"
+    with FaultProxy(server, fail_rate=0.33, seed=3, delay_s=0.2) as proxy:
+        r = run_job(*JOB, *RUN, *sets(f"track.mlflow={proxy.url}"), "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert proxy.counts["requests"] > 0, proxy.counts
+    sent = run_job("track", str(out), "--mlflow", server)
+    assert sent.returncode == 0, sent.stderr
+    same_histories(server, "E", uninterrupted)
+
+
+def test_a_server_gone_mid_run_costs_the_run_nothing_and_job_track_sends_the_rest(server, uninterrupted, tmp_path):
+    """The server goes away while the first val accuracy is on its way to it: the run finishes (exit 0) and says
+    what waits; `job track` sends it."""
     from faultproxy import FaultProxy
 
     out = tmp_path / "F"
-    with FaultProxy(server, fail_rate=0.33, seed=3, delay_s=0.2, down_after="val_accuracy") as proxy:
-        r = run_job(*JOB, *RUN, *sets(f"track.mlflow={proxy.url}"), "--output", str(out))
-        assert proxy.down, proxy.counts
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "not yet sent to MLflow" in r.stderr, r.stderr[-1000:]
+    with FaultProxy(server, kinds=("reset",), hold="val_accuracy") as proxy:
+        proc = start_job(*JOB, *RUN, *sets(f"track.mlflow={proxy.url}"), "--output", str(out))
+        assert proxy.held.wait(300), "the first evaluation never went to the server"
+        proxy.down = True  # the request in flight and every later one: the connection reset
+        proxy.release.set()
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "not yet sent to MLflow" in stderr and "python -m job track" in stderr, stderr[-1000:]
     sent = run_job("track", str(out), "--mlflow", server)
     assert sent.returncode == 0, sent.stderr
-    (run,) = runs_named(server, "F")
-    h = histories(server, run.info.run_id)
-    assert computed(h) == computed(uninterrupted[1]["histories"])
-    assert {k: [s for s, _ in v] for k, v in h.items()} == {
-        k: [s for s, _ in v] for k, v in uninterrupted[1]["histories"].items()
-    }
+    same_histories(server, "F", uninterrupted)
