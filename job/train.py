@@ -173,7 +173,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser, budget)
     attempt.begin(state, distributed.world(), device, cfg.train.price_per_device_hour, cfg.train.epochs * len(r.train))
     if report.tracker is not None:
-        decided = {"device": describe_device(device), "world_size": distributed.world(), "step": step.description}
+        decided = {"device": describe_device(device), "world_size": distributed.world(), "precision": r.precision}
+        decided |= {"step": step.description}
         decided |= {"data": data.describe(), "feed": r.feed.describe(), "parameters": params}
         attempt.track(report.tracker, cfg, flat_items(cfg) | {f"decided.{k}": v for k, v in decided.items()})
         say(f"tracking: {where.describe()}")

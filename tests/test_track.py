@@ -267,3 +267,16 @@ def test_a_server_gone_mid_run_costs_the_run_nothing_and_job_track_sends_the_res
     sent = run_job("track", str(out), "--mlflow", server)
     assert sent.returncode == 0, sent.stderr
     same_histories(server, "F", uninterrupted)
+
+
+def test_a_run_in_a_bucket_with_the_server_down_is_sent_later_from_the_bucket(server, uninterrupted, bucket):
+    """The journal and the files are read back from gs:// (the staging copy is gone once the run ends)."""
+    url, down = bucket.url("runs/D"), f"http://127.0.0.1:{free_port()}"
+    r = run_job(*JOB, *RUN, *sets(f"track.mlflow={down}"), "--output", url)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "track.jsonl" in bucket.names("runs/D")
+    sent = run_job("track", url, "--mlflow", server)
+    assert sent.returncode == 0, sent.stderr
+    same_histories(server, "D", uninterrupted)
+    (run,) = runs_named(server, "D")
+    assert run.data.tags["job.run"] == url and "model/model.pt" in artifacts(server, run.info.run_id)
