@@ -58,16 +58,21 @@ class Target:
 def target(cfg: Config, url: str, fresh: bool = False) -> Target | None:
     """The tracking a config asks for (track.mlflow, else the environment's MLFLOW_TRACKING_URI), or None; a
     ConfigError when its URI is malformed or the MLflow client is not installed."""
-    uri = cfg.track.mlflow or os.environ.get("MLFLOW_TRACKING_URI", "")
+    uri = cfg.track.mlflow or environment_uri()  # track.mlflow was read when the config was
     if not uri:
         return None
-    try:
-        tracking_uri(uri)
-    except ValueError as e:
-        raise ConfigError(f"MLFLOW_TRACKING_URI: {e}") from None
     check_client(uri)
     run_url = run_identity(url)
     return Target(uri, cfg.track.experiment or cfg.name, run_url.rsplit("/", 1)[-1] or cfg.name, run_url, fresh)
+
+
+def environment_uri() -> str:
+    """MLFLOW_TRACKING_URI, read as track.mlflow is; '' when unset."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    try:
+        return tracking_uri(uri) if uri else ""
+    except ValueError as e:
+        raise ConfigError(f"MLFLOW_TRACKING_URI: {e}") from None
 
 
 def run_identity(url: str) -> str:
