@@ -49,8 +49,9 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(130) from None
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def train(
+    ctx: typer.Context,
     config: str = typer.Option("iris", "--config", "-c", help=CONFIG_HELP),
     output: str = typer.Option(
         "", "--output", "-o", help="Run folder URL; default output.dir, else $AIP_CHECKPOINT_DIR, else ./runs/<name>."
@@ -87,10 +88,14 @@ def train(
         None, "--master-port", help="With --nnodes: a free port on the first machine, the same on all (default 29500)."
     ),
 ) -> None:
-    """Train a model as the config says; continue the run when the output folder holds one."""
+    """Train a model as the config says; continue the run when the output folder holds one.
+
+    Vertex AI tuning's appended --<parameterId>=<value> (or --<parameterId> <value>) sets that config key after --set:
+    --optim.lr=0.05, --optim__lr 0.05."""
     from job.stop import StopRequest
 
     with user_errors():
+        overrides = [*overrides, *tuning_overrides(ctx)]
         from job.env import torchvision_problem
         from job.launch import end_with_launcher, launch_plan
 
@@ -126,6 +131,35 @@ def train(
             places = "".join(f", {k} to {v}" for k, v in routes.items())
             say(f"Vertex AI (AIP_* variables): the run goes to {target}{places}")
         run(cfg, target, device, resume, overwrite, stop, routes)
+
+
+def tuning_overrides(ctx: typer.Context) -> list[str]:
+    """The extra arguments Vertex AI appends to a tuning trial's command, --<parameterId>=<value> or --<parameterId>
+    <value>, as key=value overrides: an id with a dot or a double underscore (written for a dot) names a config key.
+    Any other extra argument is refused as the command line refuses it."""
+    import difflib
+
+    from job.config import check_setting
+
+    args, out = list(ctx.args), []
+    while args:
+        arg = args.pop(0)
+        name, sep, value = arg.partition("=")
+        key = name[2:].replace("__", ".")
+        if not arg.startswith("--") or "." not in key:
+            # in the parser's own words, as before extra arguments were let through
+            if not arg.startswith("-"):
+                ctx.fail(f"Got unexpected extra argument(s) ({' '.join([arg, *args])})")
+            options = [opt for param in ctx.command.params for opt in param.opts if opt.startswith("--")]
+            close = sorted(difflib.get_close_matches(name, options))
+            ctx.fail(f"No such option: {name}" + (f" (Possible options: {', '.join(close)})" if close else ""))
+        if not sep:
+            if not args or args[0].startswith("--"):
+                raise ConfigError(f"{name}: expected a value ({name}=VALUE or {name} VALUE)")
+            value = args.pop(0)
+        check_setting(key, arg if sep else f"{name} {value}")
+        out.append(f"{key}={value}")
+    return out
 
 
 def run_url(cfg: Config, output: str) -> tuple[str, dict[str, str]]:

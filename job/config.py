@@ -9,7 +9,7 @@ import difflib
 import threading
 import warnings
 from importlib import resources
-from typing import Any, Literal, get_args
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -476,6 +476,12 @@ class TrackConfig(Section):
         description="Register the chosen model as a new version of this name in the MLflow Model Registry, tagged "
         "with its val metrics.",
     )
+    hp_metric_tag: str = Field(
+        "val_accuracy",
+        description="Under Vertex AI hyperparameter tuning (CLOUD_ML_TRIAL_ID or CLOUD_ML_HP_METRIC_FILE set): the "
+        "metrics.jsonl key reported at each evaluation, in cloudml-hypertune's format, to $CLOUD_ML_HP_METRIC_FILE "
+        "(default /tmp/hypertune/output.metrics); the study's metricId.",
+    )
 
     @field_validator("mlflow")
     @classmethod
@@ -611,6 +617,41 @@ def _is_field(loc: list[str]) -> bool:
             return False
         model = model.model_fields[part].annotation
     return True
+
+
+def check_setting(key: str, given: str) -> None:
+    """Refuse a dotted key that names no setting, naming the closest ones; `given`: how the user wrote it."""
+    if names_setting(key):
+        return
+    keys = setting_keys()
+    if close := difflib.get_close_matches(key, keys, n=3, cutoff=0.5):
+        hint = f"closest: {', '.join(close)}"
+    else:
+        sections = dict.fromkeys(k.split(".")[0] for k in keys if "." in k)
+        hint = f"none close to it; keys are section.key, of the sections {', '.join(sections)}"
+    raise ConfigError(f"{given}: names no config key ({hint})")
+
+
+def names_setting(key: str) -> bool:
+    """Whether a dotted key names a setting, or a key inside a mapping setting (model.kwargs.NAME)."""
+    model: Any = Config
+    for part in key.split("."):
+        if get_origin(model) is dict:
+            return True
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return False
+        model = model.model_fields[part].annotation
+    return not (isinstance(model, type) and issubclass(model, BaseModel))
+
+
+def setting_keys(section: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """Every setting's key, as section.key, in the config's order."""
+    keys = []
+    for name, field in (section or Config).model_fields.items():
+        kind = field.annotation
+        is_section = isinstance(kind, type) and issubclass(kind, BaseModel)
+        keys += setting_keys(kind, f"{prefix}{name}.") if is_section else [prefix + name]
+    return keys
 
 
 def to_yaml(cfg: Config) -> str:

@@ -12,6 +12,7 @@ from job.console import say
 from job.track import JOURNAL, evaluation_points, metric_name, test_points
 
 if TYPE_CHECKING:
+    from job.hypertune import MetricFile
     from job.storage import RunDir
     from job.track import Tracker
 
@@ -32,11 +33,13 @@ class Report:
         steps_per_epoch: int,
         start_step: int,
         tracker: Tracker | None = None,
+        hypertune: MetricFile | None = None,
     ):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run, self.hparams, self.epochs, self.steps_per_epoch = run, hparams, epochs, steps_per_epoch
         self.tracker = tracker  # the MLflow sink (job/track.py), given the same values
+        self.hypertune = hypertune  # a Vertex AI tuning trial's metric file (job/hypertune.py), the same again
         # purge_step makes TensorBoard drop what an interrupted attempt logged after the checkpoint resumed from.
         self.writer = SummaryWriter(str(run.path(TENSORBOARD)), purge_step=start_step or None)
         self.records = read_records(run, start_step)
@@ -88,6 +91,8 @@ class Report:
         self.append(record)
         if self.tracker is not None:
             self.tracker.point(step, evaluation_points(record))
+        if self.hypertune is not None:
+            self.hypertune.report(record)
         say(
             f"epoch {record['epoch']}/{self.epochs}  step {step}  train_loss {record['train_loss']:.4f}  "
             f"{on}_loss {record[f'{on}_loss']:.4f}  {on}_accuracy {record[f'{on}_accuracy']:.4f}  "
@@ -103,6 +108,8 @@ class Report:
         self.append(record)
         if self.tracker is not None:
             self.tracker.point(step, test_points(record))
+        if self.hypertune is not None:  # the chosen model's value, which the trial's result should be
+            self.hypertune.report(record)
         final = record.get("final_test_accuracy")
         also = f"; the final model's {final:.4f}" if final is not None else ""
         say(

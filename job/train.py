@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from job import bundle, checkpoint, diagnostics, distributed, recipe, scores, track
+from job import bundle, checkpoint, diagnostics, distributed, hypertune, recipe, scores, track
 from job.attempts import Attempt, budget_spent
 from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
@@ -141,6 +141,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     check_split(started, data.inventory)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
+    tuning = hypertune.trial(cfg.track.hp_metric_tag, evaluation_fields(r))  # every rank refuses a bad tag alike
     resumption.begin(cfg)
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
@@ -165,7 +166,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
             run_dir.write("data.json", json.dumps(data.inventory.to_json(), indent=1, ensure_ascii=False).encode())
         tracker = track.Tracker(where, run_dir, state.step if found else -1) if where is not None else None
         start = state.step + 1 if found else 0
-        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), start, tracker)
+        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), start, tracker, tuning)
     step = make_step(cfg, r, log, step_flops)
     if step.accumulator is not None and found is not None:
         step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)
@@ -339,6 +340,12 @@ def test_and_report(loop: Loop) -> str:
         say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
     loop.t_eval = now
     return reason
+
+
+def evaluation_fields(r: Recipe) -> list[str]:
+    """The metrics each evaluation's record holds (test_and_report), known before the first one."""
+    blank = Scored(0.0, 0.0, 0.0, torch.zeros(len(r.classes), len(r.classes)), [])
+    return ["train_loss", *blank.record(r.evaluated_on), "samples_per_s", "wall_s"]
 
 
 def show(loop: Loop, split: str, confusion: torch.Tensor) -> None:
