@@ -231,8 +231,8 @@ class Sender:
                 for key, value in entry.get("m", {}).items():
                     if step > self.reached.get(key, -1):
                         batch.append(Metric(key, value, t, step))
-                if len(batch) >= BATCH_METRICS - 50:
-                    flush()
+                        if len(batch) == BATCH_METRICS:
+                            flush()
                 continue
             flush()
             if "params" in entry:
