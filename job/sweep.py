@@ -97,7 +97,7 @@ def read_space(url: str, trials: int | None, cfg: Config, config: str, overrides
             try:
                 load_config(config, [*overrides, setting(key, value)])
             except ConfigError as e:
-                raise ConfigError(f"space {key}: {e}") from None
+                raise ConfigError(f"space: {e}") from None
     n = trials if trials is not None else raw.get("trials", 10)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ConfigError(f"trials: expected a whole number > 0, got {n!r}")
@@ -185,21 +185,30 @@ def network_filesystem(path: str) -> str:
 
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """The study's storage with heartbeats: a trial whose worker went silent is failed and retried (same params)."""
+    import importlib.util
+
     import optuna
 
     kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+    engine = url
+    if url.startswith("postgresql://") and not importlib.util.find_spec("psycopg"):  # SQLAlchemy 2.1's default
+        engine = url.replace("postgresql://", "postgresql+psycopg2://", 1)
     if url.startswith("sqlite"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return optuna.storages.RDBStorage(
-            url,
-            engine_kwargs=kwargs,
-            heartbeat_interval=HEARTBEAT_S,
-            grace_period=GRACE_S,
-            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None),
-        )
-    except Exception as e:  # sqlalchemy's and the drivers' errors
-        raise StorageError(f"--study {masked(url)}: cannot open the study's storage: {one_line(e)}") from None
+    failed: Exception | None = None
+    for _ in range(3):  # workers starting together on a fresh database race to create its tables: the loser retries
+        try:
+            return optuna.storages.RDBStorage(
+                engine,
+                engine_kwargs=kwargs,
+                heartbeat_interval=HEARTBEAT_S,
+                grace_period=GRACE_S,
+                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None),
+            )
+        except Exception as e:  # sqlalchemy's and the drivers' errors
+            failed = e
+            time.sleep(1.0)
+    raise StorageError(f"--study {masked(url)}: cannot open the study's storage: {one_line(failed)}")
 
 
 def masked(url: str) -> str:
