@@ -229,9 +229,14 @@ def original_index(trials: list, number: int) -> int:
 
 
 def make_sampler(space: Space):
-    """A sampler made afresh for each trial with seed + its place among the originals: a restarted worker draws what
-    one never stopped would, and two workers never draw alike for their different trials."""
+    """A sampler made afresh for each trial, seeded by the space's seed and the trial's place among the originals: a
+    restarted worker draws what one never stopped would, and two workers never draw alike for their different
+    trials."""
+    import numpy
     import optuna
+
+    if space.sampler == "grid":  # its points are shuffled by its seed once and taken in trial order: one sampler
+        return optuna.samplers.GridSampler(dict(space.params), seed=space.seed)
 
     class PlaceSeeded(optuna.samplers.BaseSampler):
         def __init__(self) -> None:
@@ -239,7 +244,9 @@ def make_sampler(space: Space):
 
         def of(self, study, trial) -> optuna.samplers.BaseSampler:
             if trial.number not in self.by_trial:
-                seed = space.seed + original_index(study.get_trials(deepcopy=False), trial.number)
+                place = original_index(study.get_trials(deepcopy=False), trial.number)
+                # Mixed, not added: generators seeded 0, 1, 2, ... draw alike first values (Mersenne Twister).
+                seed = int(numpy.random.SeedSequence([space.seed, place]).generate_state(1)[0])
                 self.by_trial = {trial.number: inner(seed)}  # one trial at a time per worker
             return self.by_trial[trial.number]
 
@@ -259,8 +266,6 @@ def make_sampler(space: Space):
             self.of(study, trial).after_trial(study, trial, state, values)
 
     def inner(seed: int) -> optuna.samplers.BaseSampler:
-        if space.sampler == "grid":
-            return optuna.samplers.GridSampler(dict(space.params), seed=seed)
         if space.sampler == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         return optuna.samplers.TPESampler(seed=seed)
@@ -347,6 +352,8 @@ class Worker:
             if not watch.pruned:
                 raise
         watch.close()
+        if watch.records:
+            trial.set_user_attr("epochs", watch.records[-1].get("epoch"))
         if watch.pruned:
             note(run, watch.pruned)
             say(f"trial {n}: {watch.pruned}")
@@ -354,9 +361,7 @@ class Worker:
         values = [r[self.space.metric] for r in watch.records if self.space.metric in r]
         if not values:
             raise ConfigError(f"trial {n}: the run wrote no {self.space.metric} (see {run}/metrics.jsonl)")
-        best = max(values) if self.space.direction == "maximize" else min(values)
-        trial.set_user_attr("epochs", watch.records[-1].get("epoch"))
-        return best
+        return max(values) if self.space.direction == "maximize" else min(values)
 
     def run_here(self, run: str, n: int, params: dict[str, Any], watch: Watch) -> None:
         """The trial in this process: no start-up cost per trial; SIGTERM stops it at a committed checkpoint."""
@@ -640,6 +645,7 @@ def picture(rows: list[dict[str, Any]], space: Space) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.ticker
     from matplotlib import pyplot as plt
 
     done = [r for r in rows if r[space.metric] is not None]
@@ -651,7 +657,9 @@ def picture(rows: list[dict[str, Any]], space: Space) -> bytes:
             ax.set_xticks(range(len(names)), names)
         else:
             ax.scatter([r[key] for r in done], [r[space.metric] for r in done])
-            ax.set_xscale("log" if p.log else "linear")
+            if p.log:
+                ax.set_xscale("log")
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labels that overlap
         ax.set_xlabel(key)
         ax.set_ylabel(space.metric)
     fig.tight_layout()
