@@ -476,6 +476,9 @@ class TrackConfig(Section):
         description="Register the chosen model as a new version of this name in the MLflow Model Registry, tagged "
         "with its val metrics.",
     )
+    parent_run_id: str = Field(
+        "", description="Make the run's MLflow run a child of this MLflow run (a sweep sets it: its study's run)."
+    )
 
     @field_validator("mlflow")
     @classmethod

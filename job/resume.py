@@ -37,6 +37,7 @@ RESUME_SAFE = {
     "track.experiment",
     "track.log_model",
     "track.register",
+    "track.parent_run_id",
     "train.eval_every_epochs",
     "train.checkpoint_every_epochs",
     "train.keep_last",

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 HEARTBEAT_S = 2  # a running trial's sign of life in the study
 GRACE_S = 10  # a trial silent this long was lost with its worker: the next worker takes it over
+MLFLOW_RUN = "mlflow_run_id"  # study user attr: the study's MLflow run, the trials' runs its children
 EXTRA = "extra"  # user attr: a trial begun by two workers for the study's last slot, ended unrun
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("none", "median", "hyperband")
@@ -312,6 +313,7 @@ class Worker:
     nproc: int
     study: Any = None
     lost: int | None = None  # the trial id this worker's last trial had
+    parent_run_id: str = ""  # the study's MLflow run, each trial's run a child of it
 
     def trial_overrides(self, n: int, params: dict[str, Any]) -> list[str]:
         """The trial's settings over the config: --set, a checkpoint at every evaluation (so a preempted trial loses
@@ -322,7 +324,8 @@ class Worker:
             if t.checkpoint_every_epochs > t.eval_every_epochs
             else []
         )
-        return [*self.overrides, f"name={self.cfg.name}-trial-{n}", *every, *(setting(k, v) for k, v in params.items())]
+        parent = [f"track.parent_run_id={self.parent_run_id}"] if self.parent_run_id else []
+        return [*self.overrides, *every, *parent, *(setting(k, v) for k, v in params.items())]
 
     def objective(self, trial: optuna.trial.Trial) -> float:
         import optuna
@@ -485,6 +488,7 @@ def sweep(
     except Exception as e:
         raise StorageError(f"--study {masked(url)}: cannot open study {space.name}: {one_line(e)}") from None
     worker = Worker(space, cfg, config, overrides, output, device, nproc, study_)
+    worker.parent_run_id = parent_run(worker)
     say(
         f"sweep {space.name}: {space.trials} trials of {', '.join(space.params)}, {space.direction} {space.metric}; "
         f"study {masked(url)}"
@@ -506,7 +510,9 @@ def sweep(
             run_one(worker)
         else:  # another worker runs the last trials; one of them may yet be lost
             time.sleep(HEARTBEAT_S)
-    return write_results(worker)
+    best = write_results(worker)
+    end_parent_run(worker, best)
+    return best
 
 
 def run_one(worker: Worker) -> None:
@@ -523,6 +529,49 @@ def run_one(worker: Worker) -> None:
             if frozen.state == optuna.trial.TrialState.FAIL and not frozen.user_attrs.get(EXTRA):
                 optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(worker.study, frozen)
         raise
+
+
+def parent_run(worker: Worker) -> str:
+    """The study's MLflow run (track.mlflow set), made by the first worker and kept in the study's user attrs; ''
+    untracked, or when the server does not answer (the trials are then tracked alone, their points kept as ever)."""
+    from job.track import target
+
+    where = target(worker.cfg, worker.output)
+    if where is None:
+        return ""
+    if known := worker.study.user_attrs.get(MLFLOW_RUN):
+        return known
+    try:
+        from mlflow import MlflowClient
+
+        c = MlflowClient(tracking_uri=where.uri)
+        exp = c.get_experiment_by_name(where.experiment)
+        exp_id = exp.experiment_id if exp is not None else c.create_experiment(where.experiment)
+        made = c.create_run(exp_id, run_name=worker.space.name, tags={"job.study": worker.space.name})
+    except Exception as e:  # the client's and the server's errors
+        say(f"tracking: no MLflow run for the study ({one_line(e)}); each trial is tracked alone")
+        return ""
+    worker.study.set_user_attr(MLFLOW_RUN, made.info.run_id)
+    return worker.study.user_attrs[MLFLOW_RUN]
+
+
+def end_parent_run(worker: Worker, best: dict) -> None:
+    """The study's MLflow run finished, with the best trial's metric."""
+    from job.track import target
+
+    where = target(worker.cfg, worker.output)
+    if not worker.parent_run_id or where is None:
+        return
+    try:
+        from mlflow import MlflowClient
+
+        c = MlflowClient(tracking_uri=where.uri)
+        for name, value in best.get("metric", {}).items():
+            c.log_metric(worker.parent_run_id, f"best_{name}", value)
+        c.set_tag(worker.parent_run_id, "job.best_trial", str(best.get("trial", "")))
+        c.set_terminated(worker.parent_run_id)
+    except Exception as e:  # the client's and the server's errors
+        say(f"tracking: the study's MLflow run could not be ended ({one_line(e)})")
 
 
 def note(run: str, why: str) -> None:

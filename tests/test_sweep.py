@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from tests.conftest import assert_same_run, free_port, invoke, job_env, run_job, sets
+from conftest import assert_same_run, free_port, invoke, job_env, run_job, sets
 
 optuna = pytest.importorskip("optuna")
 
@@ -240,3 +239,31 @@ def test_a_pruned_trial_stops_at_a_checkpoint_and_says_why(tmp_path):
 def test_the_sweep_command_is_in_the_help():
     r = subprocess.run([sys.executable, "-m", "job", "sweep", "--help"], capture_output=True, text=True, env=job_env())
     assert r.returncode == 0 and "--study" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory) -> str:
+    from test_track import start_server, stop, wait_healthy
+
+    root = tmp_path_factory.mktemp("mlflow")
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = start_server(root, int(url.rsplit(":", 1)[1]))
+    wait_healthy(url, proc, root / "server.log")
+    yield url
+    stop(proc)
+
+
+def test_a_tracked_study_is_one_mlflow_run_with_each_trial_a_child_of_it(tmp_path, mlflow_server):
+    from mlflow import MlflowClient
+
+    space, out = space_file(tmp_path, trials=2), tmp_path / "S"
+    tracked = sets(f"track.mlflow={mlflow_server}", "track.experiment=sweeps")
+    assert worker(space, out, 1000, *tracked).wait(timeout=600) == 0
+    c = MlflowClient(tracking_uri=mlflow_server)
+    runs = c.search_runs([c.get_experiment_by_name("sweeps").experiment_id])
+    (parent,) = [r for r in runs if r.info.run_name == "iris-sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.tags["job.run"] for r in children) == [str(out / "trials/0"), str(out / "trials/1")]
+    assert len(runs) == 3 and parent.info.status == "FINISHED"
+    best = json.loads((out / "best.json").read_text())
+    assert parent.data.metrics["best_val_accuracy"] == best["metric"]["val_accuracy"]
