@@ -372,7 +372,7 @@ class Worker:
         from job.train import run as train
 
         cfg = load_config(self.config, self.trial_overrides(n, params))
-        with StopRequest(cfg.train.grace_seconds, exits_after=True) as stop:
+        with StopRequest(cfg.train.grace_seconds) as stop:  # the worker's own watch is back after it
             watch.start(lambda: stop.limit(0))  # a pruned trial stops as at its time limit: committed, Interrupted
             train(cfg, run, self.device, "auto", False, stop)
 
@@ -429,17 +429,16 @@ class Watch:
             self.poll()
 
     def poll(self) -> None:
-        from job.cloud import filesystem
+        from job.storage import RunDir
 
-        fs, path = filesystem(f"{self.run}/metrics.jsonl")
-        try:
-            text = fs.cat_file(path).decode()
-        except (FileNotFoundError, OSError):
+        try:  # where the run writes it on this machine (a remote run's staging copy): each line as it is written
+            text = RunDir(self.run).path("metrics.jsonl").read_text()
+        except (OSError, UnicodeDecodeError):
             return
         lines = text.splitlines()
         if text and not text.endswith("\n"):
             lines = lines[:-1]  # a line being written
-        self.records = [r for r in (json.loads(x) for x in lines if x.strip()) if "train_loss" in r]
+        self.records = [r for r in map(record, lines) if "train_loss" in r]
         metric = self.space.metric
         for r in self.records:
             if metric in r and r["step"] not in self.reported:
@@ -572,6 +571,15 @@ def end_parent_run(worker: Worker, best: dict) -> None:
         c.set_terminated(worker.parent_run_id)
     except Exception as e:  # the client's and the server's errors
         say(f"tracking: the study's MLflow run could not be ended ({one_line(e)})")
+
+
+def record(line: str) -> dict[str, Any]:
+    """A line of metrics.jsonl; {} for one that is not a record (cut short by a kill)."""
+    try:
+        got = json.loads(line)
+    except ValueError:
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def note(run: str, why: str) -> None:
