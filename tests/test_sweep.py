@@ -267,3 +267,17 @@ def test_a_tracked_study_is_one_mlflow_run_with_each_trial_a_child_of_it(tmp_pat
     assert len(runs) == 3 and parent.info.status == "FINISHED"
     best = json.loads((out / "best.json").read_text())
     assert parent.data.metrics["best_val_accuracy"] == best["metric"]["val_accuracy"]
+
+
+def test_a_sweep_in_a_bucket_with_its_study_on_local_disk(tmp_path, bucket):
+    """--output gs://...: the trials are runs in the bucket, the results written there; the study in a local SQLite
+    file (--study), as a bucket takes no SQLite."""
+    space = space_file(tmp_path, trials=2)
+    env = {"STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"], "JOB_STAGING_DIR": str(tmp_path / "staging")}
+    argv = ["sweep", str(space), "--output", bucket.url("S"), "--study", f"sqlite:///{tmp_path}/study.db", *IRIS]
+    r = run_job(*argv, *sets("train.epochs=1000"), env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = bucket.names("S")
+    assert {"best.json", "best/model.pt", "best/model.json", "trials.csv", "trials/0/model.pt"} <= set(names)
+    best = json.loads(bucket.fs.cat_file(f"{bucket.name}/S/best.json"))
+    assert best["run"] == bucket.url(f"S/trials/{best['trial']}")
