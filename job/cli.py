@@ -162,6 +162,49 @@ def tuning_overrides(ctx: typer.Context) -> list[str]:
     return out
 
 
+@app.command()
+def sweep(
+    space: str = typer.Argument(
+        ...,
+        help="The space file (YAML at any URL): metric, direction, trials, sampler, "
+        "pruner, space {config.key: {low, high, log} or [values]}.",
+    ),
+    study: str = typer.Option(
+        "",
+        "--study",
+        help="The study's storage, shared by its workers: sqlite:///PATH (one machine; default: <output>/study.db) or "
+        "postgresql://USER@HOST:PORT/DB (several machines).",
+    ),
+    trials: int | None = typer.Option(
+        None, "--trials", help="Finished trials the study ends with; default: the space file's trials."
+    ),
+    config: str = typer.Option("iris", "--config", "-c", help=CONFIG_HELP),
+    overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
+    output: str = typer.Option(
+        "",
+        "--output",
+        "-o",
+        help="The sweep's folder (trials/<n>/, best/, best.json, trials.csv); default ./runs/<name>-sweep.",
+    ),
+    device: str = typer.Option("auto", "--device", "-d", help="auto, cpu, cuda, cuda:N."),
+    nproc_per_node: int = typer.Option(
+        1,
+        "--nproc-per-node",
+        help="Run each trial on this many processes (job train --nproc-per-node), its parameters drawn once for all.",
+    ),
+) -> None:
+    """One worker of a hyperparameter sweep (an Optuna study): it runs trials, each an ordinary run in
+    <output>/trials/<n>/, until the study has its N finished trials, then writes the results. Start several against
+    one --study; a worker stopped (SIGTERM: exit 75) or killed leaves its trial to the next, which continues it from
+    its last checkpoint with the same parameters."""
+    from job.stop import StopRequest
+
+    with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
+        from job.sweep import sweep as run_sweep
+
+        run_sweep(space, study, trials, config, overrides, output, device, nproc_per_node, stop)
+
+
 def run_url(cfg: Config, output: str) -> tuple[str, dict[str, str]]:
     """Where a run goes: --output, else output.dir, else Vertex AI's folders (with the places its other files go),
     else runs/<name>."""

@@ -482,6 +482,9 @@ class TrackConfig(Section):
         "metrics.jsonl key reported at each evaluation, in cloudml-hypertune's format, to $CLOUD_ML_HP_METRIC_FILE "
         "(default /tmp/hypertune/output.metrics); the study's metricId.",
     )
+    parent_run_id: str = Field(
+        "", description="Make the run's MLflow run a child of this MLflow run (a sweep sets it: its study's run)."
+    )
 
     @field_validator("mlflow")
     @classmethod

@@ -174,7 +174,8 @@ class Report:
 
 
 def read_records(run: RunDir, upto_step: int) -> list[dict[str, Any]]:
-    """The run's earlier evaluations up to the step resumed from (later ones are redone)."""
+    """The run's earlier evaluations up to the step resumed from (later ones are redone, and so is the test split's
+    record at the end: an attempt killed after its last commit wrote it, and the next writes it again)."""
     data = run.read(METRICS)
     if not data or not upto_step:
         return []
@@ -184,7 +185,7 @@ def read_records(run: RunDir, upto_step: int) -> list[dict[str, Any]]:
             record = json.loads(line)
         except ValueError:
             continue  # a line cut short by a crash
-        if isinstance(record, dict) and record.get("step", 0) <= upto_step:
+        if isinstance(record, dict) and record.get("step", 0) <= upto_step and "chosen_epoch" not in record:
             records.append(record)
     return records
 

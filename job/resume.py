@@ -38,6 +38,7 @@ RESUME_SAFE = {
     "track.log_model",
     "track.register",
     "track.hp_metric_tag",
+    "track.parent_run_id",
     "train.eval_every_epochs",
     "train.checkpoint_every_epochs",
     "train.keep_last",

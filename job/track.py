@@ -50,6 +50,7 @@ class Target:
     run_name: str
     run_url: str
     fresh: bool = False  # the folder starts afresh (--overwrite): a new MLflow run, not the one of its earlier run
+    parent_run_id: str = ""  # the MLflow run this one is a child of (a sweep's study)
 
     def describe(self) -> str:
         return f"MLflow {self.uri}, experiment {self.experiment}, run {self.run_name}"
@@ -63,7 +64,8 @@ def target(cfg: Config, url: str, fresh: bool = False) -> Target | None:
         return None
     check_client(uri)
     run_url = run_identity(url)
-    return Target(uri, cfg.track.experiment or cfg.name, run_url.rsplit("/", 1)[-1] or cfg.name, run_url, fresh)
+    name = run_url.rsplit("/", 1)[-1] or cfg.name
+    return Target(uri, cfg.track.experiment or cfg.name, name, run_url, fresh, cfg.track.parent_run_id)
 
 
 def environment_uri() -> str:
@@ -199,7 +201,9 @@ class Sender:
             if found:
                 self.run_id = found[0].info.run_id
             else:
-                made = c.create_run(exp_id, run_name=self.where.run_name, tags={RUN_TAG: self.where.run_url})
+                tags = {RUN_TAG: self.where.run_url}
+                tags |= {"mlflow.parentRunId": self.where.parent_run_id} if self.where.parent_run_id else {}
+                made = c.create_run(exp_id, run_name=self.where.run_name, tags=tags)
                 self.run_id = made.info.run_id
         if self.params is None:
             run = c.get_run(self.run_id)

@@ -1,0 +1,17 @@
+"""job/report.py: what a resumed run keeps of the metrics an earlier attempt wrote."""
+
+from __future__ import annotations
+
+import json
+
+from job.report import read_records
+from job.storage import RunDir
+
+
+def test_a_run_resumed_from_its_last_checkpoint_redoes_its_test_record_once(tmp_path):
+    """Killed after the last checkpoint was committed but before the results were written, a run resumes at its last
+    step and reports the test split again: the killed attempt's test record is not kept beside the new one."""
+    evaluation = {"epoch": 4, "step": 4, "train_loss": 0.5, "val_loss": 0.4, "val_accuracy": 0.9}
+    tested = {"epoch": 4, "step": 4, "chosen_epoch": 4, "val_accuracy": 0.9, "test_loss": 0.3, "test_accuracy": 0.95}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (evaluation, tested)))
+    assert read_records(RunDir(str(tmp_path)), 5) == [evaluation]

@@ -1,0 +1,283 @@
+"""job sweep: real Optuna storages (SQLite, a private PostgreSQL cluster), real worker processes killed mid-trial and
+started again, trials continued from their checkpoints, the results, and bad input refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import assert_same_run, free_port, invoke, job_env, run_job, sets
+
+optuna = pytest.importorskip("optuna")
+
+IRIS = ["--device", "cpu", "--config", "iris", *sets("data.val_split=0.2")]
+
+
+def space_file(tmp_path: Path, trials: int = 3, **extra) -> Path:
+    doc = {
+        "metric": "val_accuracy",
+        "direction": "maximize",
+        "trials": trials,
+        "sampler": {"name": "tpe", "seed": 0},
+        "pruner": "none",
+        "space": {"optim.lr": {"low": 0.01, "high": 1.0, "log": True}, "optim.momentum": {"low": 0.0, "high": 0.9}},
+    } | extra
+    path = tmp_path / f"space-{len(list(tmp_path.glob('space-*')))}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def worker(space: Path, out: Path, epochs: int, *more: str) -> subprocess.Popen:
+    """A sweep worker in a session of its own (killed with its process group, as the acceptance check does)."""
+    argv = [sys.executable, "-m", "job", "sweep", str(space), "--output", str(out), *IRIS]
+    argv += [*sets(f"train.epochs={epochs}"), *more]
+    log = open(out.parent / f"worker-{time.monotonic_ns()}.log", "w")  # noqa: SIM115 (the child holds it)
+    return subprocess.Popen(argv, env=job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def evaluations(out: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in out.glob("trials/*/metrics.jsonl"))
+
+
+def wait_for(predicate, timeout: float = 240, what: str = "") -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"waited {timeout} s for {what}"
+        time.sleep(0.1)
+
+
+def study_of(storage: str):
+    (summary,) = optuna.get_all_study_summaries(storage)
+    return optuna.load_study(study_name=summary.study_name, storage=storage)
+
+
+def complete(study) -> list:
+    return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+
+
+def attempts(run: Path) -> list[dict]:
+    return json.loads((run / "run.json").read_text())["attempts"]
+
+
+def test_workers_killed_mid_trial_leave_their_trials_to_the_next_which_continue_them(tmp_path):
+    """Two workers side by side, one killed outright (SIGKILL of its group) mid-trial and started again: exactly N
+    COMPLETE trials with N parameter sets, N folders; the killed trial continued from its checkpoint and equal to an
+    uninterrupted run of its config.yaml; best.json and best/ as predict's --model."""
+    space, out = space_file(tmp_path, trials=3), tmp_path / "S"
+    a, b = worker(space, out, 4000), worker(space, out, 4000)
+    wait_for(lambda: evaluations(out) >= 3, what="evaluations of the first trials")
+    os.killpg(a.pid, signal.SIGKILL)
+    a.wait()
+    a = worker(space, out, 4000)
+    assert a.wait(timeout=600) == 0 and b.wait(timeout=600) == 0, (tmp_path / "S").parent
+    study = study_of(f"sqlite:///{out}/study.db")
+    done = complete(study)
+    assert len(done) == 3 and len({tuple(sorted(t.params.items())) for t in done}) == 3
+    assert sorted(p.name for p in (out / "trials").iterdir()) == ["0", "1", "2"]
+    interrupted = [p for p in (out / "trials").iterdir() if len(attempts(p)) > 1]
+    assert interrupted, "the kill landed outside a trial"
+    run = interrupted[0]
+    assert attempts(run)[-1]["from"]["step"] > 0  # continued from its checkpoint, not from zero
+    retried = [t for t in study.trials if t.system_attrs.get("failed_trial") is not None]
+    assert retried and all(t.params == study.trials[t.system_attrs["failed_trial"]].params for t in retried)
+    ref = tmp_path / "ref"
+    r = run_job("train", "--device", "cpu", "--config", str(run / "config.yaml"), "--output", str(ref))
+    assert r.returncode == 0, r.stderr
+    assert_same_run(str(ref), str(run))
+    best = json.loads((out / "best.json").read_text())
+    assert best["metric"]["val_accuracy"] == max(t.value for t in done)
+    assert study.trials[best["trial"]].params == best["values"]
+    assert (out / "trials.csv").read_text().count("COMPLETE") == 3 and (out / "params.png").stat().st_size > 1000
+    iris = Path(__file__).parents[1] / "job/presets/iris.csv"
+    r = run_job(
+        "predict", "--model", str(out / "best"), str(iris), "--device", "cpu", "--output", str(tmp_path / "p.csv")
+    )
+    assert r.returncode == 0, r.stderr
+    assert len((tmp_path / "p.csv").read_text().splitlines()) == 151
+
+
+def test_a_worker_stopped_by_sigterm_exits_75_and_the_sweep_goes_on_as_one_never_stopped(tmp_path):
+    """SIGTERM: the trial commits, is failed at once with its retry queued (no wait for its heartbeat to go stale),
+    the worker exits 75; the same command finishes the study with the values of an uninterrupted one."""
+    space, out = space_file(tmp_path, trials=2), tmp_path / "S"
+    w = worker(space, out, 6000)
+    wait_for(lambda: evaluations(out) >= 2, what="an evaluation of trial 0")
+    os.killpg(w.pid, signal.SIGTERM)
+    assert w.wait(timeout=120) == 75
+    study = study_of(f"sqlite:///{out}/study.db")
+    states = [t.state for t in study.trials]
+    assert states == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
+    assert worker(space, out, 6000).wait(timeout=600) == 0
+    assert attempts(out / "trials/0")[1]["from"]["step"] > 0
+    again = tmp_path / "U"
+    assert worker(space, again, 6000).wait(timeout=600) == 0
+    stopped = [t.params for t in complete(study_of(f"sqlite:///{out}/study.db"))]
+    assert stopped == [t.params for t in complete(study_of(f"sqlite:///{again}/study.db"))]
+
+
+@pytest.mark.parametrize(
+    "space,args,says",
+    [
+        ({"space": {"optim.lrr": {"low": 0.1, "high": 1.0}}}, [], "did you mean optim.lr?"),
+        ({"space": {"optim.lr": {"low": 1.0, "high": 0.1}}}, [], "empty or reversed range"),
+        ({"space": {"optim.lr": {"low": 0.1, "high": 0.1}}}, [], "empty or reversed range"),
+        ({"metric": "val_acc"}, [], "val_accuracy"),
+        ({"direction": "up"}, [], "maximize or minimize"),
+        ({"sampler": {"name": "grid"}}, [], "a grid takes lists"),
+        ({}, ["--study", "postgresql://nobody@127.0.0.1:1/none"], "cannot open the study's storage"),
+        ({}, ["--output", "gs://bucket/sweep"], "--study postgresql://"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, space, args, says):
+    path = space_file(tmp_path, **space)
+    out = tmp_path / "S"
+    code, err = invoke(["sweep", str(path), "--output", str(out), *IRIS, *args])
+    assert code == (4 if "postgresql://nobody" in " ".join(args) else 2), err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_a_space_file_that_is_not_yaml_is_refused(tmp_path):
+    bad = tmp_path / "space.yaml"
+    bad.write_text("metric: [val_accuracy\n")
+    code, err = invoke(["sweep", str(bad), "--output", str(tmp_path / "S"), *IRIS])
+    assert code == 2 and "not valid YAML" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "S").exists()
+
+
+def test_sqlite_on_a_network_filesystem_is_refused(tmp_path, monkeypatch):
+    from job import sweep
+
+    monkeypatch.setattr(sweep, "network_filesystem", lambda path: "nfs4")
+    code, err = invoke(["sweep", str(space_file(tmp_path)), "--output", str(tmp_path / "S"), *IRIS])
+    assert code == 2 and "network filesystem (nfs4)" in err and "postgresql://" in err
+    assert not (tmp_path / "S").exists()
+
+
+def test_network_filesystem_reads_the_mount_of_the_path():
+    from job.sweep import network_filesystem
+
+    assert network_filesystem("/proc/self") == ""  # proc: no network filesystem
+
+
+@pytest.fixture(scope="session")
+def postgres() -> str:
+    """A private PostgreSQL cluster on loopback (as the postgres user when run as root); its URL."""
+    binaries = [*sorted(Path("/usr/lib/postgresql").glob("*/bin")), Path("/usr/local/bin")]
+    initdb = next((b / "initdb" for b in binaries if (b / "initdb").exists()), None)
+    if initdb is None:
+        pytest.skip("no PostgreSQL server here (initdb)")
+    pytest.importorskip("psycopg2")
+    root = Path(tempfile.mkdtemp(prefix="job-pg-"))  # not under pytest's private folder: the server's user enters it
+    os.chmod(root, 0o777)
+    data, port = root / "data", free_port()
+    as_pg = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    subprocess.run(
+        [*as_pg, str(initdb), "-A", "trust", "-U", "postgres", "-D", str(data)], check=True, capture_output=True
+    )
+    ctl = str(initdb.with_name("pg_ctl"))
+    options = f"-p {port} -k {root} -h 127.0.0.1"
+    subprocess.run(
+        [*as_pg, ctl, "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start"],
+        check=True,
+        capture_output=True,
+    )
+    yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    subprocess.run([*as_pg, ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_study_in_postgresql_shared_by_two_workers(tmp_path, postgres):
+    space, out = space_file(tmp_path, trials=3), tmp_path / "S"
+    ws = [worker(space, out, 1000, "--study", postgres) for _ in range(2)]
+    assert [w.wait(timeout=600) for w in ws] == [0, 0]
+    study = study_of(postgres.replace("postgresql://", "postgresql+psycopg2://"))  # SQLAlchemy 2.1: psycopg 3
+    assert len(complete(study)) == 3 and len({tuple(t.params.items()) for t in complete(study)}) == 3
+    assert not (out / "study.db").exists() and (out / "best.json").exists()
+
+
+def test_a_trial_on_two_processes_has_the_same_parameters_on_both(tmp_path):
+    """--nproc-per-node 2: the worker draws the parameters once and starts the group with them as --set."""
+    space, out = space_file(tmp_path, trials=1), tmp_path / "S"
+    w = worker(space, out, 400, "--nproc-per-node", "2")
+    assert w.wait(timeout=600) == 0
+    (trial,) = complete(study_of(f"sqlite:///{out}/study.db"))
+    cfg = yaml.safe_load((out / "trials/0/config.yaml").read_text())
+    assert cfg["optim"]["lr"] == trial.params["optim.lr"] and cfg["optim"]["momentum"] == trial.params["optim.momentum"]
+    assert attempts(out / "trials/0")[0]["world_size"] == 2
+
+
+def test_a_pruned_trial_stops_at_a_checkpoint_and_says_why(tmp_path):
+    """With the median pruner, a trial worse than the median of the earlier ones at an evaluation is stopped there
+    (its checkpoint committed), PRUNED in the study, and its run.json's note says why."""
+    space = space_file(
+        tmp_path,
+        trials=3,
+        pruner="median",
+        space={"optim.lr": [0.5, 0.001, 0.0011]},
+        sampler={"name": "grid", "seed": 1},
+    )
+    out = tmp_path / "S"
+    assert worker(space, out, 3000).wait(timeout=600) == 0
+    study = study_of(f"sqlite:///{out}/study.db")
+    pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert [t.params["optim.lr"] for t in pruned] == [0.001]  # seed 1's grid order: 0.5, 0.0011, then 0.001
+    run = Path(pruned[0].user_attrs["run"])
+    assert "pruned by the median pruner" in json.loads((run / "run.json").read_text())["note"]
+    assert (run / "checkpoints/latest.json").exists() and not (run / "model.pt").exists()
+
+
+def test_the_sweep_command_is_in_the_help():
+    r = subprocess.run([sys.executable, "-m", "job", "sweep", "--help"], capture_output=True, text=True, env=job_env())
+    assert r.returncode == 0 and "--study" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory) -> str:
+    from test_track import start_server, stop, wait_healthy
+
+    root = tmp_path_factory.mktemp("mlflow")
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = start_server(root, int(url.rsplit(":", 1)[1]))
+    wait_healthy(url, proc, root / "server.log")
+    yield url
+    stop(proc)
+
+
+def test_a_tracked_study_is_one_mlflow_run_with_each_trial_a_child_of_it(tmp_path, mlflow_server):
+    from mlflow import MlflowClient
+
+    space, out = space_file(tmp_path, trials=2), tmp_path / "S"
+    tracked = sets(f"track.mlflow={mlflow_server}", "track.experiment=sweeps")
+    assert worker(space, out, 1000, *tracked).wait(timeout=600) == 0
+    c = MlflowClient(tracking_uri=mlflow_server)
+    runs = c.search_runs([c.get_experiment_by_name("sweeps").experiment_id])
+    (parent,) = [r for r in runs if r.info.run_name == "iris-sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert sorted(r.data.tags["job.run"] for r in children) == [str(out / "trials/0"), str(out / "trials/1")]
+    assert len(runs) == 3 and parent.info.status == "FINISHED"
+    best = json.loads((out / "best.json").read_text())
+    assert parent.data.metrics["best_val_accuracy"] == best["metric"]["val_accuracy"]
+
+
+def test_a_sweep_in_a_bucket_with_its_study_on_local_disk(tmp_path, bucket):
+    """--output gs://...: the trials are runs in the bucket, the results written there; the study in a local SQLite
+    file (--study), as a bucket takes no SQLite."""
+    space = space_file(tmp_path, trials=2)
+    env = {"STORAGE_EMULATOR_HOST": os.environ["STORAGE_EMULATOR_HOST"], "JOB_STAGING_DIR": str(tmp_path / "staging")}
+    argv = ["sweep", str(space), "--output", bucket.url("S"), "--study", f"sqlite:///{tmp_path}/study.db", *IRIS]
+    r = run_job(*argv, *sets("train.epochs=1000"), env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = bucket.names("S")
+    assert {"best.json", "best/model.pt", "best/model.json", "trials.csv", "trials/0/model.pt"} <= set(names)
+    best = json.loads(bucket.fs.cat_file(f"{bucket.name}/S/best.json"))
+    assert best["run"] == bucket.url(f"S/trials/{best['trial']}")
