@@ -127,6 +127,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
     where = track.target(cfg, run_dir.url, fresh=req.overwrite) if distributed.is_writer() else None
     resumption = decide(run_dir, req, cfg)
     if resumption.finished:
+        if where is not None:  # what a killed or cut-off end did not send, this command sends
+            say(track.send_run(run_dir, where.uri)[0])
         return resumption.complete(cfg)
     budget = parse_budget(cfg.train.budget) if cfg.train.budget else None
     if budget is not None and (

@@ -280,3 +280,17 @@ def test_a_run_in_a_bucket_with_the_server_down_is_sent_later_from_the_bucket(se
     same_histories(server, "D", uninterrupted)
     (run,) = runs_named(server, "D")
     assert run.data.tags["job.run"] == url and "model/model.pt" in artifacts(server, run.info.run_id)
+
+
+def test_the_same_command_on_a_finished_run_sends_what_its_end_did_not(server, uninterrupted, tmp_path):
+    """A run whose end could not reach the server (down, or the process killed while it sent): running the same
+    command again finds it complete and sends what waits."""
+    out, down = tmp_path / "K", f"http://127.0.0.1:{free_port()}"
+    r = run_job(*JOB, *RUN, *sets(f"track.mlflow={down}"), "--output", str(out))
+    assert r.returncode == 0 and "not yet sent" in r.stderr, r.stderr[-1000:]
+    again = run_job(*JOB, *RUN, *sets(f"track.mlflow={server}"), "--output", str(out))
+    assert again.returncode == 0 and "is complete" in again.stderr, again.stderr[-1000:]
+    assert "points sent" in again.stderr, again.stderr[-1000:]
+    same_histories(server, "K", uninterrupted)
+    (run,) = runs_named(server, "K")
+    assert run.info.status == "FINISHED" and "model/model.pt" in artifacts(server, run.info.run_id)
