@@ -153,3 +153,25 @@ def fuse_path(url: str) -> str | None:
     bucket, _, rest = split_protocol(url)[1].partition("/")
     mount = os.path.join(os.environ.get("JOB_GCS_FUSE_ROOT", "/gcs"), bucket)
     return os.path.join(mount, rest) if os.path.isdir(mount) else None
+
+
+def read_url(url: str) -> bytes | None:
+    """A whole file at any URL; None when there is none, a StorageError when the store fails to say."""
+    fs, path = filesystem(url)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read {url}: {describe_storage_error(url, e)}") from None
+
+
+def write_url(url: str, data: bytes) -> None:
+    """A whole file at any URL, written at once (atomically in a local folder: sync.send)."""
+    from job.sync import send
+
+    fs, path = filesystem(url)
+    try:
+        send(fs, path, data)
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot write {url}: {describe_storage_error(url, e)}") from None

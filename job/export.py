@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from job.cloud import describe_storage_error, filesystem
+from job.cloud import describe_storage_error, filesystem, write_url
 from job.errors import ConfigError, DataError, JobError, StorageError
 
 FORMATS = ("onnx", "pt2")
@@ -97,7 +97,7 @@ def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str]
                 f"{recipe_agree}): not written"
             )
         put(local, output)
-        put_text(json.dumps(check, indent=1), f"{output}.check.json")
+        write_url(f"{output}.check.json", json.dumps(check, indent=1).encode())
     log(
         f"export: {output}, checked on {len(x)} images with {check['runtime']}, preprocessed by the job and by "
         f"model.json's recipe: largest logit difference {max(diff, recipe_diff):.1e}, top-1 agreement 100%"
@@ -205,14 +205,5 @@ def put(local: str, url: str) -> None:
         if isinstance(fs, LocalFileSystem):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         fs.put_file(local, path)
-    except Exception as e:  # the stores' clients raise many types
-        raise StorageError(f"cannot write {url}: {describe_storage_error(url, e)}") from None
-
-
-def put_text(text: str, url: str) -> None:
-    fs, path = filesystem(url)
-    try:
-        with fs.open(path, "w") as f:
-            f.write(text)
     except Exception as e:  # the stores' clients raise many types
         raise StorageError(f"cannot write {url}: {describe_storage_error(url, e)}") from None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from job.cloud import read_url, write_url
 from job.config import Config, load_config, read_yaml
 from job.console import say
 from job.errors import ConfigError, Interrupted, JobError, StorageError, one_line
@@ -586,31 +587,9 @@ def note(run: str, why: str) -> None:
     """Say in the run's run.json (top-level note) why it ended where it did."""
     from job.attempts import RUN_JSON, document
 
-    data = read_bytes(f"{run}/{RUN_JSON}")
+    data = read_url(f"{run}/{RUN_JSON}")
     doc = document(data) if data else {}
-    put(f"{run}/{RUN_JSON}", (json.dumps(doc | {"note": why}, indent=1) + "\n").encode())
-
-
-def read_bytes(url: str) -> bytes | None:
-    from job.cloud import filesystem
-
-    fs, path = filesystem(url)
-    try:
-        return fs.cat_file(path)
-    except FileNotFoundError:
-        return None
-
-
-def put(url: str, data: bytes) -> None:
-    """A file written whole (atomically in a local folder), at any URL."""
-    from job.cloud import filesystem
-    from job.sync import send
-
-    fs, path = filesystem(url)
-    try:
-        send(fs, path, data)
-    except Exception as e:  # the stores' clients raise many types
-        raise StorageError(f"{url}: cannot write it: {one_line(e)}") from None
+    write_url(f"{run}/{RUN_JSON}", (json.dumps(doc | {"note": why}, indent=1) + "\n").encode())
 
 
 def trial_rows(worker: Worker) -> list[dict[str, Any]]:
@@ -658,7 +637,7 @@ def write_results(worker: Worker) -> dict:
     writer = csv.DictWriter(text, fields)
     writer.writeheader()
     writer.writerows(rows)
-    put(f"{out}/trials.csv", text.getvalue().encode())
+    write_url(f"{out}/trials.csv", text.getvalue().encode())
     print(table(rows, fields[:-1]))
     complete = [t for t in worker.study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
     if not complete:
@@ -674,12 +653,12 @@ def write_results(worker: Worker) -> dict:
         "run": best_t.user_attrs["run"],
     }
     for name in ("model.pt", "model.json", "config.yaml"):
-        data = read_bytes(f"{best['run']}/{name}")
+        data = read_url(f"{best['run']}/{name}")
         if data is None:
             raise StorageError(f"{best['run']}/{name}: missing from the best trial's run")
-        put(f"{out}/best/{name}", data)
-    put(f"{out}/best.json", (json.dumps(best, indent=1) + "\n").encode())
-    put(f"{out}/params.png", picture(rows, space))
+        write_url(f"{out}/best/{name}", data)
+    write_url(f"{out}/best.json", (json.dumps(best, indent=1) + "\n").encode())
+    write_url(f"{out}/params.png", picture(rows, space))
     say(
         f"sweep {space.name}: best trial {n}, {space.metric} {best_t.value:.4f} with "
         f"{', '.join(f'{k}={v}' for k, v in best_t.params.items())}; {out}/best.json, {out}/best/ (--model), "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from job.cloud import filesystem
+from job.cloud import read_url
 from job.config import tracking_uri
 from job.errors import ConfigError
 
@@ -284,11 +284,10 @@ class Sender:
         if "://" in rel or os.path.isabs(rel):
             if os.path.isfile(rel):
                 return Path(rel)
-            fs, path = filesystem(rel)
-            try:
-                spare.write_bytes(fs.cat_file(path))
-            except FileNotFoundError:
+            data = read_url(rel)
+            if data is None:
                 return None
+            spare.write_bytes(data)
             return spare
         local = self.run_dir.path(rel)
         if local.is_file():
