@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from job.cost import Budget, Price, in_budget_unit, parse_budget, price_of, spent_of, totals
@@ -71,12 +70,14 @@ class Attempt:
     others); end() before begin() does nothing (a run that failed while setting up is no attempt). Device hours count
     the group's processes (world_size): a GPU each, and on a CPU each process is one device as torch places it."""
 
-    def __init__(self, run_dir: RunDir | None) -> None:
+    def __init__(self, run_dir: RunDir | None, began: float | None = None) -> None:
+        """`began`: when the attempt began, as time.time() (its process's start, where the process is its own):
+        start-up and device time count from there."""
         self.run_dir, self.entry, self.state = run_dir, None, None
         self.number = 0  # this attempt's place in run.json, from 1
         self.tracker = None  # the run's MLflow sink (job/track.py), told how the attempt ends
         self.cfg = None
-        self.process_started = psutil.Process().create_time()
+        self.process_started = began or time.time()
         self.price: Price = None
         self.total_steps: int | None = None
         self.t_mark = 0.0  # the last commit (or the start of training): what a stop now would lose from

@@ -130,7 +130,9 @@ def train(
         if not (output or cfg.output.dir) and target != f"runs/{cfg.name}":
             places = "".join(f", {k} to {v}" for k, v in routes.items())
             say(f"Vertex AI (AIP_* variables): the run goes to {target}{places}")
-        run(cfg, target, device, resume, overwrite, stop, routes)
+        import psutil
+
+        run(cfg, target, device, resume, overwrite, stop, routes, psutil.Process().create_time())
 
 
 def tuning_overrides(ctx: typer.Context) -> list[str]:

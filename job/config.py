@@ -500,16 +500,16 @@ def tracking_uri(uri: str) -> str:
     parts = urlsplit(uri)
     if parts.scheme in ("http", "https"):
         if not parts.hostname:
-            raise ValueError(f"{uri!r} names no host (http://HOST:PORT)")
+            raise ValueError("names no host (http://HOST:PORT)")
         try:
             parts.port  # noqa: B018  (a port that is no number raises here)
         except ValueError:
-            raise ValueError(f"{uri!r} has a port that is no number") from None
+            raise ValueError("has a port that is no number") from None
     elif parts.scheme in ("sqlite", "postgresql", "mysql", "mssql"):
         if not parts.path.strip("/") and parts.scheme == "sqlite":
-            raise ValueError(f"{uri!r} names no database file (sqlite:///PATH)")
-    elif parts.scheme not in ("", "file", "databricks") and len(parts.scheme) > 1:  # C:\ is a folder
-        raise ValueError(f"{uri!r}: expected http(s)://HOST:PORT, sqlite:///PATH or a folder")
+            raise ValueError("names no database file (sqlite:///PATH)")
+    elif parts.scheme != "databricks":  # MLflow 3 retired its folder store: a path is a typo or that store
+        raise ValueError("expected http(s)://HOST:PORT (a tracking server) or sqlite:///PATH (a database file)")
     return uri
 
 

@@ -135,8 +135,10 @@ def read_param(key: str, v: Any) -> Range | list:
 def metrics_written(cfg: Config) -> list[str]:
     """The keys of the run's evaluation records: train_loss and the evaluated split's scores (val when the config
     holds one out; a folder's own val/ cannot be known before reading it, so both then)."""
-    splits = ["val"] if cfg.data.val_split else ["val", "test"]
-    return ["train_loss", *(f"{s}_{m}" for s in splits for m in SPLIT_METRICS)]
+    tables = cfg.data.kind in ("csv", "cifar10")  # no val of their own: val only when val_split holds one out
+    splits = ["val"] if cfg.data.val_split else ["test"] if tables else ["val", "test"]
+    scores = [m for m in SPLIT_METRICS if not (m == "top5" and cfg.data.kind == "csv")]  # top-5 of over 5 classes
+    return ["train_loss", *(f"{s}_{m}" for s in splits for m in scores)]
 
 
 def setting(key: str, value: Any) -> str:
@@ -517,14 +519,15 @@ def sweep(
 
 def run_one(worker: Worker) -> None:
     """One trial; a stop or failure of its run ends it FAIL with a retry queued (same params, same folder), and ends
-    this worker with the run's error."""
+    this worker with the run's error. A fault in the config or the data (exit 2, 3) is not retried: it would fail
+    again."""
     import optuna
 
     worker.lost = None
     try:
         worker.study.optimize(worker.objective, n_trials=1, catch=(Extra,))
-    except BaseException:
-        if worker.lost is not None:
+    except BaseException as e:
+        if worker.lost is not None and getattr(e, "exit_code", None) not in (2, 3):
             frozen = worker.study._storage.get_trial(worker.lost)
             if frozen.state == optuna.trial.TrialState.FAIL and not frozen.user_attrs.get(EXTRA):
                 optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(worker.study, frozen)

@@ -74,7 +74,15 @@ def environment_uri() -> str:
     try:
         return tracking_uri(uri) if uri else ""
     except ValueError as e:
-        raise ConfigError(f"MLFLOW_TRACKING_URI: {e}") from None
+        raise ConfigError(f"MLFLOW_TRACKING_URI {uri!r}: {e}") from None
+
+
+def artifacts(uri: str) -> str | None:
+    """Where a new experiment keeps its files: beside a database file (MLflow's default is ./mlruns in whatever
+    folder the job runs from); the server's own choice otherwise."""
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///") :]).resolve().parent.joinpath("mlartifacts").as_uri()
+    return None
 
 
 def run_identity(url: str) -> str:
@@ -179,7 +187,6 @@ class Sender:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the sender retries itself, in the background
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
         os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its notes on a model version are not the run's
         self.where, self.run_dir, self.run_id = where, run_dir, run_id
         self.client = None
         self.reached: dict[str, int] = {}  # metric -> the last step the server holds
@@ -191,11 +198,14 @@ class Sender:
         if self.client is None:
             from mlflow import MlflowClient
 
+            for name in ("mlflow", "alembic"):  # set on their import; their notes (tables made, ...) are not the run's
+                logging.getLogger(name).setLevel(logging.WARNING)
             self.client = MlflowClient(tracking_uri=self.where.uri)
         c = self.client
         if self.run_id is None:
             exp = c.get_experiment_by_name(self.where.experiment)
-            exp_id = exp.experiment_id if exp is not None else c.create_experiment(self.where.experiment)
+            made_exp = exp is None and c.create_experiment(self.where.experiment, artifacts(self.where.uri))
+            exp_id = exp.experiment_id if exp is not None else made_exp
             url = self.where.run_url.replace("'", "\\'")
             found = [] if self.where.fresh else c.search_runs([exp_id], f"tags.`{RUN_TAG}` = '{url}'", max_results=1)
             if found:
@@ -257,7 +267,7 @@ class Sender:
                 if entry["status"] == "RUNNING":
                     c.update_run(run_id, status="RUNNING")
                 else:
-                    c.set_terminated(run_id, entry["status"])
+                    c.set_terminated(run_id, entry["status"], entry.get("t"))
         flush()
         return len(lines)
 
@@ -325,6 +335,7 @@ class Tracker:
         self.sender = Sender(where, run_dir, self.journal.known("run_id"))
         self.at, self.problem, self.failures = 0, "", 0
         self.wake, self.quit = threading.Event(), False
+        preload()
         self.journal.add({"server": where.uri, "experiment": where.experiment, "run_name": where.run_name})
         self.thread = threading.Thread(target=self.work, name="job-track", daemon=True)
         self.thread.start()
@@ -384,7 +395,7 @@ class Tracker:
             self.add({"files": run_files(self.run_dir, cfg.track.log_model)})
             if cfg.track.register and cfg.track.log_model:
                 self.add({"register": cfg.track.register, "version_tags": metrics or {}})
-        self.add({"status": status})
+        self.add({"status": status, "t": int(time.time() * 1000)})
         self.run_dir.upload(JOURNAL)
         self.quit = True
         self.wake.set()
@@ -413,6 +424,15 @@ def run_files(run_dir: RunDir, log_model: bool) -> list[list[str]]:
         files += [[f"report/{split}/{name}", f"report/{split}"] for name in run_dir.list(f"report/{split}")]
     files += [[rel, "model"] for rel in ("model.pt", "model.json") if log_model and run_dir.has(rel)]
     return files
+
+
+def preload() -> None:
+    """Import here, before the sender's thread imports MLflow, what MLflow imports and other libraries look up in
+    sys.modules: IPython, which matplotlib reads as it draws, and would find half imported by the other thread."""
+    import importlib.util
+
+    if importlib.util.find_spec("IPython") is not None:
+        import IPython  # noqa: F401
 
 
 def carries(entry: dict[str, Any]) -> bool:
@@ -462,7 +482,7 @@ def send_run(run_dir: RunDir, uri: str | None = None) -> tuple[str, bool]:
     try:
         tracking_uri(uri)
     except ValueError as e:
-        raise ConfigError(f"--mlflow: {e}") from None
+        raise ConfigError(f"--mlflow {uri!r}: {e}") from None
     check_client(uri)
     run_name = server.get("run_name") or run_dir.url.rstrip("/").rsplit("/", 1)[-1]
     where = Target(uri, server.get("experiment") or "Default", run_name, run_identity(run_dir.url))

@@ -70,19 +70,21 @@ def run(
     overwrite: bool = False,
     stop: StopRequest | None = None,
     routes: dict[str, str] | None = None,
+    began: float | None = None,
 ) -> dict:
     """Train as the config says, writing the run to `output`; returns the final summary. `stop` is the caller's
-    signal watch when it installed one early (the command line does, before the slow imports)."""
+    signal watch when it installed one early (the command line does, before the slow imports); `began`: when the
+    attempt began, as time.time() (the command line: its process's start; default: now)."""
     with contextlib.nullcontext(stop) if stop is not None else StopRequest(cfg.train.grace_seconds) as stop:
         stop.grace_seconds = cfg.train.grace_seconds
         stop.limit(cfg.train.time_limit)
         if overwrite and resume == "auto":  # --overwrite alone: this folder, from scratch
             resume = "never"
-        t_start, threads = time.perf_counter(), torch.get_num_threads()
+        t_start, threads, began = time.perf_counter(), torch.get_num_threads(), began or time.time()
         distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
         together = False
         try:
-            summary = train_rank(cfg, Request(output, device_name, resume, overwrite, routes), stop, t_start)
+            summary = train_rank(cfg, Request(output, device_name, resume, overwrite, routes), stop, t_start, began)
             together = True
             return summary
         except Interrupted:
@@ -93,10 +95,10 @@ def run(
             torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after
 
 
-def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float) -> dict:
+def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float, began: float) -> dict:
     # Rank 0 checks and opens the run folder; the other processes of a group only name it and never write to it.
     run_dir = distributed.on_writer(lambda: preflight(cfg, req)) or RunDir(req.output)
-    attempt = Attempt(run_dir if distributed.is_writer() else None)
+    attempt = Attempt(run_dir if distributed.is_writer() else None, began)
     try:
         return train_loop(cfg, run_dir, req, stop, t_start, attempt)
     except Interrupted as e:

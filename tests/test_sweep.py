@@ -146,6 +146,34 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, space, args, say
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "metric, args, says",
+    [
+        ("val_accuracy", sets("data.val_split=0"), "test_accuracy"),  # iris holds out no val without val_split
+        ("val_top5", [], "val_accuracy"),  # a table's top-5 of 3 classes is never written
+    ],
+)
+def test_a_metric_the_run_will_not_write_is_refused_before_any_trial(tmp_path, metric, args, says):
+    out = tmp_path / "S"
+    argv = ["sweep", str(space_file(tmp_path, metric=metric)), "--output", str(out), *IRIS, *args]
+    r = run_job(*argv, timeout=120)
+    assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists()
+
+
+def test_trials_in_one_worker_count_their_own_device_time(tmp_path):
+    """A worker runs its trials one after another in one process: each trial's start-up and device time count
+    from its own start, not from the worker's, so they add up to no more than the worker's time."""
+    space, out = space_file(tmp_path, trials=3), tmp_path / "S"
+    t0 = time.time()
+    assert worker(space, out, 400).wait(timeout=600) == 0
+    wall = time.time() - t0
+    firsts = [attempts(out / f"trials/{n}")[0] for n in range(3)]
+    device_s = [a["device_hours"] * 3600 for a in firsts]
+    assert sum(device_s) <= wall + 1, (device_s, wall)
+    assert max(a["startup_s"] for a in firsts[1:]) < firsts[0]["startup_s"] + 1, firsts
+
+
 def test_a_space_file_that_is_not_yaml_is_refused(tmp_path):
     bad = tmp_path / "space.yaml"
     bad.write_text("metric: [val_accuracy\n")
