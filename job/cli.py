@@ -169,7 +169,7 @@ def sweep(
     space: str = typer.Argument(
         ...,
         help="The space file (YAML at any URL): metric, direction, trials, sampler, "
-        "pruner, space {config.key: {low, high, log} or [values]}.",
+        "pruner, space {config.key: {low, high, log} or a list of values}.",
     ),
     study: str = typer.Option(
         "",

@@ -465,7 +465,7 @@ warnings.filterwarnings("ignore", 'Field name "register" in "TrackConfig"')
 class TrackConfig(Section):
     mlflow: str = Field(
         "",
-        description="MLflow tracking URI: http(s)://HOST:PORT, sqlite:///PATH or a folder; empty: the environment's "
+        description="MLflow tracking URI: http(s)://HOST:PORT or sqlite:///PATH; empty: the environment's "
         "MLFLOW_TRACKING_URI, else no tracking. What the server does not take waits in the run folder "
         "(track.jsonl) and is sent when it answers again, or by `python -m job track RUN`.",
     )

@@ -160,7 +160,10 @@ def storage_url(study: str, output: str) -> str:
         path = study.removeprefix("sqlite:///")
         if "://" in path or path.startswith("gs:/"):
             raise ConfigError(f"--study {study}: SQLite needs a local file; use --study postgresql://... for a bucket")
-        if fs := network_filesystem(os.path.abspath(path)):
+        fs = network_filesystem(os.path.abspath(path))
+        if not fs and os.path.abspath(path).startswith("/gcs/"):  # Vertex AI's Cloud Storage FUSE, mounted or not here
+            fs = "Cloud Storage FUSE"
+        if fs:
             raise ConfigError(
                 f"--study {study}: the file is on a network filesystem ({fs}), where SQLite's locks are not safe: use "
                 "--study postgresql://... or a sqlite path on a local disk"

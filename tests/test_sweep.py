@@ -135,6 +135,7 @@ def test_a_worker_stopped_by_sigterm_exits_75_and_the_sweep_goes_on_as_one_never
         ({"sampler": {"name": "grid"}}, [], "a grid takes lists"),
         ({}, ["--study", "postgresql://nobody@127.0.0.1:1/none"], "cannot open the study's storage"),
         ({}, ["--output", "gs://bucket/sweep"], "--study postgresql://"),
+        ({}, ["--study", "sqlite:////gcs/bucket/study.db"], "Cloud Storage FUSE"),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, space, args, says):
