@@ -61,7 +61,8 @@ def describe_device(device: torch.device) -> str:
         props = torch.cuda.get_device_properties(device)
         return f"{device} ({props.name}, {props.total_memory / GIB:.0f} GiB)"
     if device.type == "cpu":
-        return f"cpu ({torch.get_num_threads()} threads)"
+        n = torch.get_num_threads()
+        return f"cpu ({n} thread{'s' if n != 1 else ''})"
     return str(device)
 
 

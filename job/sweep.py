@@ -495,7 +495,8 @@ def sweep(
     worker = Worker(space, cfg, config, overrides, output, device, nproc, study_)
     worker.parent_run_id = parent_run(worker)
     say(
-        f"sweep {space.name}: {space.trials} trials of {', '.join(space.params)}, {space.direction} {space.metric}; "
+        f"sweep {space.name}: {space.trials} trial{'s' if space.trials != 1 else ''} of {', '.join(space.params)}, "
+        f"{space.direction} {space.metric}; "
         f"study {masked(url)}"
     )
     from optuna.trial import TrialState

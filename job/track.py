@@ -475,6 +475,8 @@ def send_export(model_url: str, files: list[str]) -> tuple[str, bool]:
 def send_run(run_dir: RunDir, uri: str | None = None) -> tuple[str, bool]:
     """`job track`: send what a run's journal holds that the server lacks; (a line for the user, all sent)."""
     lines = read_journal(run_dir.read(JOURNAL))
+    if not lines and not run_dir.has_run():
+        raise ConfigError(f"{run_dir.url} holds no run (no config.yaml, no checkpoints): name a run folder")
     if not lines:
         raise ConfigError(f"{run_dir.url} holds no {JOURNAL}: it was not run with track.mlflow or MLFLOW_TRACKING_URI")
     server = next((e for e in reversed(lines) if "server" in e), {})

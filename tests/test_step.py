@@ -141,7 +141,7 @@ def test_a_model_of_your_own_is_captured_only_when_asked(tmp_path, capsys, user_
 
 def test_cpu_threads_one_for_a_small_model_else_as_set(tmp_path, capsys):
     _, _, said = train(tmp_path, "auto", ["train.epochs=2"], capsys)
-    assert "device cpu (1 threads)" in said
+    assert "device cpu (1 thread)" in said
     _, _, said = train(tmp_path, "two", ["train.epochs=2", "train.cpu_threads=2"], capsys)
     assert "device cpu (2 threads)" in said
 
@@ -152,7 +152,7 @@ def test_a_large_cpu_step_runs_eagerly_on_all_threads(tmp_path, capsys):
     run(cfg, str(tmp_path / "big"), "cpu", "never", True)
     said = capsys.readouterr().err
     assert "eager (a CPU step this large is bound by arithmetic" in said
-    assert f"device cpu ({threads} threads)" in said
+    assert f"device cpu ({threads} thread{'s' if threads != 1 else ''})" in said
     assert torch.get_num_threads() == threads  # the run's setting does not outlive it
 
 
