@@ -321,6 +321,9 @@ def test_the_launcher_killed_takes_its_workers_and_the_same_command_resumes(tmp_
     assert not (out / "lease.json").exists()  # let go at the end
 
 
+LIVE_FILES = ("lease.json", ".alive")  # the live run's own heartbeats, which it rewrites as it runs
+
+
 def test_the_same_command_beside_a_live_run_is_refused_and_the_live_run_ends_unharmed(tmp_path):
     (tmp_path / "gate.py").write_text(GATE)
     gate = tmp_path / "gate"
@@ -330,7 +333,7 @@ def test_the_same_command_beside_a_live_run_is_refused_and_the_live_run_ends_unh
     live = start_job(*TWO, *args, env={**env, "PYTHONPATH": f"{tmp_path}:{job_env()['PYTHONPATH']}"})
     try:
         wait_for(lambda: all(Path(f"{gate}.{r}").exists() for r in (0, 1)), "the live run at its gate", live)
-        files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "lease.json"}
+        files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name not in LIVE_FILES}
         holder = json.loads((out / "lease.json").read_text())
         for command in (TWO, TWO[:3]):  # a group is refused by its launcher, a process alone as it opens the run
             refused = run_job(*command, *args, env=env, timeout=180)
@@ -338,7 +341,7 @@ def test_the_same_command_beside_a_live_run_is_refused_and_the_live_run_ends_unh
             [line] = refused.stderr.strip().splitlines()[-1:]
             assert line.startswith(f"error: {out} is being written by another run (host {holder['host']}, pid ")
             assert f"pid {holder['pid']}, heartbeat " in line and "launching" not in refused.stderr
-        assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name != "lease.json"} == files
+        assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and p.name not in LIVE_FILES} == files
         assert json.loads((out / "lease.json").read_text())["token"] == holder["token"]
         gate.touch()
         _, err = live.communicate(timeout=300)
