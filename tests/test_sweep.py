@@ -68,13 +68,26 @@ def attempts(run: Path) -> list[dict]:
     return json.loads((run / "run.json").read_text())["attempts"]
 
 
+def mid_trial(out: Path, pid: int) -> bool:
+    """Whether the worker `pid` is running a trial that has committed a checkpoint (a state, not a moment: a kill now
+    lands inside the trial, wherever the machine's load has put it)."""
+    for trial in (out / "trials").glob("*"):
+        try:
+            last = attempts(trial)[-1]
+        except (OSError, ValueError, IndexError, KeyError):
+            continue  # not begun yet, or run.json being replaced
+        if last.get("pid") == pid and last.get("ended") is None and (trial / "checkpoints/latest.json").exists():
+            return True
+    return False
+
+
 def test_workers_killed_mid_trial_leave_their_trials_to_the_next_which_continue_them(tmp_path):
     """Two workers side by side, one killed outright (SIGKILL of its group) mid-trial and started again: exactly N
     COMPLETE trials with N parameter sets, N folders; the killed trial continued from its checkpoint and equal to an
     uninterrupted run of its config.yaml; best.json and best/ as predict's --model."""
     space, out = space_file(tmp_path, trials=3), tmp_path / "S"
     a, b = worker(space, out, 4000), worker(space, out, 4000)
-    wait_for(lambda: evaluations(out) >= 3, what="evaluations of the first trials")
+    wait_for(lambda: mid_trial(out, a.pid), what="worker a inside a trial, past its first checkpoint")
     os.killpg(a.pid, signal.SIGKILL)
     a.wait()
     a = worker(space, out, 4000)
