@@ -179,13 +179,18 @@ def read_records(run: RunDir, upto_step: int) -> list[dict[str, Any]]:
     data = run.read(METRICS)
     if not data or not upto_step:
         return []
+    return [r for r in records_in(data.decode()) if r.get("step", 0) <= upto_step and "chosen_epoch" not in r]
+
+
+def records_in(text: str) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl's text; a line cut short by a crash, or one being written, is none."""
     records = []
-    for line in data.decode().splitlines():
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(record, dict) and record.get("step", 0) <= upto_step and "chosen_epoch" not in record:
+            continue
+        if isinstance(record, dict):
             records.append(record)
     return records
 

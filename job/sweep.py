@@ -435,16 +435,14 @@ class Watch:
             self.poll()
 
     def poll(self) -> None:
+        from job.report import METRICS, records_in
         from job.storage import RunDir
 
         try:  # where the run writes it on this machine (a remote run's staging copy): each line as it is written
-            text = RunDir(self.run).path("metrics.jsonl").read_text()
+            text = RunDir(self.run).path(METRICS).read_text()
         except (OSError, UnicodeDecodeError):
             return
-        lines = text.splitlines()
-        if text and not text.endswith("\n"):
-            lines = lines[:-1]  # a line being written
-        self.records = [r for r in map(record, lines) if "train_loss" in r]
+        self.records = [r for r in records_in(text[: text.rfind("\n") + 1]) if "train_loss" in r]  # whole lines
         metric = self.space.metric
         for r in self.records:
             if metric in r and r["step"] not in self.reported:
@@ -541,7 +539,7 @@ def run_one(worker: Worker) -> None:
 def parent_run(worker: Worker) -> str:
     """The study's MLflow run (track.mlflow set), made by the first worker and kept in the study's user attrs; ''
     untracked, or when the server does not answer (the trials are then tracked alone, their points kept as ever)."""
-    from job.track import target
+    from job.track import experiment_id, target
 
     where = target(worker.cfg, worker.output)
     if where is None:
@@ -552,9 +550,7 @@ def parent_run(worker: Worker) -> str:
         from mlflow import MlflowClient
 
         c = MlflowClient(tracking_uri=where.uri)
-        exp = c.get_experiment_by_name(where.experiment)
-        exp_id = exp.experiment_id if exp is not None else c.create_experiment(where.experiment)
-        made = c.create_run(exp_id, run_name=worker.space.name, tags={"job.study": worker.space.name})
+        made = c.create_run(experiment_id(c, where), run_name=worker.space.name, tags={"job.study": worker.space.name})
     except Exception as e:  # the client's and the server's errors
         say(f"tracking: no MLflow run for the study ({one_line(e)}); each trial is tracked alone")
         return ""
@@ -579,15 +575,6 @@ def end_parent_run(worker: Worker, best: dict) -> None:
         c.set_terminated(worker.parent_run_id)
     except Exception as e:  # the client's and the server's errors
         say(f"tracking: the study's MLflow run could not be ended ({one_line(e)})")
-
-
-def record(line: str) -> dict[str, Any]:
-    """A line of metrics.jsonl; {} for one that is not a record (cut short by a kill)."""
-    try:
-        got = json.loads(line)
-    except ValueError:
-        return {}
-    return got if isinstance(got, dict) else {}
 
 
 def note(run: str, why: str) -> None:

@@ -77,6 +77,12 @@ def environment_uri() -> str:
         raise ConfigError(f"MLFLOW_TRACKING_URI {uri!r}: {e}") from None
 
 
+def experiment_id(client, where: Target) -> str:
+    """The id of `where`'s experiment, made when it is new (its files kept where artifacts() says)."""
+    exp = client.get_experiment_by_name(where.experiment)
+    return exp.experiment_id if exp is not None else client.create_experiment(where.experiment, artifacts(where.uri))
+
+
 def artifacts(uri: str) -> str | None:
     """Where a new experiment keeps its files: beside a database file (MLflow's default is ./mlruns in whatever
     folder the job runs from); the server's own choice otherwise."""
@@ -203,9 +209,7 @@ class Sender:
             self.client = MlflowClient(tracking_uri=self.where.uri)
         c = self.client
         if self.run_id is None:
-            exp = c.get_experiment_by_name(self.where.experiment)
-            made_exp = exp is None and c.create_experiment(self.where.experiment, artifacts(self.where.uri))
-            exp_id = exp.experiment_id if exp is not None else made_exp
+            exp_id = experiment_id(c, self.where)
             url = self.where.run_url.replace("'", "\\'")
             found = [] if self.where.fresh else c.search_runs([exp_id], f"tags.`{RUN_TAG}` = '{url}'", max_results=1)
             if found:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -366,3 +367,45 @@ def stopping_model(layers: str, doc: str) -> str:
     num_classes) that sends its own process SIGTERM in training step $STOP_AT_STEP of each attempt (from 1; unset:
     never), as a preemption would."""
     return STOPPING_MODEL.replace("LAYERS", layers).replace("DOC", doc)
+
+
+# The MLflow tracking server of the tracking and sweep tests.
+def start_mlflow_server(root: Path, port: int) -> subprocess.Popen:
+    args = ["--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts")]
+    log = open(root / "server.log", "ab")  # noqa: SIM115 (the server writes it while it runs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", *args, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.time() + 300  # the first start migrates the database: a minute on a busy machine
+    while True:
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=2).read().strip() == b"OK":
+                return
+        except OSError:
+            pass
+        alive = proc.poll() is None and time.time() < deadline
+        assert alive, f"the MLflow server did not start: {log.read_text()[-500:]}"
+        time.sleep(0.5)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> str:
+    """A real MLflow tracking server (SQLite backend, artifacts served by it) on 127.0.0.1, one per session; yields
+    its URL."""
+    root = tmp_path_factory.mktemp("mlflow")
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = start_mlflow_server(root, int(url.rsplit(":", 1)[1]))
+    wait_healthy(url, proc, root / "server.log")
+    yield url
+    stop_group(proc)

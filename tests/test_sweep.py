@@ -283,18 +283,6 @@ def test_the_sweep_command_is_in_the_help():
     assert r.returncode == 0 and "--study" in r.stdout
 
 
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory) -> str:
-    from test_track import start_server, stop, wait_healthy
-
-    root = tmp_path_factory.mktemp("mlflow")
-    url = f"http://127.0.0.1:{free_port()}"
-    proc = start_server(root, int(url.rsplit(":", 1)[1]))
-    wait_healthy(url, proc, root / "server.log")
-    yield url
-    stop(proc)
-
-
 def test_a_tracked_study_is_one_mlflow_run_with_each_trial_a_child_of_it(tmp_path, mlflow_server):
     from mlflow import MlflowClient
 

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,43 +22,9 @@ JOB = ["train", "--device", "cpu", "--config", "iris"]
 RUN = sets("data.val_split=0.2", "train.epochs=4000", "train.checkpoint_every_epochs=1000", "track.experiment=tests")
 
 
-def start_server(root: Path, port: int) -> subprocess.Popen:
-    args = ["--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--artifacts-destination", str(root / "artifacts")]
-    log = open(root / "server.log", "ab")  # noqa: SIM115 (the server writes it while it runs)
-    return subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", *args, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.time() + 300  # the first start migrates the database: a minute on a busy machine
-    while True:
-        try:
-            if urllib.request.urlopen(f"{url}/health", timeout=2).read().strip() == b"OK":
-                return
-        except OSError:
-            pass
-        alive = proc.poll() is None and time.time() < deadline
-        assert alive, f"the MLflow server did not start: {log.read_text()[-500:]}"
-        time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(30)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("mlflow")
-    url = f"http://127.0.0.1:{free_port()}"
-    proc = start_server(root, int(url.rsplit(":", 1)[1]))
-    wait_healthy(url, proc, root / "server.log")
-    yield url
-    stop(proc)
+def server(mlflow_server) -> str:
+    return mlflow_server
 
 
 def client(url: str):
