@@ -32,24 +32,22 @@ from job.storage import PULSE, RunDir
 
 RUN_JSON = "run.json"
 PULSE_S = 0.5  # a killed attempt's stop is known to within this (plus a busy machine's delay)
-# Variables that name the platform's job, task or session, where the job runs on one.
-PLATFORM_VARIABLES = (
-    "CLOUD_ML_JOB_ID",  # Vertex AI custom training
-    "CLOUD_ML_TRIAL_ID",
-    "BATCH_TASK_INDEX",  # Cloud Batch
-    "BATCH_TASK_RETRY_ATTEMPT",
-    "SKYPILOT_TASK_ID",  # SkyPilot
-    "SKYPILOT_NODE_RANK",
-    "COLAB_RELEASE_TAG",  # Colab
-    "COLAB_GPU",
-)
+# Variables that name the platform's job, task or session, where the job runs on one, and the platform they name.
+PLATFORM_VARIABLES = {
+    "CLOUD_ML_JOB_ID": "Vertex AI",  # custom training
+    "CLOUD_ML_TRIAL_ID": "Vertex AI",
+    "BATCH_TASK_INDEX": "Cloud Batch",
+    "BATCH_TASK_RETRY_ATTEMPT": "Cloud Batch",
+    "SKYPILOT_TASK_ID": "SkyPilot",
+    "SKYPILOT_NODE_RANK": "SkyPilot",
+    "COLAB_RELEASE_TAG": "Colab",
+    "COLAB_GPU": "Colab",
+}
 
 
 def platform_name() -> str:
     """The platform the job runs on, as its variables name it ('' on a machine of one's own)."""
-    names = {"CLOUD_ML_JOB_ID": "Vertex AI", "BATCH_TASK_INDEX": "Cloud Batch", "SKYPILOT_TASK_ID": "SkyPilot"}
-    names |= {"SKYPILOT_NODE_RANK": "SkyPilot", "COLAB_RELEASE_TAG": "Colab", "COLAB_GPU": "Colab"}
-    return next((name for var, name in names.items() if os.environ.get(var)), "")
+    return next((name for var, name in PLATFORM_VARIABLES.items() if os.environ.get(var)), "")
 
 
 def now() -> str:
