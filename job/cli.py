@@ -203,8 +203,9 @@ def sweep(
 
     with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
         from job.sweep import sweep as run_sweep
+        from job.train import run as train
 
-        run_sweep(space, study, trials, config, overrides, output, device, nproc_per_node, stop)
+        run_sweep(space, study, trials, config, overrides, output, device, nproc_per_node, stop, train)
 
 
 def run_url(cfg: Config, output: str) -> tuple[str, dict[str, str]]:

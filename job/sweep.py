@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -317,6 +318,7 @@ class Worker:
     output: str
     device: str
     nproc: int
+    train: Callable[..., dict]  # job.train.run, handed in by the command line: a sweep never imports the loop
     study: Any = None
     lost: int | None = None  # the trial id this worker's last trial had
     parent_run_id: str = ""  # the study's MLflow run, each trial's run a child of it
@@ -375,12 +377,11 @@ class Worker:
     def run_here(self, run: str, n: int, params: dict[str, Any], watch: Watch) -> None:
         """The trial in this process: no start-up cost per trial; SIGTERM stops it at a committed checkpoint."""
         from job.stop import StopRequest
-        from job.train import run as train
 
         cfg = load_config(self.config, self.trial_overrides(n, params))
         with StopRequest(cfg.train.grace_seconds) as stop:  # the worker's own watch is back after it
             watch.start(lambda: stop.limit(0))  # a pruned trial stops as at its time limit: committed, Interrupted
-            train(cfg, run, self.device, "auto", False, stop)
+            self.train(cfg, run, self.device, "auto", False, stop)
 
     def run_group(self, run: str, n: int, params: dict[str, Any], watch: Watch) -> None:
         """The trial as `job train --nproc-per-node N`: the parameters drawn once, here, the same on every process."""
@@ -466,8 +467,10 @@ def sweep(
     device: str,
     nproc: int,
     stop: StopRequest,
+    train: Callable[..., dict],
 ) -> dict:
-    """Run trials of the study until it holds its N finished ones, then write the results; returns best.json."""
+    """Run trials of the study until it holds its N finished ones, then write the results; returns best.json.
+    `train`: job.train.run, which runs a trial in this process."""
     cfg = load_config(config, overrides)
     output = output or f"runs/{cfg.name}-sweep"
     space = read_space(space_url, trials, cfg, config, overrides)
@@ -490,7 +493,7 @@ def sweep(
         )
     except Exception as e:
         raise StorageError(f"--study {masked(url)}: cannot open study {space.name}: {one_line(e)}") from None
-    worker = Worker(space, cfg, config, overrides, output, device, nproc, study_)
+    worker = Worker(space, cfg, config, overrides, output, device, nproc, train, study_)
     worker.parent_run_id = parent_run(worker)
     say(
         f"sweep {space.name}: {space.trials} trial{'s' if space.trials != 1 else ''} of {', '.join(space.params)}, "

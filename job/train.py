@@ -12,54 +12,32 @@ import json
 import math
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
-from job import bundle, checkpoint, diagnostics, distributed, hypertune, recipe, scores, track
+from job import bundle, checkpoint, distributed, hypertune, recipe, track
 from job.attempts import Attempt, budget_spent
 from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
 from job.console import say
-from job.cost import Budget, parse_budget
 from job.cost import describe as describe_cost
+from job.cost import parse_budget
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Interrupted, StorageError, exit_code
-from job.evaluate import Scored, score_split
+from job.evaluations import evaluation_fields, final_test, test_and_report, write_reports
+from job.loop import Loop
 from job.memory import is_out_of_memory, memory_guard, out_of_memory_error
 from job.meters import LossLog, TrainClock
 from job.models import describe as describe_model
 from job.plan import make_step, set_cpu_threads
 from job.progress import Progress, is_best, position
-from job.recipe import Recipe
 from job.report import FollowerReport, Report
 from job.resume import Request, check_split, decide, preflight, replan_schedule, restore
-from job.step import EagerStep
 from job.stop import StopRequest
 from job.storage import RunDir, cache_dir
 from job.weights import at_hand as weights_at_hand
-
-
-@dataclass
-class Loop:
-    """What the epochs share, set up once by train_loop."""
-
-    cfg: Config
-    run_dir: RunDir
-    r: Recipe
-    step: EagerStep
-    state: Progress
-    log: LossLog
-    report: Report | FollowerReport
-    stop: StopRequest
-    clock: TrainClock
-    t_start: float
-    t_eval: float  # when the last evaluation ended: throughput is measured from there
-    attempt: Attempt  # this invocation's entry in run.json
-    chooser: Chooser  # the best evaluation and its weights
-    budget: Budget | None = None  # train.budget, read
-    over_budget: str = ""  # why the run stops at the checkpoint just committed, to keep within train.budget
 
 
 def run(
@@ -310,91 +288,6 @@ def write_results(loop: Loop, final: dict) -> None:
     loop.run_dir.write(bundle.MODEL_JSON, described.encode())
     loop.report.close(final, loop.attempt.settle())
     loop.attempt.end(0, metrics=final)
-
-
-def test_and_report(loop: Loop) -> str:
-    """Evaluate the model on val (test when there is none) and report it with the training loss and throughput since
-    the previous evaluation; the reason to stop early, or ''."""
-    loop.clock.stop()
-    loop.log.system.pause()
-    r, state, log, on = loop.r, loop.state, loop.log, loop.r.evaluated_on
-    if state.step % log.every and state.steps_since_eval:  # the open window is logged: every evaluated epoch has one
-        log.close_window(
-            state.step, r.optimizer.param_groups[0]["lr"], min(state.step % log.every, state.steps_since_eval)
-        )
-    scored = score(loop, on, extra=log.sums[1:])
-    (train_sum,) = scored.extra
-    now = time.perf_counter()
-    for window in log.ready(wait=True):
-        loop.report.loss(*window)
-    log.sums[1:].zero_()
-    record = {
-        "epoch": state.epoch,
-        "step": state.step,
-        "train_loss": train_sum / max(state.steps_since_eval, 1),
-        **scored.record(on),
-        "samples_per_s": state.samples_since_eval / max(now - loop.t_eval, 1e-9),
-        "wall_s": round(now - loop.t_start, 3),
-    }
-    show(loop, on, scored.confusion)
-    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], record[f"{on}_loss"], r.model, scored.confusion)
-    state.steps_since_eval = state.samples_since_eval = 0
-    loop.report.evaluation(record)
-    if (only := scores.one_class(scored.confusion)) is not None:  # under the epoch line it belongs to
-        say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
-    loop.t_eval = now
-    return reason
-
-
-def evaluation_fields(r: Recipe) -> list[str]:
-    """The metrics each evaluation's record holds (test_and_report), known before the first one."""
-    blank = Scored(0.0, 0.0, 0.0, torch.zeros(len(r.classes), len(r.classes)), [])
-    return ["train_loss", *blank.record(r.evaluated_on), "samples_per_s", "wall_s"]
-
-
-def show(loop: Loop, split: str, confusion: torch.Tensor) -> None:
-    """An evaluation's per-class table and confusion picture in TensorBoard."""
-    classes, step = loop.r.classes, loop.state.step
-    f1 = dict(zip(classes, scores.per_class(confusion)["f1"].tolist()))
-    loop.report.class_table(split, scores.table(confusion, classes), f1, step)
-    loop.report.image(f"{split}/confusion", lambda: diagnostics.confusion_picture(confusion, classes, split), step)
-
-
-def score(loop: Loop, split: str, extra: torch.Tensor | None = None) -> Scored:
-    r = loop.r
-    augmentation = loop.cfg.train.test_time_augmentation
-    return score_split(r.model, r.held_out[split], r.amp, len(r.classes), augmentation, loop.clock, extra)
-
-
-def final_test(loop: Loop) -> dict:
-    """With a val split: the chosen (best-on-val) weights put into the model, and the test split, when there is one,
-    reported once on them (and on the final weights, when they differ)."""
-    r, state, chooser = loop.r, loop.state, loop.chooser
-    if r.evaluated_on != "val":
-        return {}
-    tested = "test" in r.held_out
-    final = score(loop, "test") if tested and not is_best(state) else None
-    chooser.choose(state, r.model)
-    if not tested:
-        return {}
-    scored = score(loop, "test")
-    chooser.test_confusion = scored.confusion  # the weakest classes are the chosen model's on test
-    show(loop, "test", scored.confusion)
-    record = {"epoch": state.epoch, "step": state.step, "chosen_epoch": state.best_epoch}
-    record |= {"val_accuracy": state.best_accuracy, **scored.record("test")}
-    record |= {"final_test_loss": final.loss, "final_test_accuracy": final.accuracy} if final else {}
-    loop.report.tested(record)
-    return record
-
-
-def write_reports(loop: Loop) -> None:
-    """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py):
-    every process scores its part, rank 0 writes the files."""
-
-    def put(split: str, name: str, data: bytes) -> None:
-        loop.run_dir.write(f"report/{split}/{name}", data)
-
-    diagnostics.write_splits(loop.r, put, (distributed.rank(), distributed.world()), distributed.gather_to_writer)
 
 
 def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:

@@ -1,0 +1,40 @@
+"""What the epochs of a run share (job/train.py sets it up once; its evaluations, job/evaluations.py, read it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from job.attempts import Attempt
+    from job.choose import Chooser
+    from job.config import Config
+    from job.cost import Budget
+    from job.meters import LossLog, TrainClock
+    from job.progress import Progress
+    from job.recipe import Recipe
+    from job.report import FollowerReport, Report
+    from job.step import EagerStep
+    from job.stop import StopRequest
+    from job.storage import RunDir
+
+
+@dataclass
+class Loop:
+    """What the epochs share, set up once by train_loop."""
+
+    cfg: Config
+    run_dir: RunDir
+    r: Recipe
+    step: EagerStep
+    state: Progress
+    log: LossLog
+    report: Report | FollowerReport
+    stop: StopRequest
+    clock: TrainClock
+    t_start: float
+    t_eval: float  # when the last evaluation ended: throughput is measured from there
+    attempt: Attempt  # this invocation's entry in run.json
+    chooser: Chooser  # the best evaluation and its weights
+    budget: Budget | None = None  # train.budget, read
+    over_budget: str = ""  # why the run stops at the checkpoint just committed, to keep within train.budget
