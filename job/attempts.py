@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from job import platforms
 from job.cost import Budget, Price, in_budget_unit, parse_budget, price_of, spent_of, totals
 from job.env import cpus
 from job.errors import ConfigError
@@ -32,22 +33,6 @@ from job.storage import PULSE, RunDir
 
 RUN_JSON = "run.json"
 PULSE_S = 0.5  # a killed attempt's stop is known to within this (plus a busy machine's delay)
-# Variables that name the platform's job, task or session, where the job runs on one, and the platform they name.
-PLATFORM_VARIABLES = {
-    "CLOUD_ML_JOB_ID": "Vertex AI",  # custom training
-    "CLOUD_ML_TRIAL_ID": "Vertex AI",
-    "BATCH_TASK_INDEX": "Cloud Batch",
-    "BATCH_TASK_RETRY_ATTEMPT": "Cloud Batch",
-    "SKYPILOT_TASK_ID": "SkyPilot",
-    "SKYPILOT_NODE_RANK": "SkyPilot",
-    "COLAB_RELEASE_TAG": "Colab",
-    "COLAB_GPU": "Colab",
-}
-
-
-def platform_name() -> str:
-    """The platform the job runs on, as its variables name it ('' on a machine of one's own)."""
-    return next((name for var, name in PLATFORM_VARIABLES.items() if os.environ.get(var)), "")
 
 
 def now() -> str:
@@ -100,7 +85,7 @@ class Attempt:
             "argv": sys.argv,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "platform": {k: os.environ[k] for k in PLATFORM_VARIABLES if os.environ.get(k)},
+            "platform": platforms.current().record(),
             "versions": versions(),
             "devices": devices(device),
             "world_size": world,
@@ -128,7 +113,7 @@ class Attempt:
         """The run is tracked: the MLflow run gets the settings and decisions as params, this attempt as tags."""
         self.tracker, self.cfg = tracker, cfg
         tags = {"job.version": self.entry["versions"]["job"], "job.git_commit": self.entry["versions"]["git_commit"]}
-        tags |= {"job.platform": platform_name(), "job.attempts": self.number, "job.host": self.entry["host"]}
+        tags |= {"job.platform": platforms.current().name, "job.attempts": self.number, "job.host": self.entry["host"]}
         tracker.add({"params": params})
         tracker.add({"tags": {k: v for k, v in tags.items() if v is not None}})
         tracker.add({"status": "RUNNING"})

@@ -8,13 +8,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
-from job.errors import ConfigError, JobError
+from job.errors import ConfigError, Interrupted, JobError
 
 if TYPE_CHECKING:
     from job.config import Config
@@ -97,12 +99,17 @@ def train(
     with user_errors():
         overrides = [*overrides, *tuning_overrides(ctx)]
         from job.env import torchvision_problem
-        from job.launch import end_with_launcher, launch_plan
+        from job.launch import LAUNCHER, end_with_launcher, launch_plan
 
         if problem := torchvision_problem():  # before anything is made: a mismatched build fails mid-run otherwise
             raise ConfigError(problem)
         limit = [f"train.time_limit={seconds(time_limit)}"] if time_limit else []
-        group = launch_plan(nproc_per_node, nnodes, node_rank, master_addr, master_port, device)
+        from job import platforms
+
+        place = platforms.settle()  # the platform and this process's place in its group, read once
+        group = launch_plan(nproc_per_node, nnodes, node_rank, master_addr, master_port, device, place)
+        if group is None:
+            platforms.adopt(place)  # one process of a group the platform started (srun -n N): torch's variables
     if group:  # this process starts the workers and waits for them (under torchrun it is a worker, and trains)
         with user_errors():
             from job.config import load_config
@@ -122,7 +129,7 @@ def train(
     # Watch for SIGTERM from the start: a preemption during the slow imports and data loading still exits 75.
     with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
         from job.config import load_config
-        from job.console import say
+        from job.console import follower, say
         from job.train import run
 
         cfg = load_config(config, [*overrides, *limit])
@@ -130,9 +137,18 @@ def train(
         if not (output or cfg.output.dir) and target != f"runs/{cfg.name}":
             places = "".join(f", {k} to {v}" for k, v in routes.items())
             say(f"Vertex AI (AIP_* variables): the run goes to {target}{places}")
+        if place.name and not os.environ.get(LAUNCHER) and (place.process is not None or place.nnodes != 1):
+            say(place.describe())  # a group the platform started, on the console (a launcher's says its own)
         import psutil
 
-        run(cfg, target, device, resume, overwrite, stop, routes, psutil.Process().create_time())
+        began = time.time() if place.joined else psutil.Process().create_time()  # called in a process of Ray's
+        try:
+            run(cfg, target, device, resume, overwrite, stop, routes, began)
+        except Interrupted as e:
+            usr1 = stop.signal == getattr(signal, "SIGUSR1", None) and not os.environ.get(LAUNCHER)  # not a worker
+            if usr1 and not follower() and (said := platforms.requeue()):  # Slurm's warning: requeue, to continue
+                raise Interrupted(f"{e}; {said}") from None
+            raise
 
 
 def tuning_overrides(ctx: typer.Context) -> list[str]:

@@ -34,6 +34,7 @@ TIMEOUT = timedelta(minutes=10)
 # A second group over gloo for host-side exchanges (stop flag, rank 0's outcome) when the main group is nccl:
 # reading them never waits for the GPU. None when the main group is gloo already.
 _control: Any = None
+_owned = True  # this process made the default group (not a platform before it), and so ends it
 
 
 def launched() -> bool:
@@ -60,7 +61,7 @@ def is_writer() -> bool:
 
 def start(device_name: str, stop: StopRequest) -> None:
     """Under torchrun: take this worker's device (cuda:LOCAL_RANK) and join the group; otherwise nothing."""
-    global _control
+    global _control, _owned
     size = os.environ.get("WORLD_SIZE", "1").strip()
     if not launched() and size.isdigit() and int(size) > 1:
         raise ConfigError(
@@ -68,13 +69,16 @@ def start(device_name: str, stop: StopRequest) -> None:
             "sets it to the number of machines): run `python -m job train`, which starts the group itself, or torchrun "
             "(docs/distributed.md); otherwise every machine would train alone"
         )
-    if not launched() or active():
+    if not launched():
         return
+    joined = active()  # a platform made the group in this process already (Ray Train): join it, make none
     local_rank = int(os.environ["LOCAL_RANK"])
     if device_name not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device {device_name}: in a group each process takes cuda:LOCAL_RANK; use cuda or cpu")
     if device_name != "cpu" and torch.cuda.is_available():
         count = torch.cuda.device_count()
+        if joined and count == 1:  # the platform gave this process its own GPU (Ray: CUDA_VISIBLE_DEVICES)
+            local_rank = 0
         if local_rank >= count:
             raise ConfigError(
                 f"more processes on this machine than it has GPUs ({count}): use --nproc-per-node {count} (or auto), "
@@ -85,13 +89,17 @@ def start(device_name: str, stop: StopRequest) -> None:
     if device.type == "mps":
         raise ConfigError("--device mps: a group of processes needs cuda or cpu (no collective backend for MPS)")
     try:
-        if device.type == "cuda":
-            dist.init_process_group("nccl", timeout=TIMEOUT, device_id=device)
+        if not joined:
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                timeout=TIMEOUT,
+                device_id=device if device.type == "cuda" else None,
+            )
+        if dist.get_backend() != "gloo":
             _control = dist.new_group(backend="gloo", timeout=TIMEOUT)
-        else:
-            dist.init_process_group("gloo", timeout=TIMEOUT)
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"cannot join the process group: {one_line(e)}") from None
+    _owned = not joined
     stop.share(combined_signal)
 
 
@@ -101,13 +109,16 @@ def finish(together: bool = False) -> None:
     finishing (rank 0 commits, uploads and writes the results last) can make the peer's transport threads abort it
     at exit ("terminate called without an active exception", exit -6 in place of 75). Not after a failure: a peer
     may be gone."""
-    global _control
+    global _control, _owned
     if active():
         if together:
             with contextlib.suppress(Exception):  # a peer that is gone already: nothing to wait for
                 dist.monitored_barrier(group=_control, timeout=timedelta(seconds=120))
-        dist.destroy_process_group()
-    _control = None
+        if _owned:
+            dist.destroy_process_group()
+        elif _control is not None:  # the platform's group stays, for the platform (Ray Train) to end
+            dist.destroy_process_group(_control)
+    _control, _owned = None, True
 
 
 def seed_own(seed: int, deterministic: bool, step: int = 0, saved: list | None = None) -> None:

@@ -13,7 +13,6 @@ sessions of their own would otherwise train on beside the next attempt.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -21,18 +20,19 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
+from job import platforms
 from job.console import say
 from job.env import cpus, die_with_parent
 from job.errors import ConfigError, JobError, one_line
+from job.platforms import DEFAULT_PORT, Place, number
 
-FORWARDED = (signal.SIGTERM, signal.SIGINT)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 
 
-DEFAULT_PORT = 29500  # torchrun's, for platforms that name the first node but no port
 LAUNCHER = "JOB_LAUNCHER_PID"  # set for the workers: the pid of the job's process that started them
 
 
@@ -48,6 +48,7 @@ class Launch:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     source: str = ""
+    min_nnodes: int = 0  # an elastic group (PyTorchJob's elasticPolicy): it starts with this many machines or more
 
     def describe(self) -> str:
         one = "process" if self.nproc_per_node == 1 else "processes"
@@ -57,18 +58,6 @@ class Launch:
         return f"{self.nproc_per_node} {one} on node {self.node_rank} of {self.nnodes} ({where})"
 
 
-@dataclass
-class Cluster:
-    """The machines of a job as its platform describes them in the environment (`cluster()`); None fields: not said."""
-
-    source: str
-    nnodes: int
-    node_rank: int
-    master_addr: str
-    master_port: int | None = None
-    nproc_per_node: int | None = None
-
-
 def launch_plan(
     nproc_per_node: str,
     nnodes: int | None,
@@ -76,79 +65,56 @@ def launch_plan(
     master_addr: str | None,
     master_port: int | None,
     device: str,
+    place: Place | None = None,
     env: dict[str, str] | None = None,
 ) -> Launch | None:
-    """What `train` launches: the flags, and for what they leave out, the platform's variables (`cluster`); None when
-    this process should train by itself (no --nproc-per-node and one machine, or a worker of a group already)."""
+    """What `train` launches: the flags, and for what they leave out, the platform's place (job/platforms.py); None
+    when this process should train by itself (no --nproc-per-node and one machine), or as one process of a group a
+    platform started (torchrun, `srun -n N`, Ray Train)."""
     env = os.environ if env is None else env
-    if is_worker(env):
+    place = platforms.read(env) if place is None else place
+    if place.process is not None:
+        if place.joined or is_worker(env) or not nproc_per_node or nnodes is not None:
+            return None
+        if place.process.local_world > 1:
+            raise ConfigError(
+                f"--nproc-per-node with {place.name} starting {place.process.local_world} processes on this machine: "
+                "each task is already one process of the group; drop --nproc-per-node, or start one task per machine "
+                "(srun --ntasks-per-node=1)"
+            )
+        place = replace(place, process=None)  # one task per machine: this task starts the machine's processes
+    machines = place.nnodes if place.nnodes and place.nnodes > 1 else None
+    if not nproc_per_node and not (nnodes or 0) > 1 and not machines:
         return None
-    found = cluster(env)
-    if not nproc_per_node and not (nnodes or 0) > 1 and not (found and found.nnodes > 1):
-        return None
-    if found and found.nnodes > 1 and nnodes is None:  # one machine meets on itself, whatever the platform calls it
-        nnodes, node_rank = found.nnodes, found.node_rank if node_rank is None else node_rank
-        master_addr, master_port = master_addr or found.master_addr, master_port or found.master_port
+    if machines and nnodes is None:  # one machine meets on itself, whatever the platform calls it
+        nnodes, node_rank = machines, place.node_rank if node_rank is None else node_rank
+        master_addr, master_port = master_addr or place.master_addr, master_port or place.master_port
+    elif place.nnodes is None and place.name and (nnodes or 0) > 1:  # the platform says where, --nnodes how many
+        node_rank = place.node_rank if node_rank is None else node_rank
+        master_addr, master_port = master_addr or place.master_addr, master_port or place.master_port
     nnodes, node_rank = nnodes or 1, node_rank or 0
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank}: expected 0 to {nnodes - 1} for {nnodes} machines (--nnodes)")
-    setting = nproc_per_node or (str(found.nproc_per_node) if found and found.nproc_per_node else "auto")
-    source = found.source if found and found.nnodes == nnodes > 1 else ""
+    setting = nproc_per_node or platform_processes(place.nproc_per_node)
+    source = place.name if nnodes > 1 and (machines == nnodes or place.nnodes is None) else ""
     port = master_port or (DEFAULT_PORT if nnodes > 1 else 0)
-    return Launch(processes(setting, device), nnodes, node_rank, master_addr or "127.0.0.1", port, source)
+    elastic = place.elastic if machines == nnodes and place.elastic else None
+    return Launch(
+        processes(setting, device),
+        nnodes,
+        node_rank,
+        master_addr or "127.0.0.1",
+        port,
+        source,
+        elastic[0] if elastic else 0,
+    )
 
 
-def cluster(env: dict[str, str]) -> Cluster | None:
-    """The machines the platform this runs on describes, read from its variables: SkyPilot, Cloud Batch (a task group
-    with requireHostsFile), Vertex AI (CLUSTER_SPEC, or MASTER_ADDR with WORLD_SIZE and RANK counting machines);
-    None elsewhere. A value that cannot be read: one line naming the variable (exit 2)."""
-    if "SKYPILOT_NODE_RANK" in env:
-        ips = env.get("SKYPILOT_NODE_IPS", "").split()
-        nodes = number(env, "SKYPILOT_NUM_NODES", len(ips) or 1)
-        gpus = number(env, "SKYPILOT_NUM_GPUS_PER_NODE", 0)
-        return Cluster("SkyPilot", nodes, number(env, "SKYPILOT_NODE_RANK"), ips[0] if ips else "127.0.0.1", None, gpus)
-    if "BATCH_HOSTS_FILE" in env:
-        try:
-            with open(env["BATCH_HOSTS_FILE"]) as f:
-                hosts = f.read().split()
-        except OSError as e:
-            raise ConfigError(f"BATCH_HOSTS_FILE={env['BATCH_HOSTS_FILE']}: cannot read it: {e.strerror}") from None
-        if not hosts:
-            raise ConfigError(f"BATCH_HOSTS_FILE={env['BATCH_HOSTS_FILE']}: lists no hosts")
-        return Cluster("Cloud Batch", len(hosts), number(env, "BATCH_TASK_INDEX", 0), hosts[0])
-    if "CLUSTER_SPEC" in env:
-        return vertex(env)
-    if all(k in env for k in ("MASTER_ADDR", "WORLD_SIZE", "RANK")):  # Vertex AI counts machines in these
-        port = number(env, "MASTER_PORT", DEFAULT_PORT)
-        return Cluster("Vertex AI", number(env, "WORLD_SIZE"), number(env, "RANK"), env["MASTER_ADDR"], port)
-    return None
-
-
-def vertex(env: dict[str, str]) -> Cluster:
-    """Vertex AI's CLUSTER_SPEC: {"cluster": {"workerpool0": ["host:port"], "workerpool1": [...], ...}, "task":
-    {"type": "workerpool1", "index": 0}}. The machines in pool order, workerpool0's first being the first node;
-    MASTER_ADDR and MASTER_PORT, where Vertex sets them, name it too."""
-    try:
-        spec = json.loads(env["CLUSTER_SPEC"])
-        pools = sorted((k for k in spec["cluster"] if k.startswith("workerpool")), key=lambda k: int(k[10:]))
-        hosts = [h for k in pools for h in spec["cluster"][k]]
-        task = spec["task"]
-        rank = sum(len(spec["cluster"][k]) for k in pools[: pools.index(task["type"])]) + int(task["index"])
-        first, _, port = hosts[0].rpartition(":")
-    except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise ConfigError(f"CLUSTER_SPEC: not Vertex AI's cluster description ({type(e).__name__}: {e})") from None
-    addr = env.get("MASTER_ADDR") or first
-    return Cluster("Vertex AI", len(hosts), rank, addr, number(env, "MASTER_PORT", int(port) if port else None))
-
-
-def number(env: dict[str, str], name: str, default: int | None = None) -> int:
-    """A whole number >= 0 from the environment variable `name` (default when unset)."""
-    value = env.get(name, "").strip()
-    if not value and default is not None:
-        return default
-    if not value.isdigit():
-        raise ConfigError(f"{name}={env.get(name, '')!r}: expected a whole number")
-    return int(value)
+def platform_processes(said: str | None) -> str:
+    """--nproc-per-node from a platform's count: a number, or auto (Kubeflow's cpu and gpu mean the same here)."""
+    if said and said.isdigit() and int(said) > 0:
+        return said
+    return "auto"
 
 
 def processes(setting: str, device: str = "auto") -> int:
@@ -168,7 +134,7 @@ def processes(setting: str, device: str = "auto") -> int:
 
 def is_worker(env: dict[str, str] | None = None) -> bool:
     """Whether this process is already a worker of a group (started by this job's launcher or by torchrun)."""
-    return (os.environ if env is None else env).get("LOCAL_RANK") is not None
+    return platforms.worker(os.environ if env is None else env)
 
 
 def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -> int:
@@ -180,14 +146,21 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    elastic = plan.min_nnodes > 0
     config = LaunchConfig(
-        min_nodes=plan.nnodes,
+        min_nodes=plan.min_nnodes or plan.nnodes,
         max_nodes=plan.nnodes,
         nproc_per_node=plan.nproc_per_node,
-        run_id=os.environ.get("JOB_RDZV_ID", "job") if plan.nnodes > 1 else uuid.uuid4().hex,
-        rdzv_backend="static" if plan.nnodes > 1 else "c10d",
+        run_id=meeting_id() if plan.nnodes > 1 else uuid.uuid4().hex,
+        rdzv_backend="static" if plan.nnodes > 1 and not elastic else "c10d",
         rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_configs={"rank": plan.node_rank, "timeout": meeting_timeout()} if plan.nnodes > 1 else {},
+        rdzv_configs=(
+            {"timeout": meeting_timeout()}
+            if elastic
+            else {"rank": plan.node_rank, "timeout": meeting_timeout()}
+            if plan.nnodes > 1
+            else {}
+        ),
         max_restarts=0,  # a failed worker ends the attempt; the same command continues from the checkpoint
         monitor_interval=0.1,
         signals_to_handle="",  # the job forwards signals itself (module docstring)
@@ -196,11 +169,15 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
         os.environ["OMP_NUM_THREADS"] = str(max(1, cpus() // plan.nproc_per_node))
     say(f"launching {plan.describe()}")
     os.environ[LAUNCHER] = str(os.getpid())  # the agent starts the workers from this thread (end_with_launcher)
-    with quiet_agent(), forwarding_signals():
+    with quiet_agent(), forwarding_signals() as received:
         try:
             elastic_launch(config, sys.executable)("-m", "job", "train", *worker_args(options, overrides))
         except ChildFailedError as e:
-            return group_exit_code(e.failures)
+            code = group_exit_code(e.failures)
+            usr1 = getattr(signal, "SIGUSR1", None) in received  # Slurm's warning: the job asks for its requeue
+            if code == 75 and plan.node_rank == 0 and usr1 and (said := platforms.requeue()):
+                say(said)
+            return code
         except (DistError, RendezvousError) as e:  # only the meeting talks to other machines outside the workers
             raise JobError(
                 f"the machines did not meet within {config.rdzv_configs.get('timeout', 900)} s at "
@@ -236,6 +213,11 @@ def end_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="job-launcher-watch", daemon=True).start()
+
+
+def meeting_id() -> str:
+    """The name the machines of a group meet under: JOB_RDZV_ID, else PyTorchJob's PET_RDZV_ID, else job."""
+    return os.environ.get("JOB_RDZV_ID") or os.environ.get("PET_RDZV_ID") or "job"
 
 
 def meeting_timeout() -> int:
@@ -288,17 +270,20 @@ def cause_first(failure) -> tuple:
 
 
 @contextlib.contextmanager
-def forwarding_signals() -> Iterator[None]:
-    """SIGTERM and SIGINT to this process go on to every worker (this process's children)."""
+def forwarding_signals() -> Iterator[set[int]]:
+    """SIGTERM, SIGINT and SIGUSR1 to this process go on to every worker (this process's children); the block gets
+    the set of those that came."""
+    received: set[int] = set()
 
     def forward(signum, frame) -> None:
+        received.add(signum)
         for pid in children():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in FORWARDED}
     try:
-        yield
+        yield received
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from job.cost import Budget
     from job.meters import LossLog, TrainClock
     from job.progress import Progress
+    from job.ray_report import RayReport
     from job.recipe import Recipe
     from job.report import FollowerReport, Report
     from job.step import EagerStep
@@ -38,3 +39,4 @@ class Loop:
     chooser: Chooser  # the best evaluation and its weights
     budget: Budget | None = None  # train.budget, read
     over_budget: str = ""  # why the run stops at the checkpoint just committed, to keep within train.budget
+    ray: RayReport | None = None  # in a Ray Train worker: what reports to Ray

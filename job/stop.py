@@ -1,5 +1,6 @@
-"""Stopping on request: SIGTERM (preemption, `docker stop`), SIGINT or the run's time limit makes the loop stop after
-the current step and commit a checkpoint; a second SIGINT stops at once; a grace period bounds the wait."""
+"""Stopping on request: SIGTERM (preemption, `docker stop`), SIGINT, SIGUSR1 (Slurm's warning signal, `#SBATCH
+--signal=USR1@90`) or the run's time limit makes the loop stop after the current step and commit a checkpoint; a
+second SIGINT stops at once; a grace period bounds the wait."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from job.errors import Cancelled, ConfigError, Interrupted, JobError
 # The reason a time limit gives, in the same integer as a signal number so that a process group combines both in one
 # reduction (the highest wins): below SIGINT and SIGTERM, so a real signal is the one named when both came.
 TIME_LIMIT = 1
+SIGNALS = (signal.SIGTERM, signal.SIGINT, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 
 
 class StopAtOnce(BaseException):  # a BaseException: the readers' `except Exception` wrap store errors
@@ -57,7 +59,7 @@ class StopRequest:
         self._lock = threading.RLock()
 
     def __enter__(self) -> StopRequest:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in SIGNALS:
             with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self

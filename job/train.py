@@ -16,7 +16,7 @@ from dataclasses import asdict
 
 import torch
 
-from job import bundle, checkpoint, distributed, hypertune, recipe, track
+from job import bundle, checkpoint, distributed, hypertune, platforms, recipe, track
 from job.attempts import Attempt, budget_spent
 from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
@@ -33,6 +33,7 @@ from job.meters import LossLog, TrainClock
 from job.models import describe as describe_model
 from job.plan import make_step, set_cpu_threads
 from job.progress import Progress, is_best, position
+from job.ray_report import RayReport
 from job.report import FollowerReport, Report
 from job.resume import Request, check_split, decide, preflight, replan_schedule, restore
 from job.stop import StopRequest
@@ -154,6 +155,7 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)
     clock, now = TrainClock(device), time.perf_counter()
     loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser, budget)
+    loop.ray = RayReport() if platforms.current().joined else None
     attempt.begin(state, distributed.world(), device, cfg.train.price_per_device_hour, cfg.train.epochs * len(r.train))
     if report.tracker is not None:
         decided = {"device": describe_device(device), "world_size": distributed.world(), "precision": r.precision}
@@ -171,8 +173,11 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         stopping = stop.signal is not None and not last
         if stopping:
             say(f"{stop.describe()}: stopping {position(state)}; committing a checkpoint")
-        if stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0):
+        saved = stopping or last or (finished and state.epoch % cfg.train.checkpoint_every_epochs == 0)
+        if saved:
             save(loop)
+        if loop.ray is not None:  # in Ray Train's worker: the evaluation and the checkpoint reported to Ray
+            loop.ray.after_epoch(loop, saved, lambda metrics: model_json(loop, metrics))
         if state.stopped_early:
             say(state.stopped_early)
             break

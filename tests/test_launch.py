@@ -187,12 +187,30 @@ def platform_env(name: str, node: int, port: int, tmp_path: Path) -> tuple[dict,
         hosts = tmp_path / "hosts"
         hosts.write_text("127.0.0.1\n127.0.0.1\n")
         return {"BATCH_HOSTS_FILE": str(hosts), "BATCH_TASK_INDEX": str(node)}, ["--master-port", str(port)]
+    if name.startswith("Kubeflow Trainer"):  # as the TrainJob's torch plugin sets them (no WORLD_SIZE, no RANK)
+        pet = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(node), "PET_MASTER_PORT": str(port)}
+        return pet | {"PET_MASTER_ADDR": "127.0.0.1", "JOB_COMPLETION_INDEX": str(node)}, []
+    if name.startswith("PyTorchJob"):  # the training-operator 1.9: WORLD_SIZE counts pods, RANK is the pod's
+        pet = {
+            "PET_NNODES": "2",
+            "PET_NPROC_PER_NODE": "auto",
+            "PET_NODE_RANK": str(node),
+            "PET_MASTER_PORT": str(port),
+        }
+        both = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(node)}
+        return pet | both | {"PET_MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}, []
+    if name == "Kubernetes Indexed Job":  # the index alone: how many machines and where they meet are flags
+        env = {"JOB_COMPLETION_INDEX": str(node), "HOSTNAME": f"train-{node}"}
+        return env, ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     pools = {"workerpool0": [f"127.0.0.1:{port}"], "workerpool1": ["127.0.0.1:2222"]}
     spec = {"cluster": pools, "task": {"type": f"workerpool{node}", "index": 0}}
     return {"CLUSTER_SPEC": json.dumps(spec)}, []
 
 
-@pytest.mark.parametrize("name", ["SkyPilot", "Cloud Batch", "Vertex AI"])
+KUBEFLOW = ["Kubeflow Trainer (TrainJob)", "PyTorchJob (Kubeflow training-operator)", "Kubernetes Indexed Job"]
+
+
+@pytest.mark.parametrize("name", ["SkyPilot", "Cloud Batch", "Vertex AI", *KUBEFLOW])
 def test_a_platforms_two_machines_train_as_one_group(name, tmp_path):
     port = free_port()
     out = tmp_path / "run"  # one folder for both: a shared disk, written by rank 0 alone
@@ -215,6 +233,7 @@ def test_a_platforms_two_machines_train_as_one_group(name, tmp_path):
     assert "done: 300 epochs" in errs[1] and "done:" not in errs[0]  # rank 0 says it, once
     assert [json.loads(line)["epoch"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [100, 200, 300]
     assert [a["world_size"] for a in attempts(out)] == [2]
+    assert attempts(out)[-1]["platform"]["name"] == name
 
 
 def plan_of(env, *flags, **kwargs):
