@@ -115,16 +115,19 @@ def worker(config):
     code = app(["train", *config["args"]], standalone_mode=False)
     assert code in (None, 0), code
 
-class Reports(UserCallback):
+class Reports(UserCallback):  # run in Ray's controller, a process of its own: the file named here
+    def __init__(self, path):
+        self.path = path
+
     def after_report(self, run_context, metrics, checkpoint):
-        with open(sys.argv[1], "a") as f:
+        with open(self.path, "a") as f:
             f.write(json.dumps({"metrics": metrics[0], "checkpoint": checkpoint and checkpoint.path}) + "\\n")
 
 ray.init(address="local", num_cpus=2, include_dashboard=False)
 try:
     trainer = TorchTrainer(worker, train_loop_config={"args": sys.argv[3:]},
                            scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                           run_config=RunConfig(name="job", storage_path=sys.argv[2], callbacks=[Reports()]))
+                           run_config=RunConfig(name="job", storage_path=sys.argv[2], callbacks=[Reports(sys.argv[1])]))
     result = trainer.fit()
     print("RESULT", result.error is None, result.checkpoint.path if result.checkpoint else None)
 finally:
