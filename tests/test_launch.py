@@ -374,3 +374,24 @@ def test_the_same_command_beside_a_live_run_is_refused_and_the_live_run_ends_unh
     assert [a["exit_code"] for a in attempts(out)] == [0]
     assert json.loads((out / "checkpoints" / "latest.json").read_text())["epoch"] == 100
     assert not (out / "lease.json").exists()
+
+
+def test_a_pytorchjobs_elastic_policy_meets_its_machines_at_the_rendezvous_endpoint(tmp_path):
+    """PET_NNODES min:max and PET_RDZV_ENDPOINT (the training-operator's elasticPolicy): a c10d meeting, one group."""
+    port, out = free_port(), tmp_path / "run"
+    elastic = {"PET_NNODES": "2:2", "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}", "PET_RDZV_BACKEND": "c10d"}
+    cmd = ["train", "--device", "cpu", *sets("train.epochs=300", "train.eval_every_epochs=100"), "--output", str(out)]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "job", *cmd],
+            env={**job_env(), **elastic, "PET_NPROC_PER_NODE": "auto", "WORLD_SIZE": "2", "RANK": str(node)},
+            text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for node in (1, 0)
+    ]
+    errs = [p.communicate(timeout=240)[1] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], errs
+    assert [a["world_size"] for a in attempts(out)] == [2]
+    assert attempts(out)[-1]["platform"]["name"] == "PyTorchJob (Kubeflow training-operator)"
