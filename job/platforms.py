@@ -417,7 +417,8 @@ def vertex(env: Mapping[str, str]) -> Place | None:
     """Vertex AI: CLUSTER_SPEC ({"cluster": {"workerpool0": ["host:port"], ...}, "task": {"type": "workerpool1",
     "index": 0}}: the machines in pool order, workerpool0's first being the first node; MASTER_ADDR and MASTER_PORT,
     where Vertex sets them, name it too), or MASTER_ADDR with WORLD_SIZE and RANK counting machines where no other
-    platform (and no torchrun) set them; its job and trial ids alone name it."""
+    platform (and no torchrun) set them (Volcano's pytorch plugin sets them so too: VC_TASK_INDEX names it); its
+    job and trial ids alone name it."""
     keys = ("CLOUD_ML_JOB_ID", "CLOUD_ML_TRIAL_ID")
     if "CLUSTER_SPEC" in env:
         try:
@@ -439,13 +440,15 @@ def vertex(env: Mapping[str, str]) -> Place | None:
         nodes, rank = number(env, "WORLD_SIZE"), number(env, "RANK")
         within("RANK", rank, nodes, "WORLD_SIZE")
         port = number(env, "MASTER_PORT", DEFAULT_PORT)
+        volcano = "VC_TASK_INDEX" in env or "VK_TASK_INDEX" in env  # Volcano's pytorch plugin counts pods alike
+        name = "Volcano" if volcano and not any(k in env for k in keys) else "Vertex AI"
         return Place(
-            "Vertex AI",
+            name,
             nodes,
             rank,
             env["MASTER_ADDR"],
             port,
-            variables=picked(env, (*keys, "MASTER_ADDR", "WORLD_SIZE", "RANK")),
+            variables=picked(env, (*keys, "MASTER_ADDR", "WORLD_SIZE", "RANK", "VC_TASK_INDEX", "VK_TASK_INDEX")),
         )
     return picked_only(env, "Vertex AI", keys)
 

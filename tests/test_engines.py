@@ -184,3 +184,39 @@ def test_the_docs_ray_snippet_runs_the_job_in_two_workers(tmp_path):
     last = [m for m in metrics(str(out)) if "train_loss" in m][-1]
     assert f"'test_accuracy': {last['test_accuracy']}" in done.stdout and last["step"] == 2000
     assert (folder / "model.pt").exists() and json.loads((folder / "checkpoint.json").read_text())["step"] == 2000
+
+
+def test_one_task_per_machine_starts_the_machines_processes_itself(cluster, reference, tmp_path):
+    out = tmp_path / "run"
+    command = [*job_command(out), "--nproc-per-node", "2"]
+    done = cluster.run("srun", "-n", "1", *command, env={**cluster.env, **job_env()}, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "launching 2 processes" in done.stderr
+    (attempt,) = attempts(out)
+    assert attempt["world_size"] == 2 and attempt["platform"]["name"].startswith("Slurm job ")
+    assert_same_run(str(reference), str(out))
+
+
+def test_scancel_commits_and_stays_a_cancel_and_the_same_command_continues(cluster, reference, tmp_path):
+    """SIGTERM from scancel (as a preemption sends it): the group commits within the grace period and exits 75, and
+    the job is not requeued; srun again continues the run to the reference's end."""
+    out, log = tmp_path / "run", tmp_path / "job.log"
+    script = tmp_path / "train.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output={log}\nsrun {' '.join(job_command(out))}\n")
+    env = {**cluster.env, **job_env()}
+    job_id = cluster.run("sbatch", "--parsable", "--requeue", str(script), env=env).stdout.strip()
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline, f"no first evaluation within 300 s: {tail(log)}"
+        time.sleep(0.1)
+    assert cluster.run("scancel", job_id).returncode == 0
+    while (fields := cluster.job(job_id)).get("JobState") not in ("CANCELLED", "COMPLETED", "FAILED"):
+        assert time.time() < deadline + 120, fields.get("JobState")
+        time.sleep(0.5)
+    assert fields["JobState"] == "CANCELLED" and fields.get("Restarts") == "0", fields
+    assert [a["exit_code"] for a in attempts(out)] == [75]
+    assert "requeue" not in tail(log, 5000)
+    done = cluster.run("srun", "-n", "2", *job_command(out), env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [a["exit_code"] for a in attempts(out)] == [75, 0]
+    assert_same_run(str(reference), str(out))

@@ -78,6 +78,11 @@ def test_a_pytorchjobs_pods_are_pytorchjob_machines_not_vertex_ai():
     assert plan(four) == Launch(4, 3, 1, "mnist-master-0", 23456, place.name)
 
 
+def test_volcanos_pods_count_machines_as_vertex_ais_do():
+    env = {"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456", "WORLD_SIZE": "3", "RANK": "2", "VC_TASK_INDEX": "1"}
+    assert plan(env) == Launch(1, 3, 2, "job-master-0", 23456, "Volcano")
+
+
 def test_a_trainjobs_pods_meet_at_the_first_node_in_their_own_machines():
     place = read(TRAINJOB, group_ready=False)
     assert place.name == "Kubeflow Trainer (TrainJob)" and "pytorchjob" not in place.name.lower()
