@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from job import bundle, checkpoint, distributed
 
 if TYPE_CHECKING:
-    from job.loop import Loop
+    from job.progress import Progress
 
 
 class RayReport:
@@ -27,10 +27,11 @@ class RayReport:
 
         self.train = ray.train
 
-    def after_epoch(self, loop: Loop, saved: bool, describe: Callable[[dict], dict]) -> None:
-        """At the end of an epoch that evaluated or committed a checkpoint (every process alike); `describe`: the
-        model.json of the model with these metrics."""
-        state, records = loop.state, loop.report.records
+    def after_epoch(
+        self, state: Progress, records: list[dict], saved: bool, model, run_url: str, describe: Callable[[dict], dict]
+    ) -> None:
+        """At the end of an epoch that evaluated (`records[-1]` is this step's) or committed a checkpoint (`saved`),
+        every process alike; `describe`: the model.json of the model with these metrics."""
         record = records[-1] if records and records[-1].get("step") == state.step else {}
         if not record and not saved:
             return
@@ -41,8 +42,9 @@ class RayReport:
             return
         with tempfile.TemporaryDirectory(prefix="job-ray-") as folder:
             root = Path(folder)
-            (root / "model.pt").write_bytes(checkpoint.weights_bytes(loop.r.model))
+            (root / "model.pt").write_bytes(checkpoint.weights_bytes(model))
             (root / bundle.MODEL_JSON).write_text(json.dumps(describe(record), indent=1, ensure_ascii=False))
-            where = {"run": loop.run_dir.url, "epoch": state.epoch, "step": state.step}
-            (root / "checkpoint.json").write_text(json.dumps(where))
+            (root / "checkpoint.json").write_text(
+                json.dumps({"run": run_url, "epoch": state.epoch, "step": state.step})
+            )
             self.train.report(metrics, checkpoint=self.train.Checkpoint.from_directory(folder))

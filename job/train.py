@@ -177,7 +177,8 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
         if saved:
             save(loop)
         if loop.ray is not None:  # in Ray Train's worker: the evaluation and the checkpoint reported to Ray
-            loop.ray.after_epoch(loop, saved, lambda metrics: model_json(loop, metrics))
+            args = state, loop.report.records, saved, loop.r.model, run_dir.url
+            loop.ray.after_epoch(*args, lambda metrics: model_json(loop, metrics))
         if state.stopped_early:
             say(state.stopped_early)
             break
