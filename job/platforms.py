@@ -84,13 +84,13 @@ def read(env: Mapping[str, str] | None = None, group_ready: bool | None = None) 
     env = dict(os.environ if env is None else env)
     if group_ready is None:
         group_ready = process_group_ready()
-    found = [p for p in (reader(env) for reader in READERS) if p is not None]
     if group_ready and any(k.startswith("RAY_") for k in env):
-        found.insert(0, ray(env))
+        return ray(env)  # Ray's group exists: it is the group, whatever the machines' own platform (Slurm) says
+    found = [p for p in (reader(env) for reader in READERS) if p is not None]
     torch_place = torchrun(env)
     check_agree(found)
     place = found[0] if found else Place()
-    if torch_place is not None and not place.joined:  # a worker: torch's variables are its place in the group
+    if torch_place is not None:  # a worker: torch's variables are its place in the group
         place = Place(
             place.name or torch_place.name,
             place.nnodes,

@@ -174,6 +174,9 @@ def test_ray_trains_worker_joins_the_group_ray_made():
     assert place.name == "Ray Train" and place.joined and place.process == Process(1, 2, 1, 2)
     assert plan(env, nproc_per_node="2") is None  # never a launcher inside Ray's worker
     assert read(env, group_ready=False).name != "Ray Train"  # no group made: torch's variables alone
+    # Ray on Slurm: the Ray node's srun step (one task per machine) is not the training group
+    on_slurm = env | {k: v for k, v in SRUN.items() if k.startswith("SLURM_")} | {"SLURM_STEP_NUM_TASKS": "3"}
+    assert read(on_slurm, group_ready=True).process == Process(1, 2, 1, 2)
 
 
 CONTRADICTIONS = [
