@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from job import platforms
+from job.cloud import read_url, write_url
 from job.cost import Budget, Price, in_budget_unit, parse_budget, price_of, spent_of, totals
 from job.env import cpus
 from job.errors import ConfigError
@@ -312,6 +313,13 @@ def attempts_in(data: bytes) -> list[dict[str, Any]] | None:
     except (ValueError, KeyError, TypeError):
         return None
     return attempts if isinstance(attempts, list) else None
+
+
+def write_note(run: str, why: str) -> None:
+    """Say in the run's run.json (its top-level note) why it ended where it did (a sweep's pruned trial)."""
+    data = read_url(f"{run}/{RUN_JSON}")
+    doc = document(data) if data else {}
+    write_url(f"{run}/{RUN_JSON}", (json.dumps(doc | {"note": why}, indent=1) + "\n").encode())
 
 
 def versions() -> dict[str, str | None]:

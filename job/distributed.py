@@ -227,8 +227,9 @@ def totals(sums: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
 
 
 def combined_signal(received: int) -> Callable[[], int]:
-    """Start finding the highest signal number any process was sent (0: none), a gloo reduction of one integer on
-    the host; returns what waits for it. Every process starts these in the same order, so they pair up."""
+    """Start finding the highest reason any process has to stop (0: none; job/stop.py's precedence), a gloo
+    reduction of one integer on the host; returns what waits for it. Every process starts these in the same order, so
+    they pair up."""
     flag = torch.tensor([received], dtype=torch.int64)
     work = peer_call(dist.all_reduce, flag, op=dist.ReduceOp.MAX, group=_control, async_op=True)
 

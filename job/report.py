@@ -34,12 +34,14 @@ class Report:
         start_step: int,
         tracker: Tracker | None = None,
         hypertune: MetricFile | None = None,
+        judge: Callable[[dict[str, Any]], None] | None = None,
     ):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run, self.hparams, self.epochs, self.steps_per_epoch = run, hparams, epochs, steps_per_epoch
         self.tracker = tracker  # the MLflow sink (job/track.py), given the same values
         self.hypertune = hypertune  # a Vertex AI tuning trial's metric file (job/hypertune.py), the same again
+        self.judge = judge  # the caller's judge of each evaluation (a sweep's pruner), which may ask the run to stop
         # purge_step makes TensorBoard drop what an interrupted attempt logged after the checkpoint resumed from.
         self.writer = SummaryWriter(str(run.path(TENSORBOARD)), purge_step=start_step or None)
         self.records = read_records(run, start_step)
@@ -98,6 +100,8 @@ class Report:
             f"{on}_loss {record[f'{on}_loss']:.4f}  {on}_accuracy {record[f'{on}_accuracy']:.4f}  "
             f"{record['samples_per_s']:.0f} samples/s"
         )
+        if self.judge is not None:
+            self.judge(record)
 
     def tested(self, record: dict[str, Any]) -> None:
         """The test split's one report, at the end, on the model the run chose on val (and on the final one)."""

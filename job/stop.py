@@ -16,9 +16,12 @@ from job.console import say
 from job.duration import format_duration
 from job.errors import Cancelled, ConfigError, Interrupted, JobError
 
-# The reason a time limit gives, in the same integer as a signal number so that a process group combines both in one
-# reduction (the highest wins): below SIGINT and SIGTERM, so a real signal is the one named when both came.
-TIME_LIMIT = 1
+# The reasons a run stops for itself, integers beside the signal numbers (no signal handled here has these numbers).
+TIME_LIMIT = 1  # its train.time_limit
+ASKED = 3  # its caller, for a reason in words (a sweep's pruner)
+# A group combines every process's reason in one reduction of one integer, the highest winning. A reason travels as
+# its precedence: the run's own reasons below every signal, so a real signal is the one named when both came.
+OWN = (TIME_LIMIT, ASKED)
 SIGNALS = (signal.SIGTERM, signal.SIGINT, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 
 
@@ -48,6 +51,7 @@ class StopRequest:
         self.combine: Callable[[int], Callable[[], int]] | None = None
         self._pending: Callable[[], int] | None = None  # the reduction started after the previous step
         self.time_limit: float | None = None  # seconds, counted from when this request was made
+        self.asked = ""  # why the caller asked to stop (ASKED), in words
         self.started = time.monotonic()
         self._signalled = False
         self._at_once = False  # a signal ends the process at once (reading the data: nothing to save)
@@ -108,13 +112,21 @@ class StopRequest:
                 self._limit_timer.daemon = True
                 self._limit_timer.start()
 
+    def ask(self, why: str | None) -> None:
+        """Stop, as on SIGTERM, for the reason `why` names (None: nothing to stop for). The loop acts on it after the
+        current step: asked at an evaluation, the run commits that evaluation's step and stops."""
+        if why:
+            with self._lock:
+                self.asked = self.asked or why
+            self._note(ASKED)
+
     def finishing(self) -> None:
-        """The training is over and the results are being written: a time limit has nothing left to stop (a signal
-        keeps its grace period, as the machine may be going away)."""
+        """The training is over and the results are being written: a time limit or a request has nothing left to stop
+        (a signal keeps its grace period, as the machine may be going away)."""
         with self._lock:
             if self._limit_timer is not None:
                 self._limit_timer.cancel()
-            if self.received == TIME_LIMIT and self._timer is not None:
+            if self.received in OWN and self._timer is not None:
                 self._timer.cancel()
 
     def cancel(self) -> None:
@@ -129,6 +141,8 @@ class StopRequest:
         reason = self.signal if reason is None else reason
         if reason == TIME_LIMIT:
             return f"the time limit ({format_duration(self.time_limit or 0)})"
+        if reason == ASKED:  # a group's other processes learn that one was asked, not why
+            return self.asked or "a stop request"
         return signal.Signals(reason).name if reason else "nothing"
 
     def share(self, combine: Callable[[int], Callable[[], int]]) -> None:
@@ -143,7 +157,7 @@ class StopRequest:
         signals act at once)."""
         self.settle()
         if self.combine is not None and self.signal is None:
-            self._agree(self.combine(self.received or 0)())
+            self._agree(reason_of(self.combine(precedence(self.received))()))
 
     def step(self) -> None:
         """After each training step of a group: read the reduction started after the previous step (done by now, as
@@ -153,18 +167,18 @@ class StopRequest:
             return
         self.settle()
         if self.signal is None:
-            self._pending = self.combine(self.received or 0)
+            self._pending = self.combine(precedence(self.received))
 
     def settle(self) -> None:
         """Wait for the reduction under way, if one is (at an epoch's end: no reduction outlives the loop)."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._agree(pending())
+            self._agree(reason_of(pending()))
 
-    def _agree(self, sig: int) -> None:
-        if sig:
+    def _agree(self, reason: int) -> None:
+        if reason:
             with self._lock:
-                self.signal = sig
+                self.signal = reason
                 self._start_grace()
 
     def _handle(self, sig: int, frame) -> None:
@@ -180,16 +194,16 @@ class StopRequest:
         self._note(sig)
 
     def _note(self, reason: int) -> None:
-        """A signal (in the main thread) or the time limit (in its timer's thread): the first one counts. In a group
-        the time limit's grace period starts once the group agrees to stop (sync), which may be many steps later; a
-        signal's starts now, as the machine may be going away."""
+        """A signal (in the main thread), the time limit (in its timer's thread) or the caller's request: the first one
+        counts. In a group the grace period of the run's own reasons starts once the group agrees to stop (sync), which
+        may be many steps later; a signal's starts now, as the machine may be going away."""
         with self._lock:
             if self.received is not None:
                 return
             self.received = reason
             if self.combine is None:
                 self.signal = reason
-            if self.combine is None or reason != TIME_LIMIT:
+            if self.combine is None or reason not in OWN:
                 self._start_grace()
 
     def _start_grace(self) -> None:
@@ -204,3 +218,17 @@ class StopRequest:
             "the previous checkpoint stands: run the same command again to continue"
         )
         os._exit(75)
+
+
+def precedence(reason: int | None) -> int:
+    """The integer a group's reduction carries for a reason (0: none): the run's own reasons below every signal."""
+    if not reason:
+        return 0
+    return OWN.index(reason) + 1 if reason in OWN else reason + len(OWN)
+
+
+def reason_of(combined: int) -> int:
+    """The reason a group's reduction agreed on, from its precedence."""
+    if not combined:
+        return 0
+    return OWN[combined - 1] if combined <= len(OWN) else combined - len(OWN)

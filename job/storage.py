@@ -297,3 +297,23 @@ class RunDir:
             f"{self.url}: the store stopped taking the run's files ({why}); {len(left)} not uploaded "
             f"({names}), kept in {self.local}: run the same command again on this machine to upload them and continue"
         )
+
+
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse", "9p", "ceph", "glusterfs", "lustre", "gpfs", "beegfs")
+
+
+def network_filesystem(path: str) -> str:
+    """The type of a network (or FUSE) filesystem that `path` lies on, from /proc/mounts; '' for a local disk."""
+    try:
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return ""
+    best, kind = "", ""
+    for fields in mounts:
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind if kind.split(".")[0] in NETWORK_FS else ""

@@ -4,10 +4,7 @@ study holds its N finished trials; then it writes the results (trials.csv, best.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
-import os
+import hashlib
 import signal
 import subprocess
 import sys
@@ -16,214 +13,22 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from job.cloud import read_url, write_url
-from job.config import Config, load_config, read_yaml
+from job.config import Config, load_config
 from job.console import say
 from job.errors import ConfigError, Interrupted, JobError, StorageError, one_line
+from job.space import Space, read_space, setting
+from job.study_storage import HEARTBEAT_S, masked, open_storage, storage_url
+from job.sweep_results import write_results
 
 if TYPE_CHECKING:
     import optuna
 
     from job.stop import StopRequest
 
-HEARTBEAT_S = 2  # a running trial's sign of life in the study
-GRACE_S = 10  # a trial silent this long was lost with its worker: the next worker takes it over
 MLFLOW_RUN = "mlflow_run_id"  # study user attr: the study's MLflow run, the trials' runs its children
 EXTRA = "extra"  # user attr: a trial begun by two workers for the study's last slot, ended unrun
-SAMPLERS = ("tpe", "random", "grid")
-PRUNERS = ("none", "median", "hyperband")
-NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "fuse", "9p", "ceph", "glusterfs", "lustre", "gpfs", "beegfs")
-# The fields of an evaluation record in metrics.jsonl (job/evaluate.py Scored.record), after the split's name.
-SPLIT_METRICS = ("loss", "accuracy", "top5") + tuple(
-    f"{avg}_{name}" for avg in ("macro", "weighted") for name in ("precision", "recall", "f1")
-)
-
-
-@dataclass(frozen=True)
-class Range:
-    """A parameter drawn from [low, high]: integers when both ends are, on a log scale when `log`."""
-
-    low: float
-    high: float
-    log: bool = False
-
-
-@dataclass(frozen=True)
-class Space:
-    """The space file, read and checked: what is searched, how, and on which metric."""
-
-    name: str
-    metric: str
-    direction: str
-    trials: int
-    sampler: str
-    seed: int
-    pruner: str
-    params: dict[str, Range | list]
-
-
-def read_space(url: str, trials: int | None, cfg: Config, config: str, overrides: list[str]) -> Space:
-    """The space file at `url`, every key checked against the config before any work: one line for the first
-    fault."""
-    try:
-        raw = read_yaml(url)
-    except ConfigError as e:
-        raise ConfigError(f"space {str(e).removeprefix('config ')}") from None
-    known = {"name", "metric", "direction", "trials", "sampler", "pruner", "space"}
-    if unknown := sorted(set(raw) - known):
-        raise ConfigError(f"space {url}: unknown key {unknown[0]} (known: {', '.join(sorted(known))})")
-    metric = str(raw.get("metric", "val_accuracy"))
-    direction = str(raw.get("direction", "maximize"))
-    if direction not in ("maximize", "minimize"):
-        raise ConfigError(f"space direction: expected maximize or minimize, got {direction!r}")
-    written = metrics_written(cfg)
-    if metric not in written:
-        raise ConfigError(f"space metric: the run never writes {metric!r}; it writes {', '.join(written)}")
-    sampler = raw.get("sampler") or {}
-    sampler = {"name": sampler} if isinstance(sampler, str) else sampler
-    if not isinstance(sampler, dict) or sampler.get("name", "tpe") not in SAMPLERS:
-        raise ConfigError(f"space sampler: expected {{name: {'|'.join(SAMPLERS)}, seed: N}}, got {sampler!r}")
-    seed = sampler.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ConfigError(f"space sampler.seed: expected an integer, got {seed!r}")
-    pruner = str(raw.get("pruner") or "none").lower()
-    if pruner not in PRUNERS:
-        raise ConfigError(f"space pruner: expected one of {', '.join(PRUNERS)}, got {pruner!r}")
-    params = {str(k): read_param(str(k), v) for k, v in (raw.get("space") or {}).items()}
-    if not params:
-        raise ConfigError(f"space {url}: no parameters under space: (e.g. optim.lr: {{low: 0.001, high: 0.1}})")
-    for key, param in params.items():  # each value the trials may set, as --set would set it: names close keys
-        for value in [param.low, param.high] if isinstance(param, Range) else param:
-            try:
-                load_config(config, [*overrides, setting(key, value)])
-            except ConfigError as e:
-                raise ConfigError(f"space: {e}") from None
-    n = trials if trials is not None else raw.get("trials", 10)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigError(f"trials: expected a whole number > 0, got {n!r}")
-    name = sampler.get("name", "tpe")
-    if name == "grid":
-        if ranged := [k for k, p in params.items() if isinstance(p, Range)]:
-            raise ConfigError(f"space {ranged[0]}: a grid takes lists of values, not a range")
-        size = 1
-        for p in params.values():
-            size *= len(p)
-        n = min(n, size)  # a grid is done when each point has been tried once
-    study = str(raw.get("name") or f"{cfg.name}-sweep")
-    return Space(study, metric, direction, n, name, seed, pruner, params)
-
-
-def read_param(key: str, v: Any) -> Range | list:
-    if isinstance(v, list):
-        if not v:
-            raise ConfigError(f"space {key}: an empty list of values")
-        return v
-    if not isinstance(v, dict) or set(v) - {"low", "high", "log"} or not {"low", "high"} <= set(v):
-        raise ConfigError(f"space {key}: expected {{low: A, high: B[, log: true]}} or a list of values, got {v!r}")
-    low, high, log = v["low"], v["high"], bool(v.get("log", False))
-    if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (low, high)):
-        raise ConfigError(f"space {key}: low and high must be numbers, got {low!r} and {high!r}")
-    if not low < high:
-        raise ConfigError(f"space {key}: an empty or reversed range (low {low} is not below high {high})")
-    if log and low <= 0:
-        raise ConfigError(f"space {key}: a log range needs low > 0, got {low}")
-    return Range(low, high, log)
-
-
-def metrics_written(cfg: Config) -> list[str]:
-    """The keys of the run's evaluation records: train_loss and the evaluated split's scores (val when the config
-    holds one out; a folder's own val/ cannot be known before reading it, so both then)."""
-    tables = cfg.data.kind in ("csv", "cifar10")  # no val of their own: val only when val_split holds one out
-    splits = ["val"] if cfg.data.val_split else ["test"] if tables else ["val", "test"]
-    scores = [m for m in SPLIT_METRICS if not (m == "top5" and cfg.data.kind == "csv")]  # top-5 of over 5 classes
-    return ["train_loss", *(f"{s}_{m}" for s in splits for m in scores)]
-
-
-def setting(key: str, value: Any) -> str:
-    """An override as --set takes it; JSON is YAML, and a float's repr reads back exactly."""
-    return f"{key}={json.dumps(value)}"
-
-
-def storage_url(study: str, output: str) -> str:
-    """The study's storage: --study, or study.db in a local output folder; SQLite refused where its locks fail."""
-    if not study:
-        if "://" in output and not output.startswith("file://"):
-            raise ConfigError(
-                f"--output {output} is not a local folder, where study.db would go: pass --study postgresql://... "
-                "(workers on several machines) or --study sqlite:///LOCAL/PATH.db"
-            )
-        study = f"sqlite:///{os.path.abspath(output.removeprefix('file://'))}/study.db"
-    scheme = study.partition("://")[0]
-    if scheme == "sqlite":
-        path = study.removeprefix("sqlite:///")
-        if "://" in path or path.startswith("gs:/"):
-            raise ConfigError(f"--study {study}: SQLite needs a local file; use --study postgresql://... for a bucket")
-        fs = network_filesystem(os.path.abspath(path))
-        if not fs and os.path.abspath(path).startswith("/gcs/"):  # Vertex AI's Cloud Storage FUSE, mounted or not here
-            fs = "Cloud Storage FUSE"
-        if fs:
-            raise ConfigError(
-                f"--study {study}: the file is on a network filesystem ({fs}), where SQLite's locks are not safe: use "
-                "--study postgresql://... or a sqlite path on a local disk"
-            )
-    elif not scheme.startswith(("postgresql", "mysql")):
-        raise ConfigError(f"--study {study}: expected sqlite:///PATH or postgresql://USER@HOST:PORT/DB")
-    return study
-
-
-def network_filesystem(path: str) -> str:
-    """The type of a network (or FUSE) filesystem that `path` lies on, from /proc/mounts; '' for a local disk."""
-    try:
-        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
-    except OSError:
-        return ""
-    best, kind = "", ""
-    for fields in mounts:
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = path == point or path.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fields[2]
-    return kind if kind.split(".")[0] in NETWORK_FS else ""
-
-
-def open_storage(url: str) -> optuna.storages.RDBStorage:
-    """The study's storage with heartbeats: a trial whose worker went silent is failed and retried (same params)."""
-    import importlib.util
-
-    import optuna
-
-    kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    engine = url
-    if url.startswith("postgresql://") and not importlib.util.find_spec("psycopg"):  # SQLAlchemy 2.1's default
-        engine = url.replace("postgresql://", "postgresql+psycopg2://", 1)
-    if url.startswith("sqlite"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    failed: Exception | None = None
-    for _ in range(3):  # workers starting together on a fresh database race to create its tables: the loser retries
-        try:
-            return optuna.storages.RDBStorage(
-                engine,
-                engine_kwargs=kwargs,
-                heartbeat_interval=HEARTBEAT_S,
-                grace_period=GRACE_S,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None),
-            )
-        except Exception as e:  # sqlalchemy's and the drivers' errors
-            failed = e
-            time.sleep(1.0)
-    raise StorageError(f"--study {masked(url)}: cannot open the study's storage: {one_line(failed)}")
-
-
-def masked(url: str) -> str:
-    """A storage URL without its password."""
-    head, sep, rest = url.partition("://")
-    user, at, host = rest.rpartition("@")
-    return f"{head}{sep}{user.split(':')[0]}{':***' if ':' in user else ''}{at}{host}" if at else url
 
 
 def is_original(t: optuna.trial.FrozenTrial) -> bool:
@@ -352,48 +157,56 @@ class Worker:
         tries = len(optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(frozen))
         again = f" (continued from its last checkpoint, try {tries + 1})" if first is not None else ""
         say(f"trial {n}{again}: {', '.join(f'{k}={v}' for k, v in params.items())}")
-        watch = Watch(trial, self.space, run)
+        judge = Judge(trial, self.space, run)
+        for record in judge.records():  # an earlier attempt's evaluations, reported (and judged) before going on
+            judge(record)
         try:
-            if self.nproc > 1:
-                self.run_group(run, n, params, watch)
-            else:
-                self.run_here(run, n, params, watch)
+            if not judge.pruned:
+                (self.run_group if self.nproc > 1 else self.run_here)(run, n, params, judge)
         except Interrupted:
-            watch.close()
-            if not watch.pruned:
+            if not judge.pruned:
                 raise
-        watch.close()
-        if watch.records:
-            trial.set_user_attr("epochs", watch.records[-1].get("epoch"))
-        if watch.pruned:
-            note(run, watch.pruned)
-            say(f"trial {n}: {watch.pruned}")
-            raise optuna.TrialPruned(watch.pruned)
-        values = [r[self.space.metric] for r in watch.records if self.space.metric in r]
+        records = judge.records()
+        for record in records:  # a group's last evaluations, written as its child ended
+            judge(record)
+        if records:
+            trial.set_user_attr("epochs", records[-1].get("epoch"))
+        if judge.pruned:
+            from job.attempts import write_note
+
+            write_note(run, judge.pruned)
+            say(f"trial {n}: {judge.pruned}")
+            raise optuna.TrialPruned(judge.pruned)
+        values = [r[self.space.metric] for r in records if self.space.metric in r]
         if not values:
             raise ConfigError(f"trial {n}: the run wrote no {self.space.metric} (see {run}/metrics.jsonl)")
         return max(values) if self.space.direction == "maximize" else min(values)
 
-    def run_here(self, run: str, n: int, params: dict[str, Any], watch: Watch) -> None:
-        """The trial in this process: no start-up cost per trial; SIGTERM stops it at a committed checkpoint."""
+    def run_here(self, run: str, n: int, params: dict[str, Any], judge: Judge) -> None:
+        """The trial in this process: no start-up cost per trial; SIGTERM stops it at a committed checkpoint, and so
+        does its pruner, at the evaluation it judged."""
         from job.stop import StopRequest
 
         cfg = load_config(self.config, self.trial_overrides(n, params))
         with StopRequest(cfg.train.grace_seconds) as stop:  # the worker's own watch is back after it
-            watch.start(lambda: stop.limit(0))  # a pruned trial stops as at its time limit: committed, Interrupted
-            self.train(cfg, run, self.device, "auto", False, stop)
+            self.train(cfg, run, self.device, "auto", False, stop, judge=judge)
 
-    def run_group(self, run: str, n: int, params: dict[str, Any], watch: Watch) -> None:
+    def run_group(self, run: str, n: int, params: dict[str, Any], judge: Judge) -> None:
         """The trial as `job train --nproc-per-node N`: the parameters drawn once, here, the same on every process."""
         sets = [a for s in self.trial_overrides(n, params) for a in ("--set", s)]
         argv = [sys.executable, "-m", "job", "train", "--config", self.config, "--output", run]
         argv += ["--device", self.device, "--nproc-per-node", str(self.nproc), *sets]
         child = subprocess.Popen(argv)
         previous = signal.signal(signal.SIGTERM, lambda *_: child.send_signal(signal.SIGTERM))
+        # The child's evaluations are judged as its metrics.jsonl grows (it cannot be handed the judge), and a pruned
+        # group is sent SIGTERM: it stops where the signal finds it, past the evaluation judged by the steps run while
+        # the file is read (a poll, 0.3 s) and the group agrees to stop. Its stop line says SIGTERM; the trial's note
+        # says it was pruned, and where.
+        watch = Watch(judge, lambda: child.send_signal(signal.SIGTERM))
         try:
-            watch.start(lambda: child.send_signal(signal.SIGTERM))
             code = child.wait()
         finally:
+            watch.close()
             signal.signal(signal.SIGTERM, previous)
         if code == 75:
             raise Interrupted(f"trial {n} stopped with its checkpoint committed")
@@ -407,54 +220,58 @@ class TrialFailed(JobError):
         self.exit_code = code
 
 
-class Watch:
-    """Reads the trial's metrics.jsonl as evaluations are written, reports each to the study, and stops the run
-    when the pruner says so (the run stays unaware of Optuna)."""
+class Judge:
+    """A trial's evaluations reported to the study, each judged by its pruner (the run stays unaware of Optuna): given
+    each evaluation's record, says why the run should stop there, or None."""
 
     def __init__(self, trial, space: Space, run: str) -> None:
         self.trial, self.space, self.run = trial, space, run
-        self.records: list[dict[str, Any]] = []
         self.reported: set[int] = set()
-        self.pruned = ""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._ask = None
+        self.pruned = ""  # why the trial was pruned, and where, for its note
 
-    def start(self, ask_stop) -> None:
-        self._ask = ask_stop
+    def __call__(self, record: dict[str, Any]) -> str | None:
+        metric, step = self.space.metric, record["step"]
+        if self.pruned or metric not in record or step in self.reported:
+            return None
+        self.reported.add(step)
+        self.trial.report(float(record[metric]), step)
+        if self.space.pruner == "none" or not self.trial.should_prune():
+            return None
+        self.pruned = f"pruned by the {self.space.pruner} pruner at step {step}: {metric} {record[metric]:.4g}"
+        return f"the sweep's pruner ({self.space.pruner}, at step {step})"
+
+    def records(self) -> list[dict[str, Any]]:
+        """The evaluations in the trial's metrics.jsonl, where the run writes it on this machine (a remote run's
+        staging copy, else the store's once the run is over), whole lines only."""
+        from job.cloud import read_url
+        from job.report import METRICS, records_in
+        from job.storage import RunDir
+
+        try:
+            text = RunDir(self.run).path(METRICS).read_text()
+        except (OSError, UnicodeDecodeError):
+            text = (read_url(f"{self.run}/{METRICS}") or b"").decode(errors="replace")
+        return [r for r in records_in(text[: text.rfind("\n") + 1]) if "train_loss" in r]
+
+
+class Watch:
+    """A thread that judges a child process's evaluations as its metrics.jsonl grows, and asks it to stop when
+    pruned."""
+
+    def __init__(self, judge: Judge, ask_stop: Callable[[], None]) -> None:
+        self.judge, self.ask_stop = judge, ask_stop
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._follow, daemon=True)
         self._thread.start()
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.poll()
+        self._thread.join()
 
     def _follow(self) -> None:
         while not self._stop.wait(0.3):
-            self.poll()
-
-    def poll(self) -> None:
-        from job.report import METRICS, records_in
-        from job.storage import RunDir
-
-        try:  # where the run writes it on this machine (a remote run's staging copy): each line as it is written
-            text = RunDir(self.run).path(METRICS).read_text()
-        except (OSError, UnicodeDecodeError):
-            return
-        self.records = [r for r in records_in(text[: text.rfind("\n") + 1]) if "train_loss" in r]  # whole lines
-        metric = self.space.metric
-        for r in self.records:
-            if metric in r and r["step"] not in self.reported:
-                self.reported.add(r["step"])
-                self.trial.report(float(r[metric]), r["step"])
-                if not self.pruned and self.space.pruner != "none" and self.trial.should_prune():
-                    self.pruned = (
-                        f"pruned by the {self.space.pruner} pruner at step {r['step']}: {metric} {r[metric]:.4g}"
-                    )
-                    if self._ask is not None:
-                        self._ask()
+            if any(self.judge(record) for record in self.judge.records()):
+                self.ask_stop()
 
 
 def sweep(
@@ -494,7 +311,7 @@ def sweep(
     except Exception as e:
         raise StorageError(f"--study {masked(url)}: cannot open study {space.name}: {one_line(e)}") from None
     worker = Worker(space, cfg, config, overrides, output, device, nproc, train, study_)
-    worker.parent_run_id = parent_run(worker)
+    worker.parent_run_id = parent_run(worker, url)
     say(
         f"sweep {space.name}: {space.trials} trial{'s' if space.trials != 1 else ''} of {', '.join(space.params)}, "
         f"{space.direction} {space.metric}; "
@@ -517,7 +334,7 @@ def sweep(
             run_one(worker)
         else:  # another worker runs the last trials; one of them may yet be lost
             time.sleep(HEARTBEAT_S)
-    best = write_results(worker)
+    best = write_results(study_, space, output, trial_rows(worker))
     end_parent_run(worker, best)
     return best
 
@@ -539,54 +356,30 @@ def run_one(worker: Worker) -> None:
         raise
 
 
-def parent_run(worker: Worker) -> str:
-    """The study's MLflow run (track.mlflow set), made by the first worker and kept in the study's user attrs; ''
-    untracked, or when the server does not answer (the trials are then tracked alone, their points kept as ever)."""
-    from job.track import experiment_id, target
+def parent_run(worker: Worker, url: str) -> str:
+    """The study's MLflow run (track.mlflow set), made by the first worker (job/track.py: workers starting together
+    agree on one) and kept in the study's user attrs; '' untracked, or when the server does not answer (the trials
+    are then tracked alone, their points kept as ever)."""
+    from job.track import study_run, target
 
     where = target(worker.cfg, worker.output)
     if where is None:
         return ""
     if known := worker.study.user_attrs.get(MLFLOW_RUN):
         return known
-    try:
-        from mlflow import MlflowClient
-
-        c = MlflowClient(tracking_uri=where.uri)
-        made = c.create_run(experiment_id(c, where), run_name=worker.space.name, tags={"job.study": worker.space.name})
-    except Exception as e:  # the client's and the server's errors
-        say(f"tracking: no MLflow run for the study ({one_line(e)}); each trial is tracked alone")
-        return ""
-    worker.study.set_user_attr(MLFLOW_RUN, made.info.run_id)
-    return worker.study.user_attrs[MLFLOW_RUN]
+    identity = hashlib.sha256(f"{masked(url)}#{worker.space.name}".encode()).hexdigest()[:16]  # storage and name
+    if run_id := study_run(where, worker.space.name, identity):
+        worker.study.set_user_attr(MLFLOW_RUN, run_id)
+    return run_id
 
 
 def end_parent_run(worker: Worker, best: dict) -> None:
     """The study's MLflow run finished, with the best trial's metric."""
-    from job.track import target
+    from job.track import end_study_run, target
 
     where = target(worker.cfg, worker.output)
-    if not worker.parent_run_id or where is None:
-        return
-    try:
-        from mlflow import MlflowClient
-
-        c = MlflowClient(tracking_uri=where.uri)
-        for name, value in best.get("metric", {}).items():
-            c.log_metric(worker.parent_run_id, f"best_{name}", value)
-        c.set_tag(worker.parent_run_id, "job.best_trial", str(best.get("trial", "")))
-        c.set_terminated(worker.parent_run_id)
-    except Exception as e:  # the client's and the server's errors
-        say(f"tracking: the study's MLflow run could not be ended ({one_line(e)})")
-
-
-def note(run: str, why: str) -> None:
-    """Say in the run's run.json (top-level note) why it ended where it did."""
-    from job.attempts import RUN_JSON, document
-
-    data = read_url(f"{run}/{RUN_JSON}")
-    doc = document(data) if data else {}
-    write_url(f"{run}/{RUN_JSON}", (json.dumps(doc | {"note": why}, indent=1) + "\n").encode())
+    if worker.parent_run_id and where is not None:
+        end_study_run(where, worker.parent_run_id, best)
 
 
 def trial_rows(worker: Worker) -> list[dict[str, Any]]:
@@ -620,83 +413,3 @@ def trial_rows(worker: Worker) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def write_results(worker: Worker) -> dict:
-    """The table, trials.csv, best.json, best/ (the best trial's model, usable as --model) and the picture of the
-    metric against each parameter. Each worker that finds the study done writes them alike, each file whole."""
-    import optuna
-
-    space, out = worker.space, worker.output.rstrip("/")
-    rows = trial_rows(worker)
-    text = io.StringIO()
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    writer = csv.DictWriter(text, fields)
-    writer.writeheader()
-    writer.writerows(rows)
-    write_url(f"{out}/trials.csv", text.getvalue().encode())
-    print(table(rows, fields[:-1]))
-    complete = [t for t in worker.study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
-    if not complete:
-        say(f"sweep {space.name}: no trial completed; results in {out}/trials.csv")
-        return {}
-    best_t = worker.study.best_trial
-    n = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(best_t)
-    n = best_t.number if n is None else n
-    best = {
-        "trial": n,
-        "values": best_t.params,
-        "metric": {space.metric: best_t.value},
-        "run": best_t.user_attrs["run"],
-    }
-    for name in ("model.pt", "model.json", "config.yaml"):
-        data = read_url(f"{best['run']}/{name}")
-        if data is None:
-            raise StorageError(f"{best['run']}/{name}: missing from the best trial's run")
-        write_url(f"{out}/best/{name}", data)
-    write_url(f"{out}/best.json", (json.dumps(best, indent=1) + "\n").encode())
-    write_url(f"{out}/params.png", picture(rows, space))
-    say(
-        f"sweep {space.name}: best trial {n}, {space.metric} {best_t.value:.4f} with "
-        f"{', '.join(f'{k}={v}' for k, v in best_t.params.items())}; {out}/best.json, {out}/best/ (--model), "
-        f"{out}/trials.csv, {out}/params.png"
-    )
-    return best
-
-
-def table(rows: list[dict[str, Any]], fields: list[str]) -> str:
-    def cell(v: Any) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)
-
-    cells = [fields, *([cell(r.get(f)) for f in fields] for r in rows)]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(fields))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in cells)
-
-
-def picture(rows: list[dict[str, Any]], space: Space) -> bytes:
-    """The metric of each finished trial against each parameter, one panel a parameter (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.ticker
-    from matplotlib import pyplot as plt
-
-    done = [r for r in rows if r[space.metric] is not None]
-    fig, axes = plt.subplots(1, len(space.params), figsize=(4 * len(space.params), 3.5), squeeze=False)
-    for ax, (key, p) in zip(axes[0], space.params.items()):
-        if isinstance(p, list):
-            names = [str(v) for v in p]
-            ax.scatter([names.index(str(r[key])) for r in done], [r[space.metric] for r in done])
-            ax.set_xticks(range(len(names)), names)
-        else:
-            ax.scatter([r[key] for r in done], [r[space.metric] for r in done])
-            if p.log:
-                ax.set_xscale("log")
-                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labels that overlap
-        ax.set_xlabel(key)
-        ax.set_ylabel(space.metric)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 JOURNAL = "track.jsonl"
 RUN_TAG = "job.run"  # the run folder's URL: the MLflow run of a job run is found by it when its id was not kept
+STUDY_TAG = "job.study"  # a sweep study's identity: its workers find the study's one MLflow run by it
 SPLITS = ("train", "val", "test")
 MEASURED = {"samples_per_s", "wall_s"}  # an evaluation's fields that are measured, not computed: under system/
 # MLflow's limits on one log_batch call.
@@ -81,7 +82,60 @@ def environment_uri() -> str:
 def experiment_id(client, where: Target) -> str:
     """The id of `where`'s experiment, made when it is new (its files kept where artifacts() says)."""
     exp = client.get_experiment_by_name(where.experiment)
-    return exp.experiment_id if exp is not None else client.create_experiment(where.experiment, artifacts(where.uri))
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(where.experiment, artifacts(where.uri))
+    except Exception:  # another process made it first (two sweep workers starting together)
+        if (exp := client.get_experiment_by_name(where.experiment)) is None:
+            raise
+        return exp.experiment_id
+
+
+def study_run(where: Target, name: str, study: str) -> str:
+    """The MLflow run of a sweep's study, tagged job.study with `study` (an identity safe in a filter): the one run
+    every worker of the study agrees on, made by the first. Workers that start together may each make one; each then
+    looks again and keeps the earliest made (start time, then run id), a later one deleting its own. (Two whose
+    requests cross within one round trip could still each keep their own: both then see both on a later search.)
+    '' when the server does not answer: each trial is then tracked alone."""
+    from job.console import say
+
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=where.uri)
+        exp = experiment_id(client, where)
+        if not (found := study_runs(client, exp, study)):
+            made = client.create_run(exp, run_name=name, tags={STUDY_TAG: study, "job.study_name": name}).info.run_id
+            found = study_runs(client, exp, study)
+            if found[0] != made:
+                client.delete_run(made)
+        return found[0]
+    except Exception as e:  # the client's and the server's errors
+        say(f"tracking: no MLflow run for the study ({one_line(e)}); each trial is tracked alone")
+        return ""
+
+
+def study_runs(client, experiment: str, study: str) -> list[str]:
+    """The ids of the study's runs not deleted, the earliest made first."""
+    runs = client.search_runs([experiment], filter_string=f"tags.`{STUDY_TAG}` = '{study}'")
+    return [r.info.run_id for r in sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))]
+
+
+def end_study_run(where: Target, run_id: str, best: dict[str, Any]) -> None:
+    """The study's MLflow run finished, with the best trial (best.json's) and its metric as best_<name>."""
+    from job.console import say
+
+    try:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=where.uri)
+        for name, value in best.get("metric", {}).items():
+            client.log_metric(run_id, f"best_{name}", value)
+        client.set_tag(run_id, "job.best_trial", str(best.get("trial", "")))
+        client.set_terminated(run_id)
+    except Exception as e:  # the client's and the server's errors
+        say(f"tracking: the study's MLflow run could not be ended ({one_line(e)})")
 
 
 def artifacts(uri: str) -> str | None:

@@ -12,7 +12,9 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -40,6 +42,8 @@ from job.stop import StopRequest
 from job.storage import RunDir, cache_dir
 from job.weights import at_hand as weights_at_hand
 
+Judge = Callable[[dict[str, Any]], "str | None"]  # an evaluation's record -> why the run should stop there, or None
+
 
 def run(
     cfg: Config,
@@ -50,10 +54,12 @@ def run(
     stop: StopRequest | None = None,
     routes: dict[str, str] | None = None,
     began: float | None = None,
+    judge: Judge | None = None,
 ) -> dict:
     """Train as the config says, writing the run to `output`; returns the final summary. `stop` is the caller's
     signal watch when it installed one early (the command line does, before the slow imports); `began`: when the
-    attempt began, as time.time() (the command line: its process's start; default: now)."""
+    attempt began, as time.time() (the command line: its process's start; default: now); `judge`: given each
+    evaluation's record on rank 0, returns why the run should stop there (a sweep's pruner), or None."""
     with contextlib.nullcontext(stop) if stop is not None else StopRequest(cfg.train.grace_seconds) as stop:
         stop.grace_seconds = cfg.train.grace_seconds
         stop.limit(cfg.train.time_limit)
@@ -63,7 +69,8 @@ def run(
         distributed.start(device_name, stop)  # under torchrun: join the process group; otherwise nothing
         together = False
         try:
-            summary = train_rank(cfg, Request(output, device_name, resume, overwrite, routes), stop, t_start, began)
+            req = Request(output, device_name, resume, overwrite, routes)
+            summary = train_rank(cfg, req, stop, t_start, began, judge)
             together = True
             return summary
         except Interrupted:
@@ -74,12 +81,14 @@ def run(
             torch.set_num_threads(threads)  # train.cpu_threads holds for the run, not for a notebook's kernel after
 
 
-def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float, began: float) -> dict:
+def train_rank(
+    cfg: Config, req: Request, stop: StopRequest, t_start: float, began: float, judge: Judge | None = None
+) -> dict:
     # Rank 0 checks and opens the run folder; the other processes of a group only name it and never write to it.
     run_dir = distributed.on_writer(lambda: preflight(cfg, req)) or RunDir(req.output)
     attempt = Attempt(run_dir if distributed.is_writer() else None, began)
     try:
-        return train_loop(cfg, run_dir, req, stop, t_start, attempt)
+        return train_loop(cfg, run_dir, req, stop, t_start, attempt, judge)
     except Interrupted as e:
         attempt.end(e.exit_code)
         try:
@@ -101,7 +110,15 @@ def train_rank(cfg: Config, req: Request, stop: StopRequest, t_start: float, beg
         raise
 
 
-def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_start: float, attempt: Attempt) -> dict:
+def train_loop(
+    cfg: Config,
+    run_dir: RunDir,
+    req: Request,
+    stop: StopRequest,
+    t_start: float,
+    attempt: Attempt,
+    judge: Judge | None = None,
+) -> dict:
     device = pick_device(req.device)
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
     seed_everything(cfg.seed, cfg.train.deterministic)
@@ -149,7 +166,9 @@ def train_loop(cfg: Config, run_dir: RunDir, req: Request, stop: StopRequest, t_
             run_dir.write("data.json", json.dumps(data.inventory.to_json(), indent=1, ensure_ascii=False).encode())
         tracker = track.Tracker(where, run_dir, state.step if found else -1) if where is not None else None
         start = state.step + 1 if found else 0
-        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), start, tracker, tuning)
+        # A stop asked at an evaluation is acted on right after it: the run commits that evaluation's step.
+        asks = (lambda record: stop.ask(judge(record))) if judge is not None else None
+        report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), start, tracker, tuning, asks)
     step = make_step(cfg, r, log, step_flops)
     if step.accumulator is not None and found is not None:
         step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)

@@ -20,7 +20,7 @@ from job import distributed
 from job.config import load_config
 from job.duration import format_duration, parse_duration
 from job.errors import ConfigError
-from job.stop import TIME_LIMIT, StopRequest
+from job.stop import ASKED, TIME_LIMIT, StopRequest, precedence, reason_of
 
 SELF_STOPPING = """
 import os, signal
@@ -264,6 +264,31 @@ def test_stop_request_alone_limit_describe_cancel_and_sync():
         assert not timers_alive(before)
 
 
+def test_a_stop_asked_for_a_reason_names_it_and_a_signal_outranks_it_in_a_group():
+    """stop.ask(why): alone, the loop acts on it at once and describes it in the caller's words; nothing asked, nothing
+    happens. In a group's reduction the run's own reasons rank below every signal, and come back as themselves."""
+    with StopRequest(grace_seconds=30) as stop:
+        stop.ask(None)
+        assert stop.signal is None and stop.received is None
+        stop.ask("the sweep's pruner (median, at step 300)")
+        assert stop.signal == stop.received == ASKED
+        assert stop.describe() == "the sweep's pruner (median, at step 300)"
+        stop.finishing()  # a request has nothing left to stop once the results are being written: no grace period
+        stop.cancel()
+    handled = [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1]
+    assert max(precedence(r) for r in (ASKED, TIME_LIMIT)) < min(precedence(s) for s in handled)
+    assert precedence(ASKED) > precedence(TIME_LIMIT) > precedence(None) == 0
+    assert [reason_of(precedence(r)) for r in (0, TIME_LIMIT, ASKED, *handled)] == [0, TIME_LIMIT, ASKED, *handled]
+
+    with StopRequest(grace_seconds=30) as stop:  # a group of one whose reduction also saw another's SIGTERM
+        stop.share(lambda received: lambda: max(received, precedence(signal.SIGTERM)))
+        stop.ask("the sweep's pruner (median, at step 300)")
+        assert stop.signal is None  # in a group: acted on once the processes agree
+        stop.sync()
+        assert stop.signal == signal.SIGTERM and stop.describe() == "SIGTERM"
+        stop.cancel()
+
+
 @pytest.mark.parametrize(("sig", "code", "says"), [("SIGINT", 130, "nothing was saved"), ("SIGTERM", 75, "start")])
 def test_a_signal_while_setting_up_exits_with_the_code_that_matches(tmp_path, models, sig, code, says):
     """Exit 75 promises that the same command continues: right for a preemption (SIGTERM) before the first step,
@@ -300,7 +325,7 @@ def test_in_a_group_a_signal_is_acted_on_one_step_later_by_every_process():
         stop.step()  # once agreed, nothing more is started
         stop.settle()
         stop.cancel()
-    assert started == [0, 0, signal.SIGTERM]
+    assert started == [0, 0, precedence(signal.SIGTERM)]
 
 
 @pytest.mark.parametrize(("sig", "code"), [("SIGINT", 130), ("SIGTERM", 75)])

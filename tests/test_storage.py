@@ -83,3 +83,9 @@ def test_unwritable_output_is_a_storage_error(tmp_path):
         RunDir(str(blocker / "run")).prepare()
     with pytest.raises(StorageError, match="not a usable URL"):
         RunDir("nosuchproto://x/y")
+
+
+def test_network_filesystem_reads_the_mount_of_the_path():
+    from job.storage import network_filesystem
+
+    assert network_filesystem("/proc/self") == ""  # proc: no network filesystem

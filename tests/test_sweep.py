@@ -197,18 +197,12 @@ def test_a_space_file_that_is_not_yaml_is_refused(tmp_path):
 
 
 def test_sqlite_on_a_network_filesystem_is_refused(tmp_path, monkeypatch):
-    from job import sweep
+    from job import study_storage
 
-    monkeypatch.setattr(sweep, "network_filesystem", lambda path: "nfs4")
+    monkeypatch.setattr(study_storage, "network_filesystem", lambda path: "nfs4")
     code, err = invoke(["sweep", str(space_file(tmp_path)), "--output", str(tmp_path / "S"), *IRIS])
     assert code == 2 and "network filesystem (nfs4)" in err and "postgresql://" in err
     assert not (tmp_path / "S").exists()
-
-
-def test_network_filesystem_reads_the_mount_of_the_path():
-    from job.sweep import network_filesystem
-
-    assert network_filesystem("/proc/self") == ""  # proc: no network filesystem
 
 
 @pytest.fixture(scope="session")
@@ -274,8 +268,15 @@ def test_a_pruned_trial_stops_at_a_checkpoint_and_says_why(tmp_path):
     pruned = [t for t in study.trials if t.state == optuna.trial.TrialState.PRUNED]
     assert [t.params["optim.lr"] for t in pruned] == [0.001]  # seed 1's grid order: 0.5, 0.0011, then 0.001
     run = Path(pruned[0].user_attrs["run"])
-    assert "pruned by the median pruner" in json.loads((run / "run.json").read_text())["note"]
+    judged = max(pruned[0].intermediate_values)  # the evaluation it was pruned at: its last report
+    note = json.loads((run / "run.json").read_text())["note"]
+    assert f"pruned by the median pruner at step {judged}" in note
     assert (run / "checkpoints/latest.json").exists() and not (run / "model.pt").exists()
+    assert attempts(run)[-1]["committed"]["step"] == judged  # stopped at that evaluation, not steps after it
+    (log,) = tmp_path.glob("worker-*.log")
+    stops = [line for line in log.read_text().splitlines() if ": stopping " in line]  # the run's stop line
+    assert stops and stops[-1].startswith(f"the sweep's pruner (median, at step {judged}): stopping"), stops
+    assert "time limit" not in log.read_text()
 
 
 def test_the_sweep_command_is_in_the_help():
@@ -297,6 +298,43 @@ def test_a_tracked_study_is_one_mlflow_run_with_each_trial_a_child_of_it(tmp_pat
     assert len(runs) == 3 and parent.info.status == "FINISHED"
     best = json.loads((out / "best.json").read_text())
     assert parent.data.metrics["best_val_accuracy"] == best["metric"]["val_accuracy"]
+
+
+def talking_to(pid: int, port: int) -> bool:
+    """Whether process `pid` has a connection open to `port` on this machine (a request sent, or being sent)."""
+    psutil = pytest.importorskip("psutil")
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.NoSuchProcess:
+        return False
+    return any(c.raddr and c.raddr.port == port for c in conns)
+
+
+def test_two_workers_starting_at_once_agree_on_one_mlflow_run_for_the_study(tmp_path, mlflow_server):
+    """Both workers find the study without its MLflow run and ask the server for one at the same moment (the server
+    is held stopped until both have asked): they converge on one parent run, every trial's run a child of it."""
+    psutil = pytest.importorskip("psutil")
+    from mlflow import MlflowClient
+
+    space, out = space_file(tmp_path, trials=2), tmp_path / "S"
+    tracked = sets(f"track.mlflow={mlflow_server}", "track.experiment=two-workers")
+    port = int(mlflow_server.rsplit(":", 1)[1])
+    (server,) = {c.pid for c in psutil.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port}
+    group = os.getpgid(server)
+    os.killpg(group, signal.SIGSTOP)  # requests wait in the server's queue, answered together once it goes on
+    try:
+        ws = [worker(space, out, 300, *tracked) for _ in range(2)]
+        wait_for(lambda: all(talking_to(w.pid, port) for w in ws), what="both workers asking the server")
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    assert [w.wait(timeout=600) for w in ws] == [0, 0], list(tmp_path.glob("worker-*.log"))
+    c = MlflowClient(tracking_uri=mlflow_server)
+    runs = c.search_runs([c.get_experiment_by_name("two-workers").experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1, [r.info.run_name for r in parents]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert sorted(r.data.tags["job.run"] for r in children) == [str(out / "trials/0"), str(out / "trials/1")]
+    assert len(runs) == 3 and parents[0].info.status == "FINISHED"
 
 
 def test_a_sweep_in_a_bucket_with_its_study_on_local_disk(tmp_path, bucket):
