@@ -293,4 +293,9 @@ def format_info(report: dict[str, Any]) -> str:
     if report["torchvision_problem"]:
         lines.append(f"warning: {report['torchvision_problem']}")
     lines.append(f"training would use: {report['default_device']}")
+    platform = report.get("platform") or {}
+    if platform.get("error"):
+        lines.append(f"platform: error: {platform['error']}")
+    elif platform.get("describe"):
+        lines.append(f"platform: {platform['describe']}")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ tests/test_launch.py."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -269,3 +270,11 @@ def test_the_jobset_in_the_docs_is_one_group_meeting_on_its_first_pod():
         assert (got.nnodes, got.node_rank, got.source) == (job["completions"], pod, "Kubernetes Indexed Job")
         assert got.master_addr.split(".")[0] == f"{js}-{replicated['name']}-0-0"
         assert got.nproc_per_node == processes("auto")
+
+
+def test_job_info_names_the_platform_and_the_group_or_what_is_wrong():
+    done = run_job("info", env=SRUN, timeout=120)
+    assert done.returncode == 0, done.stderr[-1000:]
+    assert "platform: Slurm job 23304 step 0: process 1 of 2 (meeting at vm:18304)" in done.stdout
+    bad = run_job("info", "--json", env=PYTORCHJOB | {"WORLD_SIZE": "5"}, timeout=120)
+    assert bad.returncode == 0 and "PyTorchJob's variables disagree" in json.loads(bad.stdout)["platform"]["error"]
