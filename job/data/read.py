@@ -41,6 +41,10 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
         from job.data.manifest import load_manifest
 
         data = load_manifest(cfg, kept, log)
+    elif cfg.kind == "parquet":
+        from job.data.parquet import load_parquet
+
+        data = load_parquet(cfg, kept, log)
     elif cfg.kind == "cifar10":
         from job.data.cifar10 import load_cifar10
 
