@@ -172,3 +172,39 @@ def test_a_column_of_label_lists_is_refused_for_now(tmp_path):
     ds.to_parquet(str(tmp_path / "train.parquet"))
     line = bad(tmp_path, "data.kind=parquet", f"data.path={tmp_path / 'train.parquet'}", "data.label_column=labels")
     assert "multi-label labels are not supported yet" in line
+
+
+def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp_path, bucket):
+    """data.placement=stream: the rows packed into shards a row group at a time, with the classes and counts the
+    held read gives; a run killed after its first commit and resumed equals one that never stopped."""
+    import signal
+    import time
+
+    from conftest import assert_same_run, pointer, run_job, start_job
+
+    root = hub_dataset(tmp_path / "ds", {"train": 20, "validation": 3, "test": 4})
+    bucket.put_tree(root, "ds")
+    args = ["--device", "cpu", *sets("data.kind=parquet", f"data.path={bucket.url('ds')}", "data.placement=stream",
+            "data.workers=0", "data.image_size=32", "data.batch_size=8", "model.name=cifar_cnn",
+            "train.checkpoint_every_epochs=1")]  # fmt: skip
+    out = tmp_path / "killed"
+    proc = start_job("train", *args, "--set", "train.epochs=100000000", "--output", str(out))
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "latest.json").is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended by itself"
+    proc.kill()
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    assert "packing it into shards" in err
+    end = f"train.epochs={pointer(str(out))['epoch'] + 2}"
+    final = run_job("train", *args, "--set", end, "--output", str(out))
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert "resuming" in final.stderr
+    reference = run_job("train", *args, "--set", end, "--output", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert_same_run(str(tmp_path / "reference"), str(out))
+    record = json.loads((out / "data.json").read_text())
+    held = load_parquet(DataConfig(kind="parquet", path=str(root)), None, print)
+    assert record["classes"] == NAMES
+    assert {s: v["per_class"] for s, v in record["splits"].items()} == counts(held)

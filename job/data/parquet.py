@@ -26,7 +26,7 @@ from job.data.files import FETCH_CHUNK, Log, beside, fetch_named, local_file, re
 from job.data.folder import check_files, held
 from job.data.manifest import Columns, class_order
 from job.data.preprocess import Preprocess
-from job.data.split import SPLIT_FOLDERS, Files, HoldOut
+from job.data.split import SPLIT_FOLDERS, Files, HoldOut, kind_of
 from job.errors import DataError, StorageError, one_line
 
 SUFFIX = ".parquet"
@@ -34,14 +34,44 @@ MULTILABEL = "multi-label labels are not supported yet"
 
 
 def is_parquet(url: str) -> bool:
-    """A parquet file, or a folder holding some (at any depth): data.kind parquet."""
+    """A parquet file, or a folder of them (at any depth) holding no images: data.kind parquet."""
     if url.lower().endswith(SUFFIX):
         return True
     fs, path = filesystem(url)
     try:
-        return fs.isdir(path) and any(p.lower().endswith(SUFFIX) for p in fs.find(path))
+        found = fs.find(path) if fs.isdir(path) else []
     except Exception:  # the stores' clients raise many types; the reader names the fault
         return False
+    return any(p.lower().endswith(SUFFIX) for p in found) and not any(kind_of(p) == "image" for p in found)
+
+
+def parquet_listed(fs, path: str, url: str) -> dict[str, dict]:
+    """The parquet files of a file or folder: path -> info (what a pack of them is keyed by)."""
+    try:
+        if fs.isfile(path):
+            return {path: fs.info(path)}
+        return {p: i for p, i in fs.find(path, detail=True).items() if p.lower().endswith(SUFFIX)}
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
+
+
+def decoded_size(url: str, held: int | None) -> int:
+    """About how many bytes the rows' images take decoded at `held` x `held` (the rows counted from the files'
+    footers); with no size held, the files' own size stands in, which only understates (images compress)."""
+    fs, path = resolve(url)
+    infos = parquet_listed(fs, path, url)
+    if held is None:
+        return sum(int(i.get("size") or 0) for i in infos.values())
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for p in infos:
+        try:
+            with fs.open(p, "rb") as f:
+                rows += pq.ParquetFile(f).metadata.num_rows
+        except Exception:  # a file that cannot be read is named when the rows are read
+            return 0
+    return rows * 3 * held * held
 
 
 def split_of(rel: str) -> str | None:
