@@ -248,7 +248,9 @@ def evaluate(
     checkpoint: str = typer.Option("", "--checkpoint", help="A run folder (its newest checkpoint), or a .pt file."),
     model: str = typer.Option("", "--model", "-m", help="As predict takes it: a run folder (model.pt), or a .pt."),
     data: str = typer.Option(
-        "", "--data", help="Labelled images to score instead of the run's split: class folders, an archive, a manifest."
+        "",
+        "--data",
+        help="Labelled images to score instead of the run's split: class folders, an archive, a manifest, parquet.",
     ),
     config: str = typer.Option("", "--config", "-c", help="Config to evaluate with; default: the checkpoint's."),
     overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),

@@ -50,11 +50,13 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    kind: Literal["csv", "cifar10", "folder", "manifest", "shards"] = Field(
+    kind: Literal["csv", "cifar10", "folder", "manifest", "parquet", "shards"] = Field(
         "csv",
         description="Reader: a CSV table, CIFAR-10's python-version layout, image folders (class folders at the top, "
-        "or train/ val/ test/ folders of them), a manifest (a CSV or JSONL file of image paths and labels), or "
-        "WebDataset-style tar shards (train/*.tar, test/*.tar; `python -m job shard` makes them).",
+        "or train/ val/ test/ folders of them), a manifest (a CSV or JSONL file of image paths and labels), parquet "
+        "(a .parquet file, a folder of them, or the Hugging Face hub's data/<split>-*.parquet layout: images from its "
+        "Image struct, labels from a ClassLabel or data.label_column; a table of feature columns is read as csv), "
+        "or WebDataset-style tar shards (train/*.tar, test/*.tar; `python -m job shard` makes them).",
     )
     path: str = Field(
         "",
@@ -93,8 +95,16 @@ class DataConfig(Section):
         description="An image that cannot be decoded (empty, truncated, not an image) is skipped and named, and "
         "data.json in the run folder lists every one; false: the first one stops the run (exit 3).",
     )
-    path_column: str = Field("path", description="manifest: the column of image paths (relative to the file, or URLs).")
-    label_column: str = Field("label", description="manifest: the column of labels (class names or indexes).")
+    path_column: str = Field(
+        "path",
+        description="manifest: the column of image paths (relative to the file, or URLs); parquet: the image column, "
+        "when no column is the Hugging Face Image feature.",
+    )
+    label_column: str = Field(
+        "label",
+        description="manifest and parquet: the column of labels (class names or indexes; parquet: else its one "
+        "ClassLabel column).",
+    )
     split_column: str = Field(
         "split", description="manifest: the column of splits (train, val, test), when the file has one."
     )

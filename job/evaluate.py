@@ -243,9 +243,11 @@ def streamed_split(d, url: str, device: torch.device, p, log) -> tuple[Loader, s
 
 
 def labelled(d, url: str, p, log):
-    """Labelled images held in memory for scoring: a manifest's, or a folder's (or archive's)."""
+    """Labelled images held in memory for scoring: a manifest's, parquet files' (a file, or a folder of them), or a
+    folder's (or archive's)."""
     from job.data.files import is_manifest, read_entries
     from job.data.folder import Listing, held
+    from job.data.parquet import is_parquet
     from job.data.split import HoldOut, sort_files
     from job.errors import DataError
 
@@ -253,6 +255,10 @@ def labelled(d, url: str, p, log):
         from job.data.manifest import load_manifest
 
         return load_manifest(d.model_copy(update={"kind": "manifest"}), None, log, p.classes, p.pre)
+    if is_parquet(url):
+        from job.data.parquet import load_parquet
+
+        return load_parquet(d.model_copy(update={"kind": "parquet"}), None, log, p.classes, p.pre)
     listing = Listing()
     entries = dict(read_entries(url, listing.keep, None, log))
     files = sort_files(sorted(entries), HoldOut(0.0, 0.0, d.split_seed))

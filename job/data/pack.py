@@ -33,6 +33,7 @@ from job.data.files import VERSION_KEYS, Log, beside, images_listed, is_manifest
 from job.data.folder import Listing, check_files, report_skipped, sorted_files
 from job.data.image import UnreadableImage, image_size
 from job.data.manifest import Columns
+from job.data.parquet import is_parquet, parquet_listed
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
 from job.data.split import Files, HoldOut, Inventory, count, is_image_name
 from job.errors import ConfigError, DataError, StorageError, one_line
@@ -92,12 +93,14 @@ def pack(
     min_shards: int = 1,
     hold: HoldOut = HoldOut(),
     columns: Columns = Columns(),
+    parquet: bool | None = None,
 ) -> dict:
     """Pack SRC into shards at DST; returns DST's index. A DST already packed from SRC is left as it is. Each split
     gets at least `min_shards` shards where it has that many samples (torchrun's processes each need some). `hold`:
     the val and test shares held out of the training images where SRC has no val/ or test/ folder (by a hash of each
     file's path: job/data/split.py), so a folder packed and the same folder read into memory split alike. A
-    manifest (.csv, .jsonl) as SRC: its images, classes and splits as data.kind manifest reads them (`columns`)."""
+    manifest (.csv, .jsonl) as SRC: its images, classes and splits as data.kind manifest reads them (`columns`); parquet
+    files (`parquet`; None: found from SRC), their rows' images as data.kind parquet reads them."""
     if shard_samples < 1:
         raise ConfigError(f"--samples-per-shard: expected a positive number, got {shard_samples}")
     out_fs, out_path = filesystem(dst)
@@ -125,7 +128,8 @@ def pack(
     if local is not None:
         local.mkdir(parents=True, exist_ok=True)
     try:
-        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards, hold, columns)
+        parquet = is_parquet(src) if parquet is None else parquet
+        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards, hold, columns, parquet)
     except BaseException:
         if made and not any(local.iterdir()):  # a failed start leaves no empty folder behind
             local.rmdir()
@@ -151,10 +155,13 @@ def pack_into(
     min_shards: int,
     hold: HoldOut,
     columns: Columns,
+    parquet: bool,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix=".spool-", dir=local) as tmp:
         if is_manifest(src):
             sp, sizes, skipped, files, classes = spool_manifest(src, Path(tmp), log, hold, columns)
+        elif parquet:
+            sp, sizes, skipped, files, classes = spool_parquet(src, Path(tmp), log, hold, columns)
         else:
             sp, sizes, skipped, files, classes = spool_folder(src, Path(tmp), log, hold)
         at = {name: i for i, name in enumerate(sp.names)}
@@ -174,7 +181,7 @@ def pack_into(
             "splits": {},
             "hold_out": {"val": hold.val, "test": hold.test, "split_seed": hold.seed},
             "inventory": inventory.to_json(),
-            **({"columns": asdict(columns)} if is_manifest(src) else {}),
+            **({"columns": asdict(columns)} if is_manifest(src) or parquet else {}),
         }
         for split in SPLITS:
             items = [(at[name], classes.index(c)) for name, c in files.roles[split]]
@@ -205,6 +212,24 @@ def spool_manifest(src: str, folder: Path, log: Log, hold: HoldOut, columns: Col
     classes = class_order(labels, {label for _, label in files.roles["train"]})
     check_files(files, classes, src)
     images = Images(src, [p for role in files.roles.values() for p, _ in role], None, log)
+    return spool_named(images, folder, log, src, files, classes)
+
+
+def spool_parquet(src: str, folder: Path, log: Log, hold: HoldOut, columns: Columns) -> Spooled:
+    """Parquet rows' images spooled, a row group at a time, in the classes and splits job/data/parquet.py gives
+    them; a row with no image (no bytes, no path, a path to no file) is skipped and named."""
+    from job.data.parquet import ParquetData
+
+    rows = ParquetData(src, columns, hold, None, log)
+    if rows.table:
+        raise ConfigError(f"{src}: a table of feature columns (no image column) is read into memory, not packed")
+    check_files(rows.files, rows.classes, src)
+    return spool_named(rows, folder, log, src, rows.files, rows.classes)
+
+
+def spool_named(images, folder: Path, log: Log, src: str, files: Files, classes: list[str]) -> Spooled:
+    """The images a table names (`images`: (name, bytes) iterated, then `missing()`) spooled; the rows whose image
+    is not there or cannot be decoded dropped from `files` and named."""
     sp, sizes, skipped = spool(images, folder, log, src)
     there = set(sp.names)
     files.roles = {role: [(p, c) for p, c in items if p in there] for role, items in files.roles.items()}
@@ -327,9 +352,16 @@ STREAM_SHARDS = 16  # shards per split at least, for a folder packed to stream: 
 
 
 def packed_for_streaming(
-    src: str, cache: Path, log: Log, hold: HoldOut, columns: Columns = Columns(), skip: bool = True
+    src: str,
+    cache: Path,
+    log: Log,
+    hold: HoldOut,
+    columns: Columns = Columns(),
+    skip: bool = True,
+    parquet: bool = False,
 ) -> str:
-    """The shard folder an image folder, archive or manifest streams from (data.placement=stream): packed once into
+    """The shard folder an image folder, archive, manifest or parquet data set (`parquet`) streams from
+    (data.placement=stream): packed once into
     `cache`, keyed by SRC's URL and its listing (names, sizes, versions; a manifest's own and those of the images
     it names in its folder) and the split settings, so a later run, or a resumed one, reads the same shards, and a
     changed SRC is packed again. SRC's other packs (earlier versions, other settings) are removed once no run reads
@@ -338,12 +370,15 @@ def packed_for_streaming(
 
     Why a copy rather than reading the files as they are: a bucket serves many small objects slowly in any
     order but one pass, a .tar.gz cannot be read from a saved position, and shards give every process of a group
-    its own balanced share with an exact position to resume from. It costs local disk about SRC's size (twice that
-    while packing); a pack is the same bytes on any machine (SRC's order and seed 0), so a run resumed elsewhere
-    packs it again and goes on where it stopped."""
+    its own balanced share with an exact position to resume from. Parquet too, rather than a reader whose unit is a
+    row group: its row groups are as large as the writer made them (one per file, often), so they neither balance
+    over processes nor shuffle well, and shards give it exact resume and every process count with no second
+    streaming engine; the rows are read a row group at a time into the spool. It costs local disk about SRC's size
+    (twice that while packing); a pack is the same bytes on any machine (SRC's order and seed 0), so a run resumed
+    elsewhere packs it again and goes on where it stopped."""
     fs, path = resolve(src)
-    version, size = fingerprint(fs, path, src, columns)
-    settings = repr((hold, columns)) if is_manifest(path) else repr(hold)
+    version, size = fingerprint(fs, path, src, columns, parquet)
+    settings = repr((hold, columns)) if is_manifest(path) or parquet else repr(hold)
     version += f"-{hashlib.sha256(settings.encode()).hexdigest()[:6]}"  # another split is another pack
     stem = hashlib.sha256(fs.unstrip_protocol(path).encode()).hexdigest()[:16]
     folder = cache / "shards"
@@ -370,7 +405,7 @@ def packed_for_streaming(
                     "pack it with `python -m job shard SRC DST` and train on DST"
                 )
             log(f"data: streaming {src}: packing it into shards in {dst} once (later runs read them)")
-            index = pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns)
+            index = pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns, parquet=parquet)
         reading(dst, cache)
     bad = index["inventory"]["skipped"]
     if bad and not skip:
@@ -405,10 +440,15 @@ def remove_unread(pack: Path) -> None:
         return
 
 
-def fingerprint(fs, path: str, url: str, columns: Columns) -> tuple[str, int]:
+def fingerprint(fs, path: str, url: str, columns: Columns, parquet: bool = False) -> tuple[str, int]:
     """A digest of what SRC holds (each file's name, size and version; an archive's own; a manifest's own and those
     of the images it names in its folder) and its size in bytes."""
-    infos = named(fs, path, url, columns) if is_manifest(path) else images_listed(fs, path, url)
+    if is_manifest(path):
+        infos = named(fs, path, url, columns)
+    elif parquet:
+        infos = parquet_listed(fs, path, url)
+    else:
+        infos = images_listed(fs, path, url)
     lines = []
     for p, info in sorted(infos.items()):
         version = next((str(info[k]) for k in VERSION_KEYS if info.get(k)), "")

@@ -18,19 +18,26 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
     kept = cache if cfg.cache else None
     if cfg.placement == "stream" and cfg.kind in ("csv", "cifar10"):
         raise ConfigError(
-            f"data.placement=stream: streams image folders, archives of one, manifests and shards; {cfg.kind} data "
+            f"data.placement=stream: streams image folders, archives of one, manifests, parquet and shards; {cfg.kind} "
+            "data "
             "are read into memory (data.placement auto)"
         )
     choice, given = HELD, cfg
-    if cfg.kind in ("folder", "manifest"):
-        choice = folder_streaming(cfg, log, started) if cfg.kind == "folder" else manifest_streaming(cfg, log, started)
+    if cfg.kind in ("folder", "manifest", "parquet"):
+        if cfg.kind == "folder":
+            choice = folder_streaming(cfg, log, started)
+        elif cfg.kind == "parquet":
+            choice = parquet_streaming(cfg, log, started)
+        else:
+            choice = manifest_streaming(cfg, log, started)
         if choice.streamed:
             from job.data.manifest import Columns
             from job.data.pack import packed_for_streaming
             from job.data.split import HoldOut
 
             hold, columns = HoldOut.of(cfg), Columns.of(cfg)
-            packed = packed_for_streaming(cfg.path, cache, log, hold, columns, cfg.skip_bad_samples)
+            parquet = cfg.kind == "parquet"
+            packed = packed_for_streaming(cfg.path, cache, log, hold, columns, cfg.skip_bad_samples, parquet)
             cfg = cfg.model_copy(update={"kind": "shards", "path": packed})
             cfg = cfg.model_copy(update={"placement": "stream"})
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
@@ -41,6 +48,10 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
         from job.data.manifest import load_manifest
 
         data = load_manifest(cfg, kept, log)
+    elif cfg.kind == "parquet":
+        from job.data.parquet import load_parquet
+
+        data = load_parquet(cfg, kept, log)
     elif cfg.kind == "cifar10":
         from job.data.cifar10 import load_cifar10
 
@@ -81,3 +92,14 @@ def manifest_streaming(cfg, log: Callable[[str], None], started: Streaming | Non
     if cfg.placement == "auto" and (started is None or not started.streamed):
         return HELD
     return decide_streaming(cfg.placement, lambda: 0, cfg.device_share, started, log, cfg.path)
+
+
+def parquet_streaming(cfg, log: Callable[[str], None], started: Streaming | None) -> Streaming:
+    """Whether parquet rows' images are packed into shards and streamed, as an image folder's are (auto: when decoded
+    they would not fit; the rows counted from the files' footers). A table of features is always held."""
+    from job.data.parquet import decoded_size as parquet_decoded
+
+    def decoded() -> int:
+        return parquet_decoded(cfg.path, cfg.resize_size or cfg.image_size)
+
+    return decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)

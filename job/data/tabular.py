@@ -1,4 +1,5 @@
-"""CSV tables: numeric feature columns and a named label column, features min-max scaled on the training split."""
+"""Tables (a CSV file, or parquet files of feature columns: job/data/parquet.py): numeric feature columns and a named
+label column, features min-max scaled on the training split."""
 
 from __future__ import annotations
 
@@ -35,18 +36,32 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
     else:
         text = (resources.files("job.presets") / "iris.csv").read_text()
         header, rows = parse_csv(text, BUNDLED_IRIS)
-    name = cfg.path or BUNDLED_IRIS
+    test = (cfg.test_path, *read_csv(cfg.test_path, cache, log)) if cfg.test_path else None
+    return table_dataset(cfg, cfg.path or BUNDLED_IRIS, header, rows, test, "csv")
+
+
+def table_dataset(
+    cfg,
+    name: str,
+    header: list[str],
+    rows: list[list[str]],
+    test_table: tuple[str, list[str], list[list[str]]] | None,
+    kind: str,
+) -> Dataset:
+    """A table's rows (cells as text) split and scaled as the module's doc says; `test_table`: (name, header, rows) of
+    a test table of its own (data.test_path, or a parquet data set's test files); `kind`: the reader, as the run's
+    source names it."""
     x, labels = columns(header, rows, cfg.target, name)
     classes = class_order(labels)
     y = torch.tensor([classes.index(v) for v in labels])
-    if cfg.test_path:
-        test_header, test_rows = read_csv(cfg.test_path, cache, log)
+    if test_table is not None:
+        test_name, test_header, test_rows = test_table
         if test_header != header:
-            raise DataError(f"{cfg.test_path}: columns differ from {name}: {test_header} vs {header}")
-        tx, tlabels = columns(test_header, test_rows, cfg.target, cfg.test_path)
+            raise DataError(f"{test_name}: columns differ from {name}: {test_header} vs {header}")
+        tx, tlabels = columns(test_header, test_rows, cfg.target, test_name)
         unknown = sorted(set(tlabels) - set(classes))
         if unknown:
-            raise DataError(f"{cfg.test_path}: labels not in the training table: {unknown[:5]}")
+            raise DataError(f"{test_name}: labels not in the training table: {unknown[:5]}")
         train = Split(x, y, row_names(range(len(y))))
         test = Split(tx, torch.tensor([classes.index(v) for v in tlabels]), row_names(range(len(tlabels))))
     else:
@@ -80,7 +95,7 @@ def load_table(cfg, cache: Path | None, log: Log) -> Dataset:
         "min": low.tolist(),
         "span": span.tolist(),  # x' = (x - min) / span, fitted on the training rows
     }
-    return Dataset(train, test, classes, f"csv {name}", val=val, features=features)
+    return Dataset(train, test, classes, f"{kind} {name}", val=val, features=features)
 
 
 def read_csv(url: str, cache: Path | None, log: Log) -> tuple[list[str], list[list[str]]]:

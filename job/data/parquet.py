@@ -1,0 +1,364 @@
+"""data.kind parquet: a .parquet file, a folder of them, or the Hugging Face hub's layout (data/train-00000-of-00004
+.parquet, <config>/<split>-*.parquet), at any URL, read with pyarrow over an fsspec file.
+
+Images come from the hub's `Image` feature, a struct of bytes and path (the bytes; else the path, resolved beside the
+parquet file as a manifest's is), or from a column of paths (data.path_column); labels from a `ClassLabel` column,
+its names in the schema's `huggingface` metadata, or from data.label_column (class names, or indexes). Splits come
+from the files' names (train, validation|val|valid, test); a split the files do not give is held out by the hash of
+each row's key (job/data/split.py): its image path where the struct has one, else <file>:<row>. Rows are decoded as
+an image folder's are (job/data/folder.py: one decoding, a bad image skipped and named), and a table of feature
+columns with no image is read as a CSV table is (job/data/tabular.py, data.target its label).
+
+Labels are read first (a column or two of each file), the images after, a row group at a time: a run packing the
+rows into shards to stream them (job/data/pack.py) holds one row group's images at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+from job.cloud import describe_storage_error, filesystem
+from job.data.dataset import Dataset
+from job.data.files import FETCH_CHUNK, Log, beside, fetch_named, local_file, resolve
+from job.data.folder import check_files, held
+from job.data.manifest import Columns, class_order
+from job.data.preprocess import Preprocess
+from job.data.split import SPLIT_FOLDERS, Files, HoldOut, kind_of
+from job.errors import DataError, StorageError, one_line
+
+SUFFIX = ".parquet"
+MULTILABEL = "multi-label labels are not supported yet"
+
+
+def is_parquet(url: str) -> bool:
+    """A parquet file, or a folder of them (at any depth) holding no images: data.kind parquet."""
+    if url.lower().endswith(SUFFIX):
+        return True
+    fs, path = filesystem(url)
+    try:
+        found = fs.find(path) if fs.isdir(path) else []
+    except Exception:  # the stores' clients raise many types; the reader names the fault
+        return False
+    return any(p.lower().endswith(SUFFIX) for p in found) and not any(kind_of(p) == "image" for p in found)
+
+
+def parquet_listed(fs, path: str, url: str) -> dict[str, dict]:
+    """The parquet files of a file or folder: path -> info (what a pack of them is keyed by)."""
+    try:
+        if fs.isfile(path):
+            return {path: fs.info(path)}
+        return {p: i for p, i in fs.find(path, detail=True).items() if p.lower().endswith(SUFFIX)}
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
+
+
+def decoded_size(url: str, held: int | None) -> int:
+    """About how many bytes the rows' images take decoded at `held` x `held` (the rows counted from the files'
+    footers); with no size held, the files' own size stands in, which only understates (images compress)."""
+    fs, path = resolve(url)
+    infos = parquet_listed(fs, path, url)
+    if held is None:
+        return sum(int(i.get("size") or 0) for i in infos.values())
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for p in infos:
+        try:
+            with fs.open(p, "rb") as f:
+                rows += pq.ParquetFile(f).metadata.num_rows
+        except Exception:  # a file that cannot be read is named when the rows are read
+            return 0
+    return rows * 3 * held * held
+
+
+def split_of(rel: str) -> str | None:
+    """The split a file's name gives: its name's first word (train-00000-of-00004.parquet), else its folder's
+    (<config>/train/0000.parquet); None when neither is a split's name."""
+    folder, _, name = rel.rpartition("/")
+    head = re.split(r"[-_.]", name.lower(), maxsplit=1)[0]
+    word = head if head in SPLIT_FOLDERS else folder.rpartition("/")[2].lower()
+    return SPLIT_FOLDERS.get(word)
+
+
+def config_of(rel: str) -> str:
+    """The folder of a file's configuration (the hub's <config>/train-*.parquet, or <config>/train/*.parquet)."""
+    folder, _, _ = rel.rpartition("/")
+    parent, _, last = folder.rpartition("/")
+    return parent if last.lower() in SPLIT_FOLDERS else folder
+
+
+def read_error(url: str, e: Exception) -> Exception:
+    """What a failed read of a parquet file is: a file pyarrow cannot read (cut short, not parquet), or the store's
+    fault."""
+    import pyarrow as pa
+
+    if isinstance(e, pa.ArrowException):
+        return DataError(f"{url}: not a readable parquet file (cut short or corrupt?): {one_line(e)}")
+    return StorageError(f"cannot read {url}: {describe_storage_error(url, e)}")
+
+
+class ParquetData:
+    """The rows of a parquet data set sorted into classes and splits (`files`: each row's key and class per split,
+    `classes`), and, iterated, each row's (key, image bytes), a row group at a time; `missing()` after the pass
+    names the rows whose image is not there (no bytes and no path, or a path to no file). `table` is true for a
+    table of feature columns (no image column): tabular() reads it."""
+
+    def __init__(self, url: str, columns: Columns, hold: HoldOut, cache: Path | None, log: Log) -> None:
+        self.url, self.log = url, log
+        fs, path = resolve(url)
+        self.parts = self.listed(fs, path)  # (url to read, name relative to `url`, split)
+        self.opened = {rel: local_file(at, cache, log) for at, rel, _ in self.parts}
+        self.first = self.open(self.parts[0][1]).schema_arrow
+        self.features = huggingface_features(self.first)
+        self.image, self.label, self.names = pick_columns(url, self.first, self.features, columns)
+        self.table = self.image is None
+        self.files, self.classes = Files(), list(self.names or [])
+        self.rows: dict[str, dict[int, tuple[str, str | None]]] = {}  # file -> row -> (key, its image path)
+        self.gone: list[dict[str, str]] = []
+        if not self.table:
+            self.sort_rows(hold)
+
+    def listed(self, fs, path: str) -> list[tuple[str, str, str | None]]:
+        try:
+            found = [path] if fs.isfile(path) else sorted(p for p in fs.find(path) if p.lower().endswith(SUFFIX))
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(f"cannot list the data: {describe_storage_error(self.url, e)}") from None
+        if not found:
+            raise DataError(f"{self.url}: no .parquet files")
+        root = path.rstrip("/") + "/"
+        rels = [p[len(root) :] if p.startswith(root) else p.rpartition("/")[2] for p in found]
+        splits = [split_of(rel) for rel in rels]
+        configs = {config_of(rel) for rel in rels}
+        if len(configs) > 1:
+            shown = ", ".join(sorted(c or "." for c in configs)[:4])
+            raise DataError(f"{self.url}: parquet files of several configurations ({shown}): name one folder")
+        parts = [(fs.unstrip_protocol(p), rel, s) for p, rel, s in zip(found, rels, splits)]
+        if any(s is not None for s in splits):
+            other = [rel for _, rel, s in parts if s is None]
+            if other:
+                self.log(f"data: {len(other)} parquet files name no split (train, validation, test), e.g. {other[0]}: "
+                         "ignored")  # fmt: skip
+            return [(at, rel, s) for at, rel, s in parts if s is not None]
+        return [(at, rel, "train") for at, rel, _ in parts]  # no split named: every row is train's, held out by hash
+
+    def open(self, rel: str):
+        """The file as pyarrow reads it: a ParquetFile over an fsspec file object (local, cached, or remote)."""
+        import pyarrow.parquet as pq
+
+        fs, path = filesystem(self.opened[rel])
+        try:
+            return pq.ParquetFile(fs.open(path, "rb"))
+        except Exception as e:  # pyarrow's errors and the stores'
+            raise read_error(self.where(rel), e) from None
+
+    def where(self, rel: str) -> str:
+        return next(at for at, r, _ in self.parts if r == rel)
+
+    def read(self, rel: str, names: list[str]):
+        """Columns (`image.path`: a struct's field) of a whole file, as a pyarrow table."""
+        f = self.open(rel)
+        if f.schema_arrow.names != self.first.names:
+            raise DataError(f"{self.where(rel)}: columns {f.schema_arrow.names}, not those of {self.parts[0][1]}")
+        try:
+            return f.read(columns=names)
+        except Exception as e:
+            raise read_error(self.where(rel), e) from None
+
+    def sort_rows(self, hold: HoldOut) -> None:
+        """Each row's key, class and split (the labels and image paths of every file: no image bytes read)."""
+        present = {s for _, _, s in self.parts}
+        lacking = hold.lacking("val" not in present, "test" not in present)
+        role_of = lacking.roles() if lacking is not None else None
+        struct = self.image_is_struct()
+        labels: list[str] = []
+        seen: set[str] = set()
+        for at, rel, split in self.parts:
+            wanted = [self.label, f"{self.image}.path" if struct else self.image]
+            table = self.read(rel, wanted)
+            paths = table.column(1).combine_chunks()
+            paths = (paths.field("path") if struct else paths).to_pylist()
+            rows = self.rows.setdefault(rel, {})
+            for n, (value, path) in enumerate(zip(table.column(0).to_pylist(), paths)):
+                label = self.label_of(value, at, n)
+                key = path if path and path not in seen else f"{rel}:{n}"
+                seen.add(key)
+                role = split
+                if role == "train" and role_of is not None:
+                    role = role_of(key)
+                    if role != "train":
+                        self.files.held_out[role].append(key)
+                self.files.roles[role].append((key, label))
+                rows[n] = (key, path)
+                labels.append(label)
+        if self.names is None:
+            self.classes = class_order(labels, {label for _, label in self.files.roles["train"]})
+
+    def image_is_struct(self) -> bool:
+        import pyarrow as pa
+
+        return pa.types.is_struct(self.first.field(self.image).type)
+
+    def label_of(self, value, at: str, n: int) -> str:
+        """A row's class name: a ClassLabel's index (or name) checked against its names, or the value as text."""
+        if isinstance(value, list):
+            raise DataError(f"{at} row {n}: column '{self.label}' holds a list: {MULTILABEL}")
+        if value is None or value == "":
+            raise DataError(f"{at} row {n}: no {self.label}")
+        if self.names is None:
+            return str(value).strip()
+        if isinstance(value, int) and 0 <= value < len(self.names):
+            return self.names[value]
+        if isinstance(value, str) and value in self.names:
+            return value
+        shown = ", ".join(self.names[:5]) + (", ..." if len(self.names) > 5 else "")
+        raise DataError(
+            f"{at} row {n}: label {value!r} is not one of the {len(self.names)} ClassLabel names of column "
+            f"'{self.label}' ({shown})"
+        )
+
+    def __iter__(self) -> Iterator[tuple[str, bytes]]:
+        """(key, image bytes) of every row sorted, a row group at a time; images by path fetched a chunk at a time."""
+        struct = self.image_is_struct()
+        for at, rel, _ in self.parts:
+            f, rows, n = self.open(rel), self.rows[rel], 0
+            by_path: list[tuple[str, str]] = []
+            try:
+                for batch in f.iter_batches(columns=[self.image]):
+                    column = batch.column(0)
+                    contents = column.field("bytes").to_pylist() if struct else [None] * len(column)
+                    for data in contents:
+                        key, path = rows[n]
+                        n += 1
+                        if data:
+                            yield key, data
+                        elif path:
+                            by_path.append((key, beside(at, path)))
+                        else:
+                            self.gone.append({"path": key, "reason": "an image struct with neither bytes nor path"})
+                    if len(by_path) >= FETCH_CHUNK:
+                        yield from self.fetched(by_path)
+                        by_path = []
+            except (DataError, StorageError):
+                raise
+            except Exception as e:  # pyarrow's errors and the stores'
+                raise read_error(at, e) from None
+            yield from self.fetched(by_path)
+
+    def fetched(self, by_path: list[tuple[str, str]]) -> Iterator[tuple[str, bytes]]:
+        for (key, url), data in zip(by_path, fetch_named([url for _, url in by_path])):
+            if isinstance(data, FileNotFoundError):
+                self.gone.append({"path": key, "reason": f"no such file: {url}"})
+            elif isinstance(data, Exception):
+                raise StorageError(f"cannot read {url}: {describe_storage_error(url, data)}")
+            else:
+                yield key, data
+
+    def missing(self) -> list[dict[str, str]]:
+        return sorted(self.gone, key=lambda s: s["path"])
+
+    def table_rows(self, split: str) -> tuple[list[str], list[list[str]]] | None:
+        """A table's header and rows (cells as text, a ClassLabel's index as its name) of one split's files."""
+        parts = [rel for _, rel, s in self.parts if s == split]
+        if not parts:
+            return None
+        header, rows = self.first.names, []
+        for rel in parts:
+            table = self.read(rel, header)
+            for record in table.to_pylist():
+                rows.append(["" if record[h] is None else self.cell(h, record[h]) for h in header])
+        return header, rows
+
+    def cell(self, column: str, value) -> str:
+        """A table's cell as text; a ClassLabel column's index as its name."""
+        spec = self.features.get(column)
+        names = spec.get("names") if isinstance(spec, dict) and spec.get("_type") == "ClassLabel" else None
+        if names and isinstance(value, int) and 0 <= value < len(names):
+            return names[value]
+        return str(value)
+
+
+def huggingface_features(schema) -> dict:
+    """The `datasets` package's features of each column (from the schema's `huggingface` metadata), or {}."""
+    meta = (schema.metadata or {}).get(b"huggingface")
+    if not meta:
+        return {}
+    try:
+        features = json.loads(meta).get("info", {}).get("features", {})
+    except (ValueError, AttributeError):
+        return {}
+    return features if isinstance(features, dict) else {}
+
+
+def pick_columns(url: str, schema, features: dict, columns: Columns) -> tuple[str | None, str, list[str] | None]:
+    """The image column (None: a table of features), the label column and its ClassLabel names (None: plain)."""
+    import pyarrow as pa
+
+    names = schema.names
+    typed = {n: f.get("_type") if isinstance(f, dict) else None for n, f in features.items()}
+    images = [n for n in names if typed.get(n) == "Image"]
+    if not images:
+        images = [n for n in names if n == columns.path] or [
+            n for n in names if pa.types.is_struct(t := schema.field(n).type) and t.get_field_index("bytes") >= 0
+        ]
+    if len(images) > 1:
+        raise DataError(f"{url}: {len(images)} image columns ({', '.join(images)}): set data.path_column to one")
+    if not images:
+        return None, columns.label, None  # a table of features: data.target names its label column, as a CSV's
+    image = images[0]
+    labelled = [n for n in names if typed.get(n) == "ClassLabel"]
+    lists = [n for n in names if isinstance(features.get(n), (list, dict)) and typed.get(n) in ("Sequence", "List")]
+    if columns.label in names:
+        label = columns.label
+    elif len(labelled) == 1:
+        label = labelled[0]
+    else:
+        found = ", ".join(labelled) if labelled else "none"
+        raise DataError(f"{url}: no column '{columns.label}' (columns: {', '.join(names)}; ClassLabel columns: "
+                        f"{found}); set data.label_column")  # fmt: skip
+    kind = schema.field(label).type
+    if label in lists or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        raise DataError(f"{url}: column '{label}' holds lists of labels: {MULTILABEL}")
+    spec = features.get(label)
+    class_names = spec.get("names") if isinstance(spec, dict) and typed.get(label) == "ClassLabel" else None
+    return image, label, list(class_names) if class_names else None
+
+
+def load_parquet(
+    cfg, cache: Path | None, log: Log, classes: list[str] | None = None, pre: Preprocess | None = None
+) -> Dataset:
+    """The parquet data set in memory, split; `classes`: a trained model's (its images are scored, not trained on:
+    every row is read, none held out)."""
+    url = cfg.path
+    data = ParquetData(url, Columns.of(cfg), HoldOut.of(cfg), cache, log)
+    if data.table:
+        return tabular(cfg, data)
+    scoring = classes is not None
+    if not scoring:
+        check_files(data.files, data.classes, url)
+    elif unknown := sorted({c for r in data.files.roles.values() for _, c in r} - set(classes)):
+        raise DataError(f"{url}: labels the model does not know: {', '.join(unknown[:5])}")
+    content = dict(data)
+    skipped = data.missing()
+    if skipped and not cfg.skip_bad_samples:
+        raise DataError(f"{url}: {skipped[0]['path']}: {skipped[0]['reason']} (data.skip_bad_samples is false)")
+    for role in data.files.roles:  # a row with no image is skipped and named, like one that cannot be decoded
+        data.files.roles[role] = [(k, c) for k, c in data.files.roles[role] if k in content]
+    classes = classes if scoring else data.classes
+    return held(data.files, content.__getitem__, classes, cfg, url, f"parquet {url}", log, skipped, scoring, pre)
+
+
+def tabular(cfg, data: ParquetData) -> Dataset:
+    """A parquet table of feature columns, read as a CSV table is: its train files' rows, its test files' as the test
+    table (else data.test_split of the rows); val files are not read (data.val_split holds val out)."""
+    from job.data.tabular import table_dataset
+
+    train = data.table_rows("train")
+    if train is None:
+        raise DataError(f"{data.url}: no train parquet files to learn from")
+    if any(s == "val" for _, _, s in data.parts):
+        data.log("data: a parquet table's validation files are not read; data.val_split holds val out of train")
+    test = data.table_rows("test")
+    return table_dataset(cfg, data.url, *train, (f"{data.url} (test)", *test) if test else None, "parquet")

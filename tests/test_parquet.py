@@ -1,0 +1,210 @@
+"""data.kind parquet: the Hugging Face hub's layout written by the `datasets` package itself (Image and ClassLabel
+features, data/<split>-00000-of-00001.parquet), read from a folder and from a bucket alike; images by path beside the
+file; a table of features read as a CSV table is; and bad input named in one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import encode, invoke, pattern_images, sets
+from PIL import Image
+
+from job.config import DataConfig
+from job.data.parquet import load_parquet, split_of
+from job.errors import DataError
+
+NAMES = ["cat", "dog", "fox"]
+FEATURES = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=NAMES)})
+
+
+def pictures(per_class: int, seed: int) -> tuple[list[Image.Image], list[int]]:
+    images, labels = pattern_images(len(NAMES), per_class, 16, seed)
+    return [Image.fromarray(img.transpose(1, 2, 0)) for img in images], labels
+
+
+def hub_dataset(root: Path, splits: dict[str, int] | None = None) -> Path:
+    """root/data/<split>-00000-of-00001.parquet, written by datasets.Dataset.to_parquet; `splits`: images per class."""
+    for i, (split, per_class) in enumerate((splits or {"train": 12, "validation": 3, "test": 4}).items()):
+        images, labels = pictures(per_class, seed=i)
+        ds = datasets.Dataset.from_dict({"image": images, "label": labels}, features=FEATURES)
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        ds.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+    return root
+
+
+def counts(data) -> dict:
+    return {s: data.inventory.counts[s] for s in ("train", "val", "test")}
+
+
+def test_split_from_file_names():
+    assert split_of("data/train-00000-of-00004.parquet") == "train"
+    assert split_of("data/validation-00000-of-00001.parquet") == "val"
+    assert split_of("plain_text/test-00000-of-00001.parquet") == "test"
+    assert split_of("default/train/0000.parquet") == "train"
+    assert split_of("data/unsupervised-00000-of-00001.parquet") is None
+
+
+def test_the_hub_layout_reads_classes_splits_and_pixels(tmp_path):
+    root = hub_dataset(tmp_path / "ds")
+    data = load_parquet(DataConfig(kind="parquet", path=str(root)), None, print)
+    assert data.classes == NAMES
+    assert counts(data) == {s: {c: n for c in NAMES} for s, n in (("train", 12), ("val", 3), ("test", 4))}
+    images, labels = pictures(4, seed=2)
+    assert data.test.names == [f"data/test-00000-of-00001.parquet:{i}" for i in range(12)]  # rows in order
+    for i in (0, 11):
+        assert np.array_equal(data.test.x[i].numpy().transpose(1, 2, 0), np.asarray(images[i]))
+    assert data.test.y.tolist() == labels
+
+
+def test_no_val_file_holds_val_out_by_the_row_key_hash(tmp_path):
+    root = hub_dataset(tmp_path / "ds", {"train": 30, "test": 4})
+    cfg = DataConfig(kind="parquet", path=str(root), val_split=0.2)
+    data = load_parquet(cfg, None, print)
+    from job.data.split import Roles
+
+    role = Roles(42, 0.2, 0.0)
+    keys = [f"data/train-00000-of-00001.parquet:{i}" for i in range(90)]
+    assert sorted(data.val.names) == sorted(k for k in keys if role(k) == "val")
+    assert sorted(data.inventory.held_out["val"]) == sorted(data.val.names)
+    assert 0 < len(data.val) < 40
+
+
+def test_trains_from_a_folder_and_from_a_bucket_alike(tmp_path, bucket):
+    root = hub_dataset(tmp_path / "ds")
+    bucket.put_tree(root, "ds")
+    seen = []
+    for where, out in ((str(root), tmp_path / "local"), (bucket.url("ds"), tmp_path / "remote")):
+        over = sets("data.kind=parquet", f"data.path={where}", "model.name=cifar_cnn", "train.epochs=1",
+                    "data.batch_size=8", "data.image_size=32")  # fmt: skip
+        code, err = invoke(["train", "--output", str(out), "--device", "cpu", *over])
+        assert code == 0, err
+        seen.append(json.loads((out / "data.json").read_text()))
+    for record in seen:
+        assert record["classes"] == NAMES
+        assert record["splits"]["train"]["images"] == 36 and record["splits"]["test"]["images"] == 12
+    assert seen[0]["splits"] == seen[1]["splits"]
+    code, err = invoke(["evaluate", "--checkpoint", str(tmp_path / "local"), "--device", "cpu", "--data", str(root)])
+    assert code == 0, err
+
+
+def test_images_by_path_beside_the_file_and_a_struct_with_neither_is_skipped(tmp_path):
+    images, labels = pattern_images(2, 6, 16, 0)
+    (tmp_path / "pics").mkdir()
+    structs = []
+    for i, img in enumerate(images):
+        (tmp_path / "pics" / f"{i}.png").write_bytes(encode(img))
+        structs.append({"bytes": None, "path": f"pics/{i}.png"})
+    structs[3] = {"bytes": None, "path": None}
+    table = pa.table({"image": structs, "label": [["a", "b"][k] for k in labels]})
+    pq.write_table(table, tmp_path / "train.parquet")
+    logged: list[str] = []
+    cfg = DataConfig(kind="parquet", path=str(tmp_path / "train.parquet"), val_split=0.3)
+    data = load_parquet(cfg, None, logged.append)
+    assert data.classes == ["a", "b"]
+    assert data.inventory.skipped == [
+        {"path": "train.parquet:3", "reason": "an image struct with neither bytes nor path"}
+    ]
+    assert any("train.parquet:3" in line for line in logged)
+    assert len(data.train) + len(data.val) == 11
+    with pytest.raises(DataError, match="neither bytes nor path"):
+        load_parquet(cfg.model_copy(update={"skip_bad_samples": False}), None, print)
+
+
+def test_a_table_of_features_reads_as_a_csv_table(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 3))
+    y = (x[:, 0] > 0).astype(int)
+    ds = datasets.Dataset.from_dict(
+        {"a": x[:, 0], "b": x[:, 1], "c": x[:, 2], "label": y},
+        features=datasets.Features({k: datasets.Value("float64") for k in "abc"}
+                                   | {"label": datasets.ClassLabel(names=["low", "high"])}),
+    )  # fmt: skip
+    (tmp_path / "data").mkdir()
+    ds.to_parquet(str(tmp_path / "data" / "train-00000-of-00001.parquet"))
+    cfg = DataConfig(kind="parquet", path=str(tmp_path), target="label", val_split=0.0)
+    data = load_parquet(cfg, None, print)
+    assert data.classes == ["high", "low"]
+    assert data.features["columns"] == ["a", "b", "c"]
+    assert len(data.train) + len(data.test) == 60
+
+
+def bad(tmp_path: Path, *over: str) -> str:
+    code, err = invoke(["train", "--output", str(tmp_path / "run"), "--device", "cpu", *sets(*over)])
+    assert code == 3, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_parquet_file_cut_short_is_named(tmp_path):
+    root = hub_dataset(tmp_path / "ds")
+    f = root / "data" / "validation-00000-of-00001.parquet"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    line = bad(tmp_path, "data.kind=parquet", f"data.path={root}")
+    assert "validation-00000-of-00001.parquet" in line and "cut short" in line
+
+
+def test_a_label_not_in_the_class_label_names_is_named(tmp_path):
+    images, _ = pictures(2, 0)
+    table = pa.table({"image": [{"bytes": encode(np.asarray(i).transpose(2, 0, 1)), "path": None} for i in images],
+                      "label": [0, 1, 2, 7, 0, 1]})  # fmt: skip
+    meta = {"info": {"features": {"image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": NAMES}}}}
+    table = table.replace_schema_metadata({"huggingface": json.dumps(meta)})
+    pq.write_table(table, tmp_path / "train.parquet")
+    line = bad(tmp_path, "data.kind=parquet", f"data.path={tmp_path / 'train.parquet'}")
+    assert "row 3" in line and "7" in line and "ClassLabel" in line
+
+
+def test_a_column_of_label_lists_is_refused_for_now(tmp_path):
+    images, _ = pictures(2, 0)
+    ds = datasets.Dataset.from_dict(
+        {"image": images, "labels": [[0, 1]] * len(images)},
+        features=datasets.Features(
+            {"image": datasets.Image(), "labels": datasets.Sequence(datasets.ClassLabel(names=NAMES))}
+        ),
+    )
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    line = bad(tmp_path, "data.kind=parquet", f"data.path={tmp_path / 'train.parquet'}", "data.label_column=labels")
+    assert "multi-label labels are not supported yet" in line
+
+
+def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp_path, bucket):
+    """data.placement=stream: the rows packed into shards a row group at a time, with the classes and counts the
+    held read gives; a run killed after its first commit and resumed equals one that never stopped."""
+    import signal
+    import time
+
+    from conftest import assert_same_run, pointer, run_job, start_job
+
+    root = hub_dataset(tmp_path / "ds", {"train": 20, "validation": 3, "test": 4})
+    bucket.put_tree(root, "ds")
+    args = ["--device", "cpu", *sets("data.kind=parquet", f"data.path={bucket.url('ds')}", "data.placement=stream",
+            "data.workers=0", "data.image_size=32", "data.batch_size=8", "model.name=cifar_cnn",
+            "train.checkpoint_every_epochs=1")]  # fmt: skip
+    out = tmp_path / "killed"
+    proc = start_job("train", *args, "--set", "train.epochs=100000000", "--output", str(out))
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "latest.json").is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended by itself"
+    proc.kill()
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    assert "packing it into shards" in err
+    end = f"train.epochs={pointer(str(out))['epoch'] + 2}"
+    final = run_job("train", *args, "--set", end, "--output", str(out))
+    assert final.returncode == 0, final.stderr[-2000:]
+    assert "resuming" in final.stderr
+    reference = run_job("train", *args, "--set", end, "--output", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert_same_run(str(tmp_path / "reference"), str(out))
+    record = json.loads((out / "data.json").read_text())
+    held = load_parquet(DataConfig(kind="parquet", path=str(root)), None, print)
+    assert record["classes"] == NAMES
+    assert {s: v["per_class"] for s, v in record["splits"].items()} == counts(held)
