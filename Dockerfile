@@ -37,6 +37,8 @@ WORKDIR /
 ENTRYPOINT ["tini", "-s", "--", "python", "-m", "job"]
 CMD ["train"]
 COPY requirements.txt /tmp/requirements.txt
+# What a run never uses leaves the image once installed (docker/slim.sh says what and why).
+COPY docker/slim.sh /tmp/slim.sh
 
 FROM base AS cpu
 ARG PIP_INDEX_URL=https://pypi.org/simple
@@ -50,7 +52,8 @@ ARG TORCHVISION_VERSION=0.29.1
 RUN everything_else="$PIP_INDEX_URL $PIP_EXTRA_INDEX_URL" \
     && PIP_INDEX_URL="$TORCH_INDEX_URL" PIP_EXTRA_INDEX_URL="$everything_else" \
         pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
-    && pip install --no-cache-dir -r /tmp/requirements.txt
+    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && sh /tmp/slim.sh
 COPY job/ /app/job/
 USER 1000:1000
 
@@ -68,6 +71,7 @@ ARG TORCHVISION_VERSION=0.29.1
 RUN everything_else="$PIP_INDEX_URL $PIP_EXTRA_INDEX_URL" \
     && PIP_INDEX_URL="$TORCH_INDEX_URL" PIP_EXTRA_INDEX_URL="$everything_else" \
         pip install --no-cache-dir "torch==${TORCH_VERSION}" "torchvision==${TORCHVISION_VERSION}" \
-    && pip install --no-cache-dir -r /tmp/requirements.txt
+    && pip install --no-cache-dir -r /tmp/requirements.txt \
+    && sh /tmp/slim.sh
 COPY job/ /app/job/
 USER 1000:1000
