@@ -82,7 +82,7 @@ def test_yaml_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(str(listy))
     wrong = tmp_path / "wrong.yaml"
-    wrong.write_text("train:\n  epochs: 5\n  bogus: 1\ndata:\n  kind: parquet\n")
+    wrong.write_text("train:\n  epochs: 5\n  bogus: 1\ndata:\n  kind: excel\n")
     with pytest.raises(ConfigError) as e:
         load_config(str(wrong))
     assert "train.bogus: unknown key" in str(e.value) and "data.kind:" in str(e.value)
