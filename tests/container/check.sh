@@ -382,9 +382,9 @@ else
         fail "$JOB_IMAGE:cuda built $where, but 'info' shows no CUDA build of torch: $(head -c 300 "$WORK/cuda-info.json" "$WORK/cuda-info.err")"
     fi
     # The goal of docs/containers.md: the CUDA image weighs at most torch as pip installs it (torch, its nvidia-*
-    # CUDA libraries, triton) plus 1 GB.
+    # CUDA libraries, its CUDA Python bindings (cuda-bindings, in cuda/), triton) plus 1 GB.
     SITE=$(docker run --rm --entrypoint python "$JOB_IMAGE:cuda" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    TORCH_BYTES=$(docker run --rm --entrypoint sh "$JOB_IMAGE:cuda" -c "du -sbc $SITE/torch $SITE/nvidia $SITE/triton 2>/dev/null | tail -1 | cut -f1")
+    TORCH_BYTES=$(docker run --rm --entrypoint sh "$JOB_IMAGE:cuda" -c "du -sbc $SITE/torch $SITE/nvidia $SITE/cuda $SITE/triton 2>/dev/null | tail -1 | cut -f1")
     for image in "$JOB_IMAGE:cpu" "$JOB_IMAGE:cuda" "$BASE"; do
         printf '  %-40s %6.2f GB\n' "$image" "$(docker image inspect -f '{{.Size}}' "$image" | awk '{print $1 / 1e9}')"
     done
