@@ -389,16 +389,10 @@ def chosen_weights(url: str) -> str:
 def info(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
     """The machine as training sees it: torch, CUDA, cuDNN, GPUs and their memory, CPU cores, /dev/shm, and the
     platform and group its variables describe (Slurm, Kubeflow, Vertex AI, ...)."""
-    from job import platforms
     from job.env import format_info
     from job.env import info as gather
 
     report = gather()
-    try:
-        place = platforms.read()
-        report["platform"] = {**place.record(), "describe": place.describe() if place.name else ""}
-    except ConfigError as e:  # what train would refuse, said here too
-        report["platform"] = {"error": str(e)}
     print(json.dumps(report, indent=1) if as_json else format_info(report))
 
 

@@ -249,7 +249,19 @@ def info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "shm_gib": shm,
         "default_device": str(pick_device("auto")),
+        "platform": platform_report(),
     }
+
+
+def platform_report() -> dict[str, Any]:
+    """The platform and group the environment's variables describe (job/platforms.py), or why they cannot be read."""
+    from job import platforms
+
+    try:
+        place = platforms.read()
+    except ConfigError as e:  # what train would refuse, said here too
+        return {"error": str(e)}
+    return {**place.record(), "describe": place.describe() if place.name else ""}
 
 
 def torchvision_version() -> str | None:
