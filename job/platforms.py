@@ -471,15 +471,16 @@ def worker(env: Mapping[str, str]) -> bool:
     return env.get("LOCAL_RANK") is not None
 
 
+def torch_process(env: Mapping[str, str]) -> Process:
+    """This process's place as torch's own variables give it (torchrun, the job's launcher and Ray set them)."""
+    rank, world = number(env, "RANK", 0), number(env, "WORLD_SIZE", 1)
+    within("RANK", rank, world, "WORLD_SIZE")
+    return Process(rank, world, number(env, "LOCAL_RANK"), number(env, "LOCAL_WORLD_SIZE", 1))
+
+
 def torchrun(env: Mapping[str, str]) -> Place | None:
     if not worker(env):
         return None
-    try:
-        rank, world = number(env, "RANK", 0), number(env, "WORLD_SIZE", 1)
-        local, local_world = number(env, "LOCAL_RANK"), number(env, "LOCAL_WORLD_SIZE", 1)
-    except ConfigError:
-        raise
-    within("RANK", rank, world, "WORLD_SIZE")
     name = "torchrun" if "TORCHELASTIC_RUN_ID" in env and "JOB_LAUNCHER_PID" not in env else ""
     port = number(env, "MASTER_PORT", DEFAULT_PORT)
     return Place(
@@ -489,7 +490,7 @@ def torchrun(env: Mapping[str, str]) -> Place | None:
         env.get("MASTER_ADDR", "127.0.0.1"),
         port,
         None,
-        Process(rank, world, local, local_world),
+        torch_process(env),
         variables=picked(env, ("TORCHELASTIC_RUN_ID",)),
     )
 
@@ -497,17 +498,14 @@ def torchrun(env: Mapping[str, str]) -> Place | None:
 def ray(env: Mapping[str, str]) -> Place:
     """A Ray Train worker calling the job in process (job.cli.app): Ray made the process group already and set
     torch's variables; the job joins that group and reports each evaluation to Ray (job/ray_report.py)."""
-    rank, world = number(env, "RANK", 0), number(env, "WORLD_SIZE", 1)
-    local, local_world = number(env, "LOCAL_RANK", 0), number(env, "LOCAL_WORLD_SIZE", 1)
-    node = number(env, "NODE_RANK", 0)
     return Place(
         "Ray Train",
         None,
-        node,
+        number(env, "NODE_RANK", 0),
         env.get("MASTER_ADDR", ""),
         None,
         None,
-        Process(rank, world, local, local_world),
+        torch_process(env),
         joined=True,
         variables=picked(env, ("RAY_JOB_ID",)),
     )
