@@ -471,11 +471,12 @@ def worker(env: Mapping[str, str]) -> bool:
     return env.get("LOCAL_RANK") is not None
 
 
-def torch_process(env: Mapping[str, str]) -> Process:
-    """This process's place as torch's own variables give it (torchrun, the job's launcher and Ray set them)."""
+def torch_process(env: Mapping[str, str], local_rank: int | None = None) -> Process:
+    """This process's place as torch's own variables give it (torchrun, the job's launcher and Ray set them);
+    `local_rank`: LOCAL_RANK's default where it may be unset (a Ray worker: 0, as it was read before)."""
     rank, world = number(env, "RANK", 0), number(env, "WORLD_SIZE", 1)
     within("RANK", rank, world, "WORLD_SIZE")
-    return Process(rank, world, number(env, "LOCAL_RANK"), number(env, "LOCAL_WORLD_SIZE", 1))
+    return Process(rank, world, number(env, "LOCAL_RANK", local_rank), number(env, "LOCAL_WORLD_SIZE", 1))
 
 
 def torchrun(env: Mapping[str, str]) -> Place | None:
@@ -505,7 +506,7 @@ def ray(env: Mapping[str, str]) -> Place:
         env.get("MASTER_ADDR", ""),
         None,
         None,
-        torch_process(env),
+        torch_process(env, local_rank=0),
         joined=True,
         variables=picked(env, ("RAY_JOB_ID",)),
     )
