@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
+from sweep import write_space  # bench/sweep.py, beside this script (its folder is on sys.path when run)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["--device", "cpu", "--config", "iris", "--set", "data.val_split=0.2"]
@@ -75,14 +75,7 @@ def main() -> None:
     ap.add_argument("--after", type=float, default=0.5, help="seconds past a commit before the kill")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-sweep-kills-"))
-    space = {
-        "metric": "val_accuracy",
-        "direction": "maximize",
-        "trials": args.trials,
-        "sampler": {"name": "tpe", "seed": 0},
-        "space": {"optim.lr": {"low": 0.01, "high": 1.0, "log": True}, "optim.momentum": {"low": 0.0, "high": 0.9}},
-    }
-    (tmp / "space.yaml").write_text(yaml.safe_dump(space))
+    write_space(tmp / "space.yaml", args.trials)  # bench/sweep.py's study
     results = {}
     for name, kills in (("uninterrupted", 0), ("killed", args.kills)):
         out, steps = tmp / name, tmp / f"{name}-steps"
