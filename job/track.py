@@ -64,6 +64,7 @@ def target(cfg: Config, url: str, fresh: bool = False) -> Target | None:
     if not uri:
         return None
     check_client(uri)
+    preload()
     run_url = run_identity(url)
     name = run_url.rsplit("/", 1)[-1] or cfg.name
     return Target(uri, cfg.track.experiment or cfg.name, name, run_url, fresh, cfg.track.parent_run_id)
@@ -484,13 +485,22 @@ def run_files(run_dir: RunDir, log_model: bool) -> list[list[str]]:
     return files
 
 
+_preloaded = threading.Event()
+
+
 def preload() -> None:
-    """Import here, before the sender's thread imports MLflow, what MLflow imports and other libraries look up in
-    sys.modules: IPython, which matplotlib reads as it draws, and would find half imported by the other thread."""
+    """Once a run is tracked: import in this thread what MLflow imports and other libraries look up in sys.modules
+    (IPython, which matplotlib reads as it draws, and would find half imported by another thread), then MLflow's
+    client on a thread of its own, from the start of the run: its 1.3 s of CPU overlaps reading the data rather
+    than the first epoch (a 2-core machine measured 1.027x an untracked epoch with the import inside it)."""
     import importlib.util
 
+    if _preloaded.is_set():
+        return
+    _preloaded.set()
     if importlib.util.find_spec("IPython") is not None:
         import IPython  # noqa: F401
+    threading.Thread(target=importlib.import_module, args=("mlflow",), name="job-track-import", daemon=True).start()
 
 
 def carries(entry: dict[str, Any]) -> bool:
