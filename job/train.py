@@ -85,7 +85,8 @@ def train_rank(
     cfg: Config, req: Request, stop: StopRequest, t_start: float, began: float, judge: Judge | None = None
 ) -> dict:
     # Rank 0 checks and opens the run folder; the other processes of a group only name it and never write to it.
-    run_dir = distributed.on_writer(lambda: preflight(cfg, req)) or RunDir(req.output)
+    with distributed.writer_first() as writer:
+        run_dir = preflight(cfg, req) if writer else RunDir(req.output)
     attempt = Attempt(run_dir if distributed.is_writer() else None, began)
     try:
         return train_loop(cfg, run_dir, req, stop, t_start, attempt, judge)
