@@ -1,0 +1,65 @@
+"""The temperature fitted on val, the expected calibration error and the reliability diagram (job/calibrate.py),
+against references computed another way: a grid search of the likelihood, scikit-learn's calibration curve."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from sklearn.calibration import calibration_curve
+
+from job.calibrate import BINS, expected_calibration_error, fit_temperature, reliability_png
+
+
+def drawn(n: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and labels drawn from the logits' own softmax: a perfectly calibrated model, whose temperature is 1."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, classes, generator=g, dtype=torch.float64) * 2
+    labels = torch.multinomial(torch.softmax(logits, 1), 1, generator=g).squeeze(1)
+    return logits, labels
+
+
+def grid_best(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    ts = torch.logspace(0, 0.7, 701, dtype=torch.float64)  # 1 to 5, steps of 0.23%
+    nll = torch.stack([F.cross_entropy(logits / t, labels) for t in ts])
+    return float(ts[nll.argmin()])
+
+
+def test_the_fitted_temperature_is_the_likelihoods_minimum_and_mends_an_over_sure_model():
+    logits, labels = drawn(8_000, 10, seed=0)
+    assert abs(fit_temperature(logits, labels) - 1.0) < 0.05  # calibrated already: nothing to mend
+    sure = logits * 3  # three times too sure of itself
+    t = fit_temperature(sure, labels)
+    assert abs(t - grid_best(sure, labels)) < 0.01 * t
+    assert 2.7 < t < 3.3
+    before = expected_calibration_error(torch.softmax(sure, 1), labels)
+    after = expected_calibration_error(torch.softmax(sure / t, 1), labels)
+    assert after < before / 3
+    assert torch.equal((sure / t).argmax(1), sure.argmax(1))  # no prediction changes
+
+
+def test_nothing_to_fit_is_temperature_one():
+    assert fit_temperature(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long)) == 1.0
+    assert fit_temperature(torch.randn(8, 1), torch.zeros(8, dtype=torch.long)) == 1.0
+
+
+def test_expected_calibration_error_matches_scikit_learns_calibration_curve():
+    logits, labels = drawn(5_000, 4, seed=1)
+    p = torch.softmax(logits * 2, 1)
+    confidence, predicted = p.max(1)
+    right = (predicted == labels).numpy().astype(int)
+    acc, conf = calibration_curve(right, confidence.numpy(), n_bins=BINS, strategy="uniform")
+    bins = np.linspace(0, 1, BINS + 1)
+    counts = np.bincount(np.searchsorted(bins[1:-1], confidence.numpy()), minlength=BINS)
+    reference = float(np.sum(counts[counts > 0] / len(right) * np.abs(acc - conf)))
+    assert abs(expected_calibration_error(p, labels) - reference) < 1e-9
+
+
+def test_the_reliability_diagram_is_a_picture_of_both():
+    logits, labels = drawn(500, 3, seed=2)
+    png = reliability_png(logits * 3, labels, fit_temperature(logits * 3, labels), "val")
+    img = Image.open(io.BytesIO(png))
+    assert img.format == "PNG" and img.width > 2 * img.height * 0.9
