@@ -4,9 +4,10 @@ tracked with the server down for the whole run, interleaved in one run on one ma
     python bench/tracking.py --data DIR [--repeats 2] [--epochs 1]
 
 DIR is CIFAR-10's python-version folder (cifar-10-batches-py). The server is started here (`python -m mlflow server`,
-SQLite backend, on 127.0.0.1, at the lowest priority: it stands for a server on another machine, and its own
-CPU, 0.4-0.9 s per tracked run measured here, is not the run's to pay on a 2-core machine); "down" points the run at a port nothing listens on. Prints the medians of seconds per
-training epoch (the job's own clock) and of whole processes, and the ratios tracked/untracked (goal: at most 1.02).
+SQLite backend, on 127.0.0.1) at the lowest priority: it stands for a server on another machine, and its own CPU
+(0.4-0.9 s a tracked run, measured here) is not the run's to pay on a 2-core machine. "Down" points the run at a port
+nothing listens on. Prints the medians of seconds per training epoch (the job's own clock) and of whole processes,
+and the ratios tracked/untracked (goal: at most 1.02).
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ def server(root: Path) -> tuple[subprocess.Popen, str]:
     args += ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     log = open(root / "server.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        ["nice", "-n", "19", sys.executable, "-m", "mlflow", "server", *args], stdout=log, stderr=log, start_new_session=True
+        ["nice", "-n", "19", sys.executable, "-m", "mlflow", "server", *args],
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
