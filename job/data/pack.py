@@ -209,6 +209,8 @@ def spool_manifest(src: str, folder: Path, log: Log, hold: HoldOut, columns: Col
     from job.data.manifest import Images, class_order, manifest_files
 
     files, labels = manifest_files(src, read_bytes(src, None, log), columns, hold)
+    if files.multilabel:
+        raise ConfigError(f"{src}: multi-label rows are held in memory (data.placement=memory), not packed into shards")
     classes = class_order(labels, {label for _, label in files.roles["train"]})
     check_files(files, classes, src)
     images = Images(src, [p for role in files.roles.values() for p, _ in role], None, log)
