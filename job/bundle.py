@@ -143,6 +143,13 @@ def describe(cfg, classes: list[str], input_shape: tuple[int, ...], feed_stats, 
     return entry
 
 
+def multilabel_entry(classes: list[str], thresholds: list[float] | None) -> dict:
+    """model.json's multi-label part: the task, and each class's threshold (by class name; 0.5 before any
+    evaluation has chosen them)."""
+    chosen = thresholds if thresholds is not None else [0.5] * len(classes)
+    return {"task": "multilabel", "thresholds": {c: float(t) for c, t in zip(classes, chosen)}}
+
+
 @dataclass
 class Predictor:
     """A trained model and what makes its inputs."""

@@ -20,6 +20,7 @@ from job.data.placement import restored
 from job.env import pick_device
 from job.errors import CheckpointError, DataError
 from job.memory import memory_guard
+from job.multilabel import MultiScored
 from job.sync import send
 
 
@@ -49,6 +50,33 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
     return sums
 
 
+@torch.no_grad()
+def multilabel_outputs(
+    model, loader: Loader, amp, classes: int, augmentation: str = "none"
+) -> tuple[torch.Tensor, ...]:
+    """Multi-label: [summed loss, samples counted] over this process's samples of the split, and every sample's class
+    probabilities (sigmoids) and targets, all left on the device: rows are kept whether they count or not (a mask
+    would make the host wait for their number) and the uncounted (targets below 0) are dropped on the host."""
+    model.eval()
+    sums = torch.zeros(2, device=loader.device)
+    probs, ys = [], []
+    for batch in loader.batches():
+        if not batch.own:
+            continue
+        with amp():
+            out = logits(model, batch.x, augmentation).float()
+        counted = (batch.y >= 0).all(1)
+        losses = F.binary_cross_entropy_with_logits(out, batch.y.clamp(min=0), reduction="none").mean(1)
+        sums[0] += (losses * counted).sum()
+        sums[1] += counted.sum()
+        probs.append(torch.sigmoid(out))
+        ys.append(batch.y)
+    model.train()
+    if not probs:
+        return sums, torch.zeros(0, classes), torch.zeros(0, classes)
+    return sums, torch.cat(probs), torch.cat(ys)
+
+
 def confusion_add(cells: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) -> None:
     """Add one to `cells` at each index of `at` where `counted`. On a GPU without the host waiting: a bincount reads
     the indices' range on the host, and leaving out the uncounted by a mask waits for their number; an index_add_ of
@@ -73,6 +101,23 @@ def logits(model, x: torch.Tensor, augmentation: str = "none") -> torch.Tensor:
     padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
     shifted = [logits(model, padded[..., :h, :w], "flip"), logits(model, padded[..., 2:, 2:], "flip")]
     return (flipped + (shifted[0] + shifted[1]) / 2) / 2
+
+
+def multilabel_scored(
+    sums: torch.Tensor,
+    probs: torch.Tensor,
+    ys: torch.Tensor,
+    extra: torch.Tensor | None = None,
+    thresholds: list[float] | None = None,
+) -> MultiScored:
+    """The group's multi-label scores: the sums (and `extra`) reduced, every process's probabilities and targets
+    gathered (each of their order: AP does not depend on it)."""
+    from job import multilabel
+
+    totals = distributed.totals(sums, sums[:0] if extra is None else extra).cpu()
+    y, p = multilabel.joined(distributed.gather_objects((probs.cpu().numpy(), ys.cpu().numpy())))
+    loss, counted = totals[:2].tolist()
+    return multilabel.scored(y, p, loss / max(counted, 1), thresholds, totals[2:].tolist())
 
 
 def evaluate_checkpoint(
@@ -287,11 +332,25 @@ class Scored:
 
 
 def score_split(
-    model, loader: Loader, amp, classes: int, augmentation: str, clock, extra: torch.Tensor | None = None
-) -> Scored:
+    model,
+    loader: Loader,
+    amp,
+    classes: int,
+    augmentation: str,
+    clock,
+    extra: torch.Tensor | None = None,
+    multilabel: bool = False,
+    thresholds: list[float] | None = None,
+) -> Scored | MultiScored:
     """A model on a held-out split over the whole group (test_sums on each process's part, then their totals), and
-    `extra`'s totals reduced with them: the evaluation's one host sync. `clock`: times the pass (meters.TrainClock)."""
-    with memory_guard(f"data.eval_batch_size={loader.batch_size}", next(model.parameters()).device), clock.testing():
+    `extra`'s totals reduced with them: the evaluation's one host sync. `clock`: times the pass (meters.TrainClock).
+    `multilabel`: scored by job/multilabel.py, at `thresholds` (default: the best-F1 ones of this split)."""
+    guard = memory_guard(f"data.eval_batch_size={loader.batch_size}", next(model.parameters()).device)
+    if multilabel:
+        with guard, clock.testing():
+            sums, probs, ys = multilabel_outputs(model, loader, amp, classes, augmentation)
+        return multilabel_scored(sums, probs, ys, extra, thresholds)
+    with guard, clock.testing():
         sums = test_sums(model, loader, amp, augmentation, classes=classes)
     totals = distributed.totals(sums, sums[:0] if extra is None else extra).cpu()
     loss, correct, counted, top5 = totals[:4].tolist()

@@ -79,6 +79,7 @@ class StreamData:
     source: str
     streaming: Streaming
     is_image: bool = True
+    multilabel: bool = False  # any number of classes a sample, as multi-hot targets
     streamed = True
     features = None  # images
 
