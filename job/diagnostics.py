@@ -49,7 +49,8 @@ def write_splits(
     for split in r.held_out:
         loader = r.feed.test(r.feed.batch_size, rank, world, split)
         if r.multilabel:
-            write_multilabel(lambda name, data, split=split: put(split, name, data), r, loader, split, thresholds)
+            part = multilabel_part(r.model, loader, r.amp, len(r.classes))
+            write_multilabel(lambda name, data, split=split: put(split, name, data), part, r.classes, split, thresholds)
             continue
         part = per_sample(r.model, loader, r.amp, stats)
         parts = gather(part) if gather is not None else [part]
@@ -149,23 +150,31 @@ def write(put: Callable[[str, bytes], None], s: Passed, split: str, classes: lis
     return confusion
 
 
-def write_multilabel(put: Callable[[str, bytes], None], r, loader, split: str, thresholds: list[float] | None) -> None:
-    """A multi-label split's report: classes.csv (class, ap, threshold, precision, recall, f1, support: lowest AP
-    first) at `thresholds` (default: the split's best-F1 ones), and pr_curves.png, each class's precision-recall
-    curve. Every process of a group scores its part; the writer (rank 0) writes."""
-    from job import distributed, multilabel
+def multilabel_part(model, loader, amp, classes: int) -> list:
+    """A multi-label model's (probabilities, targets) on a split, every process's part (on the host), by rank."""
+    from job import distributed
     from job.evaluate import multilabel_outputs
 
-    _, probs, ys = multilabel_outputs(r.model, loader, r.amp, len(r.classes))
-    parts = distributed.gather_objects((probs.cpu().numpy(), ys.cpu().numpy()))
+    _, probs, ys = multilabel_outputs(model, loader, amp, classes)
+    return distributed.gather_objects((probs.cpu().numpy(), ys.cpu().numpy()))
+
+
+def write_multilabel(
+    put: Callable[[str, bytes], None], parts: list, classes: list[str], split: str, thresholds: list[float] | None
+) -> None:
+    """A multi-label split's report from its (probabilities, targets) parts: classes.csv (class, ap, threshold,
+    precision, recall, f1, support: lowest AP first) at `thresholds` (default: the split's best-F1 ones), and
+    pr_curves.png, each class's precision-recall curve. The writer (rank 0) writes."""
+    from job import distributed, multilabel
+
     if not distributed.is_writer():
         return
     y, p = multilabel.joined(parts)
     s = multilabel.scored(y, p, 0.0, thresholds)
-    rows = sorted(s.table(r.classes), key=lambda row: (row[1], r.classes.index(row[0])))
+    rows = sorted(s.table(classes), key=lambda row: (row[1], classes.index(row[0])))
     cells = [(c, f"{ap:.10f}", f"{t:.6f}", f"{p:.6f}", f"{rc:.6f}", f"{f:.6f}", n) for c, ap, t, p, rc, f, n in rows]
     put("classes.csv", table(["class", "ap", "threshold", "precision", "recall", "f1", "support"], cells))
-    put("pr_curves.png", pr_curves_png(y, p, r.classes, s.ap, split))
+    put("pr_curves.png", pr_curves_png(y, p, classes, s.ap, split))
 
 
 def pr_curves_png(y, p, classes: list[str], ap: list[float], split: str) -> bytes:

@@ -150,10 +150,20 @@ def evaluate_checkpoint(
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
     split = "test" if "test" in r.held_out else "val"  # class folders held out for val alone: val
     loader = r.held_out[split]
+    progress = payload.get("progress", {})
+    if r.multilabel:  # scored at the thresholds the checkpoint's model had chosen on val
+        from job.bundle import thresholds_of
+
+        thresholds = thresholds_of(payload.get("model_json") or {})
+        if report:
+            write_report(r, report, thresholds)
+        sums, probs, ys = multilabel_outputs(r.model, loader, r.amp, len(r.classes), cfg.train.test_time_augmentation)
+        s = multilabel_scored(sums, probs, ys, None, thresholds)
+        head = {"checkpoint": url, "epoch": progress.get("epoch"), "step": progress.get("step"), "split": split}
+        return head | s.record(split) | {"samples": len(probs), "device": str(device)} | run_record(url)
     if report:
         write_report(r, report)
     loss_sum, correct, counted = test_sums(r.model, loader, r.amp, cfg.train.test_time_augmentation).tolist()
-    progress = payload.get("progress", {})
     return {
         "checkpoint": url,
         "epoch": progress.get("epoch"),
@@ -190,11 +200,12 @@ def is_shards(url: str) -> bool:
         return False
 
 
-def write_report(r, folder: str) -> None:
-    """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL."""
+def write_report(r, folder: str, thresholds: list[float] | None = None) -> None:
+    """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL; multi-label at `thresholds`."""
     from job import diagnostics
 
-    diagnostics.write_splits(r, lambda split, name, data: put_file(f"{folder.rstrip('/')}/{split}/{name}", data))
+    put = lambda split, name, data: put_file(f"{folder.rstrip('/')}/{split}/{name}", data)  # noqa: E731
+    diagnostics.write_splits(r, put, thresholds=thresholds)
 
 
 def put_file(url: str, data: bytes) -> None:
@@ -246,6 +257,17 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
         split = "all" if split == "train" else split  # class folders with no split: every image scored
         found = len(data.inventory.skipped) if data.inventory is not None else 0
         skipped = lambda: found  # noqa: E731 (read after the pass, as a stream's count is)
+    if p.thresholds is not None:  # multi-label: at the model's thresholds
+        sums, probs, ys = multilabel_outputs(p.model, loader, contextlib.nullcontext, len(p.classes))
+        s = multilabel_scored(sums, probs, ys, None, p.thresholds)
+        if report:
+            from job import diagnostics
+
+            put = lambda name, data: put_file(f"{report.rstrip('/')}/{split}/{name}", data)  # noqa: E731
+            parts = [(probs.cpu().numpy(), ys.cpu().numpy())]
+            diagnostics.write_multilabel(put, parts, p.classes, split, p.thresholds)
+        head = {"model": model_url, "data": data_path, "split": split}
+        return head | s.record(split) | {"samples": len(probs), "skipped": skipped(), "device": str(device)}
     if report:  # one pass: the report's per-sample losses and predictions give the totals too
         from job import diagnostics
 

@@ -198,5 +198,6 @@ def test_a_multilabel_run_chooses_on_val_map_writes_thresholds_and_predict_and_e
     assert json.loads(meta["labels"]) == classes and json.loads(meta["thresholds"]) == card["thresholds"]
     assert json.loads(meta["task"]) == "multilabel"
     # evaluate on a multilabel run
-    code, err = invoke(["evaluate", "--checkpoint", str(out / "checkpoints")])
+    code, err = invoke(["evaluate", "--checkpoint", str(out), "--report", str(tmp_path / "rep")])
     assert code == 0, err
+    assert (tmp_path / "rep" / "test" / "classes.csv").read_text().startswith("class,ap,")
