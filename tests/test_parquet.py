@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import encode, invoke, pattern_images, sets
 from PIL import Image
 
@@ -161,17 +162,41 @@ def test_a_label_not_in_the_class_label_names_is_named(tmp_path):
     assert "row 3" in line and "7" in line and "ClassLabel" in line
 
 
-def test_a_column_of_label_lists_is_refused_for_now(tmp_path):
-    images, _ = pictures(2, 0)
+def label_lists(path: Path, labels: list[list[int]]) -> Path:
+    """A parquet file of Sequence(ClassLabel) labels, written by the `datasets` package."""
+    images, _ = pictures(len(labels), 0)
     ds = datasets.Dataset.from_dict(
-        {"image": images, "labels": [[0, 1]] * len(images)},
+        {"image": images[: len(labels)], "labels": labels},
         features=datasets.Features(
             {"image": datasets.Image(), "labels": datasets.Sequence(datasets.ClassLabel(names=NAMES))}
         ),
     )
-    ds.to_parquet(str(tmp_path / "train.parquet"))
+    ds.to_parquet(str(path))
+    return path
+
+
+def test_a_sequence_of_class_labels_is_read_as_multilabel_targets(tmp_path):
+    labels = [[0, 1], [2], [], [1, 2, 0], [1]] * 4
+    f = label_lists(tmp_path / "train.parquet", labels)
+    data = load_parquet(DataConfig(kind="parquet", path=str(f), label_column="labels", val_split=0.3), None, print)
+    assert data.classes == NAMES and data.multilabel
+    every = torch.cat([data.train.y, data.val.y])
+    assert len(every) == len(labels) and int((every.sum(1) == 0).sum()) == 4  # images with no label are kept
+    assert every.sum(0).long().tolist() == [sum(1 for row in labels if k in row) for k in range(3)]
+    d = data.inventory.to_json()["splits"]
+    assert d["train"]["images"] + d["val"]["images"] == len(labels)
+
+
+def test_a_label_list_with_an_index_not_in_the_class_label_names_is_named(tmp_path):
+    images, _ = pictures(2, 0)
+    table = pa.table({"image": [{"bytes": encode(np.asarray(i).transpose(2, 0, 1)), "path": None} for i in images],
+                      "labels": [[0], [1, 2], [], [7, 0], [0], [1]]})  # fmt: skip
+    seq = {"_type": "Sequence", "feature": {"_type": "ClassLabel", "names": NAMES}}
+    meta = {"info": {"features": {"image": {"_type": "Image"}, "labels": seq}}}
+    table = table.replace_schema_metadata({"huggingface": json.dumps(meta)})
+    pq.write_table(table, tmp_path / "train.parquet")
     line = bad(tmp_path, "data.kind=parquet", f"data.path={tmp_path / 'train.parquet'}", "data.label_column=labels")
-    assert "multi-label labels are not supported yet" in line
+    assert "row 3" in line and "7" in line and "ClassLabel" in line
 
 
 def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp_path, bucket):
