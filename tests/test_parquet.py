@@ -273,3 +273,11 @@ def test_sequence_class_labels_stream_and_a_sigkill_resumes_exactly(tmp_path):
     )  # the default preset (iris) holds test_split 0.2 out
     assert {s: v["per_class"] for s, v in record["splits"].items()} == held.inventory.counts
     assert sum(v["images"] for v in record["splits"].values()) == len(labels)
+
+
+def test_data_task_multilabel_on_one_class_labels_is_one_line(tmp_path):
+    root = hub_dataset(tmp_path / "ds", {"train": 4, "test": 2})
+    over = sets("data.kind=parquet", f"data.path={root}", "data.task=multilabel")
+    code, err = invoke(["train", "--output", str(tmp_path / "run"), "--device", "cpu", *over])
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and last.startswith("error: data.task=multilabel"), err
