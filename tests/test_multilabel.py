@@ -182,6 +182,13 @@ def test_a_multilabel_run_chooses_on_val_map_writes_thresholds_and_predict_and_e
     y = np.array([[c in truth[n] for c in classes] for n in names], dtype=int)
     for n, row in zip(names, p):
         assert set(got[n]["labels"]) == {c for c, v, th in zip(classes, row, t) if v > th}
+    as_csv = tmp_path / "pv.csv"
+    code, err = invoke(["predict", "--model", str(out), "--device", "cpu", str(vals), "--output", str(as_csv)])
+    assert code == 0, err
+    with open(as_csv, newline="") as f:
+        table = {Path(r["path"]).name: r for r in csv.DictReader(f)}
+    assert all(set(filter(None, table[n]["labels"].split("|"))) == set(got[n]["labels"]) for n in names)
+    assert all(abs(float(table[n][c]) - got[n]["probabilities"][c]) < 1e-6 for n in names for c in classes)
     with open(out / "report" / "val" / "classes.csv", newline="") as f:
         table = {r["class"]: float(r["ap"]) for r in csv.DictReader(f)}
     ap = [average_precision_score(y[:, i], p[:, i]) for i in range(len(classes))]
