@@ -245,11 +245,16 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     _, _, raw = model_files(model_url)
     cfg = resolved(validate(raw))
     d = cfg.data.model_copy(update={"path": data_path, "val_split": 0.0, "test_split": None, "cache": False})
+    if p.thresholds is not None:  # a multi-label model's manifest: a row of one name is a list of one
+        d = d.model_copy(update={"task": "multilabel"})
     lines: list[str] = []
     if is_shards(data_path):  # streamed: its held-out split alone is read, a few batches in memory at a time
         loader, split, skipped = streamed_split(d, data_path, device, p, lines.append)
     else:
         data = labelled(d, data_path, p, lines.append)
+        if (p.thresholds is not None) != data.multilabel:
+            want = "lists of labels (multi-label)" if p.thresholds is not None else "one class an image"
+            raise DataError(f"{data_path}: the model {model_url} was trained on {want}, and these labels are not")
         split = next(s for s in ("test", "val", "train") if data.split(s) is not None and data.samples(s))
         from job.data.loader import BatchLoader
 

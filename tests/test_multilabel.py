@@ -208,3 +208,5 @@ def test_a_multilabel_run_chooses_on_val_map_writes_thresholds_and_predict_and_e
     code, err = invoke(["evaluate", "--checkpoint", str(out), "--report", str(tmp_path / "rep")])
     assert code == 0, err
     assert (tmp_path / "rep" / "test" / "classes.csv").read_text().startswith("class,ap,")
+    code, err = invoke(["evaluate", "--model", str(out), "--data", str(data / "labels.jsonl"), "--device", "cpu"])
+    assert code == 0, err
