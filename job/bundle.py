@@ -143,6 +143,13 @@ def describe(cfg, classes: list[str], input_shape: tuple[int, ...], feed_stats, 
     return entry
 
 
+def multilabel_entry(classes: list[str], thresholds: list[float] | None) -> dict:
+    """model.json's multi-label part: the task, and each class's threshold (by class name; 0.5 before any
+    evaluation has chosen them)."""
+    chosen = thresholds if thresholds is not None else [0.5] * len(classes)
+    return {"task": "multilabel", "thresholds": {c: float(t) for c, t in zip(classes, chosen)}}
+
+
 @dataclass
 class Predictor:
     """A trained model and what makes its inputs."""
@@ -155,17 +162,26 @@ class Predictor:
     std: torch.Tensor | None
     device: torch.device
     features: dict | None = None  # a table's model: its feature columns and scaler (model.json's)
+    thresholds: list[float] | None = None  # multi-label: each class's, in class order (sigmoids, not a softmax)
 
     @torch.no_grad()
     def table_probabilities(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of raw feature values, in the model's column order, scaled as in training."""
         low, span = torch.tensor(self.features["min"]), torch.tensor(self.features["span"])
-        return torch.softmax(self.model(((x - low) / span).to(self.device)).float(), dim=1).cpu()
+        return self.activated(self.model(((x - low) / span).to(self.device)).float()).cpu()
 
     @torch.no_grad()
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         x = to_float(images.to(self.device), torch.contiguous_format, self.mean, self.std, self.view)
-        return torch.softmax(self.model(x).float(), dim=1).cpu()
+        return self.activated(self.model(x).float()).cpu()
+
+    def activated(self, logits: torch.Tensor) -> torch.Tensor:
+        """Probabilities of logits: each class's sigmoid (multi-label), else the softmax over the classes."""
+        return torch.sigmoid(logits) if self.thresholds is not None else torch.softmax(logits, dim=1)
+
+    def label_set(self, probs: torch.Tensor) -> list[str]:
+        """A multi-label image's classes: those whose probability is above their threshold."""
+        return [c for c, v, t in zip(self.classes, probs.tolist(), self.thresholds) if v > t]
 
 
 def load_predictor(url: str, device: torch.device) -> Predictor:
@@ -180,7 +196,9 @@ def load_predictor(url: str, device: torch.device) -> Predictor:
         model = build_model(cfg.model, shape, len(card["classes"]))
         model.load_state_dict(payload["model"])
         model.to(device).eval()
-        return Predictor(model, list(card["classes"]), Preprocess(), None, None, None, device, card["features"])
+        return Predictor(
+            model, list(card["classes"]), Preprocess(), None, None, None, device, card["features"], thresholds_of(card)
+        )
     # A run that fixed no size held its images as they were (one size): every image is brought to that size here,
     # so that a photo of another size is labelled, not refused in the model or with its whole batch.
     held = Preprocess.of(cfg.data, shape)
@@ -194,7 +212,14 @@ def load_predictor(url: str, device: torch.device) -> Predictor:
     stats = [
         None if pre["mean"] is None else torch.tensor(pre[k]).view(1, -1, 1, 1).to(device) for k in ("mean", "std")
     ]
-    return Predictor(model, list(card["classes"]), held, view, *stats, device)
+    return Predictor(model, list(card["classes"]), held, view, *stats, device, thresholds=thresholds_of(card))
+
+
+def thresholds_of(card: dict) -> list[float] | None:
+    """A multi-label model.json's thresholds in class order; None for one class an input."""
+    if card.get("task") != "multilabel":
+        return None
+    return [float(card["thresholds"][c]) for c in card["classes"]]
 
 
 def model_files(url: str) -> tuple[dict, dict, dict]:

@@ -108,6 +108,19 @@ class DataConfig(Section):
     split_column: str = Field(
         "split", description="manifest: the column of splits (train, val, test), when the file has one."
     )
+    label_separator: str | None = Field(
+        None,
+        min_length=1,
+        description="manifest: the labels of a multi-label image in one cell, split at this text (e.g. '|': "
+        "dog|person); an empty cell is an image with none. Without it, a JSON list (a JSONL value, or a CSV cell "
+        '\'["dog", "person"]\') holds them.',
+    )
+    task: Literal["auto", "multiclass", "multilabel"] = Field(
+        "auto",
+        description="multiclass: one class an image (softmax); multilabel: any number of classes an image, none "
+        "included (sigmoids, BCE, thresholds chosen on val). auto: multilabel when the labels are lists (a JSON "
+        "list, data.label_separator, 0/1 columns or a parquet Sequence(ClassLabel)), else multiclass.",
+    )
     image_size: int | None = Field(
         None,
         gt=0,
@@ -366,7 +379,8 @@ class TrainConfig(Section):
     class_weights: Literal["none", "balanced"] = Field(
         "none",
         description="balanced: weigh each class's training loss by n_samples / (n_classes x its samples), as "
-        "scikit-learn's and Keras's 'balanced', so a class with few images is not ignored.",
+        "scikit-learn's and Keras's 'balanced', so a class with few images is not ignored; multi-label: each "
+        "class's positives by its negatives / positives (BCEWithLogitsLoss's pos_weight).",
     )
     grace_seconds: float = Field(
         20.0,

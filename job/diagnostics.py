@@ -32,15 +32,26 @@ WORST = 36  # samples in worst.csv and worst.png
 SHOWN = 30  # classes drawn in confusion.png at most: the most confused ones
 
 
-def write_splits(r, put: Callable[[str, str, bytes], None], group: tuple[int, int] = (0, 1), gather=None) -> None:
+def write_splits(
+    r,
+    put: Callable[[str, str, bytes], None],
+    group: tuple[int, int] = (0, 1),
+    gather=None,
+    thresholds: list[float] | None = None,
+) -> None:
     """Each held-out split's report files of the recipe's model through `put(split, name, bytes)`. In a group of
     processes (`group`: rank, world) each scores its part of the split and `gather` brings the parts to the writer
     (a list by rank there, None elsewhere; without it, this process is alone). TensorBoard's confusion images are
-    drawn at each evaluation instead (confusion_picture)."""
+    drawn at each evaluation instead (confusion_picture). Multi-label: classes.csv and pr_curves.png
+    (write_multilabel), at `thresholds`."""
     rank, world = group
     stats = r.feed.stats_cpu() if r.feed.is_image else None
     for split in r.held_out:
         loader = r.feed.test(r.feed.batch_size, rank, world, split)
+        if r.multilabel:
+            part = multilabel_part(r.model, loader, r.amp, len(r.classes))
+            write_multilabel(lambda name, data, split=split: put(split, name, data), part, r.classes, split, thresholds)
+            continue
         part = per_sample(r.model, loader, r.amp, stats)
         parts = gather(part) if gather is not None else [part]
         if parts is not None:
@@ -137,6 +148,59 @@ def write(put: Callable[[str, bytes], None], s: Passed, split: str, classes: lis
     if s.pictures is not None and rows:
         put("worst.png", worst_png(s.pictures, rows))
     return confusion
+
+
+def multilabel_part(model, loader, amp, classes: int) -> list:
+    """A multi-label model's (probabilities, targets) on a split, every process's part (on the host), by rank."""
+    from job import distributed
+    from job.evaluate import multilabel_outputs
+
+    _, probs, ys = multilabel_outputs(model, loader, amp, classes)
+    return distributed.gather_objects((probs.cpu().numpy(), ys.cpu().numpy()))
+
+
+def write_multilabel(
+    put: Callable[[str, bytes], None], parts: list, classes: list[str], split: str, thresholds: list[float] | None
+) -> None:
+    """A multi-label split's report from its (probabilities, targets) parts: classes.csv (class, ap, threshold,
+    precision, recall, f1, support: lowest AP first) at `thresholds` (default: the split's best-F1 ones), and
+    pr_curves.png, each class's precision-recall curve. The writer (rank 0) writes."""
+    from job import distributed, multilabel
+
+    if not distributed.is_writer():
+        return
+    y, p = multilabel.joined(parts)
+    s = multilabel.scored(y, p, 0.0, thresholds)
+    rows = sorted(s.table(classes), key=lambda row: (row[1], classes.index(row[0])))
+    cells = [(c, f"{ap:.10f}", f"{t:.6f}", f"{p:.6f}", f"{rc:.6f}", f"{f:.6f}", n) for c, ap, t, p, rc, f, n in rows]
+    put("classes.csv", table(["class", "ap", "threshold", "precision", "recall", "f1", "support"], cells))
+    put("pr_curves.png", pr_curves_png(y, p, classes, s.ap, split))
+
+
+def pr_curves_png(y, p, classes: list[str], ap: list[float], split: str) -> bytes:
+    """Each class's precision-recall curve (of the 20 of lowest AP, among many), its AP in the legend."""
+    from matplotlib.figure import Figure
+
+    from job.multilabel import curves
+
+    shown = sorted(range(len(classes)), key=lambda i: ap[i])[:20]
+    fig = Figure(figsize=(6, 5))
+    ax = fig.add_subplot(1, 1, 1)
+    for i in shown:
+        recall, precision = curves(y[:, i], p[:, i])
+        ax.step(recall, precision, where="post", label=f"{classes[i]} (AP {ap[i]:.3f})")
+    ax.set_xlabel("recall")
+    ax.set_ylabel("precision")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(
+        f"{split}: precision-recall by class" + (f" (20 lowest AP of {len(classes)})" if len(classes) > 20 else "")
+    )
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
 
 
 def pixels(x: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor | None) -> torch.Tensor:

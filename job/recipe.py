@@ -291,6 +291,7 @@ class Recipe:
     accumulate: int = 1  # batches per optimizer step
     loss: Callable[..., torch.Tensor] = F.cross_entropy  # the training loss of (logits, labels)
     lookahead: Lookahead | None = None  # stepped after each optimizer step, when optim.lookahead_every is set
+    multilabel: bool = False  # sigmoids against multi-hot targets (BCE), scored by mAP; else softmax and accuracy
 
     @property
     def evaluated_on(self) -> str:
@@ -347,7 +348,10 @@ def build(
     amp = autocast(precision, device)
     smoothing = cfg.train.label_smoothing
     loss = functools.partial(F.cross_entropy, label_smoothing=smoothing) if smoothing else F.cross_entropy
-    if cfg.train.class_weights == "balanced":
+    if data.multilabel:
+        balanced = cfg.train.class_weights == "balanced"
+        loss = MultiLabelLoss(positive_weights(data).to(device) if balanced else None)
+    elif cfg.train.class_weights == "balanced":
         loss = CountedLoss(balanced_weights(data).to(device), smoothing)
     elif data.streamed and cfg.data.skip_bad_samples:  # a batch may hold undecodable samples, labelled IGNORED
         loss = CountedLoss(None, smoothing)
@@ -368,6 +372,7 @@ def build(
         accumulate,
         loss,
         lookahead,
+        data.multilabel,
     )
 
 
@@ -386,6 +391,36 @@ class CountedLoss:
         if self.weight is not None:
             losses = losses * self.weight[y.clamp(min=0)]
         return (losses * counted).sum() / counted.sum().clamp(min=1)
+
+
+class MultiLabelLoss:
+    """Multi-label: binary cross-entropy of each class's sigmoid against its 0/1 target (BCEWithLogitsLoss), the mean
+    over the classes and the samples that count (a streamed sample that could not be decoded has targets below 0).
+    `pos_weight`: each class's weight on its positives (train.class_weights=balanced)."""
+
+    def __init__(self, pos_weight: torch.Tensor | None) -> None:
+        self.pos_weight = pos_weight
+
+    def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        counted = (y >= 0).all(1)
+        losses = F.binary_cross_entropy_with_logits(
+            logits.float(), y.clamp(min=0), pos_weight=self.pos_weight, reduction="none"
+        ).mean(1)
+        return (losses * counted).sum() / counted.sum().clamp(min=1)
+
+
+def positive_weights(data: Dataset | StreamData) -> torch.Tensor:
+    """train.class_weights balanced, multi-label: each class's negatives / positives among the training samples, as
+    BCEWithLogitsLoss's pos_weight (1 for a class with none)."""
+    if isinstance(data, StreamData):
+        if data.inventory is None:
+            raise ConfigError("train.class_weights=balanced: these shards do not record their class counts")
+        inv = data.inventory
+        positives = torch.tensor([float(inv.counts["train"].get(c, 0)) for c in data.classes])
+        n = float(inv.total("train"))
+    else:
+        positives, n = data.train.y.cpu().double().sum(0), float(len(data.train))
+    return torch.where(positives > 0, (n - positives) / positives.clamp(min=1), torch.ones_like(positives)).float()
 
 
 def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:

@@ -146,7 +146,7 @@ def train_loop(
     resumption.begin(cfg)
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
-    chooser = Chooser(cfg.train, r.evaluated_on)
+    chooser = Chooser(cfg.train, r.evaluated_on, r.multilabel)
     params, stem = sum(p.numel() for p in r.model.parameters()), describe_model(cfg.model, r.input_shape)
     say(f"model {cfg.model.name}{stem}: {params:,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
@@ -305,7 +305,10 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
 
 def model_json(loop: Loop, metrics: dict) -> dict:
     r = loop.r
-    return bundle.describe(loop.cfg, r.classes, r.input_shape, r.feed.stats_cpu(), r.feed.features, metrics)
+    card = bundle.describe(loop.cfg, r.classes, r.input_shape, r.feed.stats_cpu(), r.feed.features, metrics)
+    if r.multilabel:  # a class is in an image's label set where its probability is above its threshold
+        card |= bundle.multilabel_entry(r.classes, loop.chooser.thresholds)
+    return card
 
 
 def write_results(loop: Loop, final: dict) -> None:
@@ -324,10 +327,11 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     last = next((r for r in reversed(report.records) if "train_loss" in r), resumed)
     tested = final_test(loop)
     write_reports(loop)
+    metric = loop.chooser.metric_key
     final = {
-        "best_accuracy": state.best_accuracy,
+        f"best_{metric}": state.best_accuracy,
         **({f"best_{on}_loss": state.best_loss} if math.isfinite(state.best_loss) else {}),  # the chosen model's
-        "final_accuracy": last.get(f"{on}_accuracy"),
+        f"final_{metric}": last.get(f"{on}_{metric}"),
         f"final_{on}_loss": last.get(f"{on}_loss"),
     } | {k: v for k, v in tested.items() if k.startswith(("test_", "final_test_"))}
     distributed.on_writer(lambda: write_results(loop, final))
@@ -356,7 +360,8 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     for line in chosen_lines(loop.chooser, loop.r.classes, state.best_epoch):
         say(line)  # before the last line, which says where the outputs are
     say(
-        f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; {outcome(on, final, state)}; "
+        f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; "
+        f"{outcome(on, final, state, metric)}; "
         f"{describe_cost(cost)}; outputs in {run_dir.url}"
         + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
     )

@@ -79,6 +79,7 @@ class StreamData:
     source: str
     streaming: Streaming
     is_image: bool = True
+    multilabel: bool = False  # any number of classes a sample, as multi-hot targets
     streamed = True
     features = None  # images
 
@@ -95,7 +96,8 @@ class StreamData:
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.input_shape)
         held = " / ".join(f"{self.samples(s)} {s}" for s in ("train", "val", "test") if self.samples(s))
-        return f"{self.source}: {held}, {len(self.classes)} classes, inputs {shape}"
+        task = "multilabel: any number of the " if self.multilabel else ""
+        return f"{self.source}: {held}, {task}{len(self.classes)} classes, inputs {shape}"
 
 
 class StreamLoader:
@@ -398,7 +400,7 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
     for line in inventory.lines() if inventory is not None else ():
         log(line)
     if choice.streamed:
-        return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
+        return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice, multilabel=shards.multilabel)
     train, val, test = read_splits(shards, held_decoder(cfg))
     return Dataset(train, test, shards.classes, f"shards {cfg.path}", choice, val=val, inventory=inventory)
 
@@ -454,7 +456,7 @@ def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
         every += names
     y = torch.tensor(labels)
     x = torch.cat([decoded(f, names, y[i * batch : (i + 1) * batch]) for i, (f, names) in enumerate(futures)])
-    good = y != IGNORED  # held in memory: a sample that cannot be decoded is left out, as a folder's file is
+    good = (y != IGNORED).reshape(len(y), -1).all(1)  # held in memory: one that cannot be decoded is left out
     return Split(x[good], y[good], [name for name, g in zip(every, good.tolist()) if g])
 
 
