@@ -332,6 +332,19 @@ class TrainConfig(Section):
     label_smoothing: float = Field(
         0.0, ge=0, lt=1, description="Training loss: cross-entropy against targets smoothed by this share."
     )
+    ema: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Exponential moving average of the weights (0: off; 0.999, 0.9999: its decay per optimizer step): "
+        "after each optimizer step the average moves toward the model by 1 - decay; the averaged weights are the ones "
+        "evaluated, chosen, saved to model.pt, predicted with and exported, and checkpoints keep them.",
+    )
+    ema_warmup: bool = Field(
+        True,
+        description="train.ema: the decay rises as timm's ModelEmaV3 warmup has it, 1 - (1 + n)^(-2/3) after n "
+        "updates, up to train.ema, so the average forgets the random start; false: train.ema from the first update.",
+    )
     test_time_augmentation: Literal["none", "flip", "flip_shift"] = Field(
         "none",
         description="Images, at every evaluation: the mean logits of each test image and its mirror image (flip), "

@@ -41,7 +41,7 @@ def write_splits(r, put: Callable[[str, str, bytes], None], group: tuple[int, in
     stats = r.feed.stats_cpu() if r.feed.is_image else None
     for split in r.held_out:
         loader = r.feed.test(r.feed.batch_size, rank, world, split)
-        part = per_sample(r.model, loader, r.amp, stats)
+        part = per_sample(r.evaluated, loader, r.amp, stats)
         parts = gather(part) if gather is not None else [part]
         if parts is not None:
             write(lambda name, data, split=split: put(split, name, data), merged(parts), split, r.classes)

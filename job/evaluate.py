@@ -100,14 +100,14 @@ def evaluate_checkpoint(
     data = recipe.read_data(cfg, restored(payload.get("placement")))  # read as the run read it
     r = recipe.build(cfg, device, data, pretrained=False, started=payload)  # the checkpoint holds the weights
     try:
-        r.model.load_state_dict(payload["model"])
+        r.evaluated.load_state_dict(checkpoint.evaluated_weights(payload))
     except RuntimeError as e:
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
     split = "test" if "test" in r.held_out else "val"  # class folders held out for val alone: val
     loader = r.held_out[split]
     if report:
         write_report(r, report)
-    loss_sum, correct, counted = test_sums(r.model, loader, r.amp, cfg.train.test_time_augmentation).tolist()
+    loss_sum, correct, counted = test_sums(r.evaluated, loader, r.amp, cfg.train.test_time_augmentation).tolist()
     progress = payload.get("progress", {})
     return {
         "checkpoint": url,

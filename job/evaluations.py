@@ -44,7 +44,7 @@ def test_and_report(loop: Loop) -> str:
         "wall_s": round(now - loop.t_start, 3),
     }
     show(loop, on, scored.confusion)
-    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], record[f"{on}_loss"], r.model, scored.confusion)
+    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], record[f"{on}_loss"], r.evaluated, scored.confusion)
     state.steps_since_eval = state.samples_since_eval = 0
     loop.report.evaluation(record)
     if (only := scores.one_class(scored.confusion)) is not None:  # under the epoch line it belongs to
@@ -70,7 +70,7 @@ def show(loop: Loop, split: str, confusion: torch.Tensor) -> None:
 def score(loop: Loop, split: str, extra: torch.Tensor | None = None) -> Scored:
     r = loop.r
     augmentation = loop.cfg.train.test_time_augmentation
-    return score_split(r.model, r.held_out[split], r.amp, len(r.classes), augmentation, loop.clock, extra)
+    return score_split(r.evaluated, r.held_out[split], r.amp, len(r.classes), augmentation, loop.clock, extra)
 
 
 def final_test(loop: Loop) -> dict:
@@ -81,7 +81,7 @@ def final_test(loop: Loop) -> dict:
         return {}
     tested = "test" in r.held_out
     final = score(loop, "test") if tested and not is_best(state) else None
-    chooser.choose(state, r.model)
+    chooser.choose(state, r.evaluated)
     if not tested:
         return {}
     scored = score(loop, "test")

@@ -26,6 +26,7 @@ from job.data.loader import BatchLoader
 from job.data.placement import HELD, Streaming, hold_on
 from job.data.read import load_data
 from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
+from job.ema import ModelEma
 from job.env import resolve_precision
 from job.errors import ConfigError
 from job.memory import available_host_memory
@@ -291,6 +292,12 @@ class Recipe:
     accumulate: int = 1  # batches per optimizer step
     loss: Callable[..., torch.Tensor] = F.cross_entropy  # the training loss of (logits, labels)
     lookahead: Lookahead | None = None  # stepped after each optimizer step, when optim.lookahead_every is set
+    ema: ModelEma | None = None  # train.ema's average, updated after each optimizer step (after lookahead's)
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """The model the run evaluates, chooses, saves and exports: train.ema's average when on, else the model."""
+        return self.ema.module if self.ema is not None else self.model
 
     @property
     def evaluated_on(self) -> str:
@@ -335,7 +342,7 @@ def build(
     feed = Feed(cfg, data, device, channels_last, memory_limit, view, saved_stats(started))
     if pretrained and not cfg.model.weights and hasattr(model, "init_from_data"):  # a start that depends on the data
         model.init_from_data(feed.sample_images(DATA_INIT_IMAGES))
-    train = scheduler = lookahead = None
+    train = scheduler = lookahead = ema = None
     held_out: dict[str, Loader] = {}
     accumulate = cfg.train.accumulate_steps
     if loaders:
@@ -343,6 +350,7 @@ def build(
         steps = optimizer_steps(cfg, len(train))
         scheduler = make_scheduler(cfg, optimizer, steps)
         lookahead = Lookahead(model, cfg.optim.lookahead_every, steps) if cfg.optim.lookahead_every else None
+        ema = ModelEma(model, cfg.train.ema, cfg.train.ema_warmup) if cfg.train.ema else None
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     amp = autocast(precision, device)
     smoothing = cfg.train.label_smoothing
@@ -368,6 +376,7 @@ def build(
         accumulate,
         loss,
         lookahead,
+        ema,
     )
 
 
