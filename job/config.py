@@ -294,6 +294,20 @@ class OptimConfig(Section):
         description="The learning rate of normalisation layers' parameters (batch, layer, group norm) times this; "
         "their weight decay per step stays that of the others.",
     )
+    warmup: float | str = Field(
+        0.0,
+        description="Warm-up before the schedule: the rate rises linearly from lr / n to lr over the first n "
+        "optimizer steps, then optim.schedule runs over the steps left. Epochs (a number: 2, 0.5), or optimizer steps "
+        "('500 steps'); 0: none. optim.schedule onecycle warms up itself.",
+    )
+    layer_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Per-layer rates (1: off): the class layer trains at lr, and each block below it at layer_decay "
+        "times the rate of the block above (blocks: the model's modules two names deep, e.g. layer3.1, in order), so "
+        "the pretrained early layers move least.",
+    )
     lookahead_every: int = Field(
         0,
         ge=0,
@@ -301,6 +315,33 @@ class OptimConfig(Section):
         "toward a slow average of themselves and go on from it; the average keeps 0.95^k of itself at most, rising "
         "with the cube of the run's progress (the speed-record recipe's), and the run ends on the average.",
     )
+
+    @field_validator("warmup", mode="before")
+    @classmethod
+    def _warmup(cls, v: Any) -> Any:
+        parse_warmup(v)  # refused here, with the key's name; read where the schedule is made
+        return v
+
+
+def parse_warmup(v: Any) -> tuple[float, str]:
+    """optim.warmup as (amount, unit): a number of epochs, or 'N steps' / 'N epochs'; ValueError otherwise."""
+    hint = "expected epochs (a number >= 0) or optimizer steps such as '500 steps'"
+    if isinstance(v, bool):
+        raise ValueError(hint)
+    if isinstance(v, (int, float)):
+        amount, unit = float(v), "epochs"
+    elif isinstance(v, str) and len(words := v.split()) == 2 and words[1] in ("steps", "step", "epochs", "epoch"):
+        try:
+            amount, unit = float(words[0]), words[1].rstrip("s") + "s"
+        except ValueError:
+            raise ValueError(hint) from None
+        if unit == "steps" and not amount.is_integer():
+            raise ValueError(hint)
+    else:
+        raise ValueError(hint)
+    if not 0 <= amount < float("inf"):
+        raise ValueError(hint)
+    return amount, unit
 
 
 class TrainConfig(Section):
@@ -331,6 +372,12 @@ class TrainConfig(Section):
     )
     label_smoothing: float = Field(
         0.0, ge=0, lt=1, description="Training loss: cross-entropy against targets smoothed by this share."
+    )
+    finetune_stages: int = Field(
+        0,
+        ge=0,
+        description="Two-stage fine-tuning (0: off): for this many epochs only the class layer learns (the rest at a "
+        "rate of 0), then the whole model, at per-layer rates with optim.layer_decay.",
     )
     ema: float = Field(
         0.0,
@@ -414,6 +461,13 @@ class TrainConfig(Section):
         "checkpoint interval took: the checkpoint is committed, exit 0; the same command with a larger budget "
         "continues it.",
     )
+
+    @field_validator("finetune_stages")
+    @classmethod
+    def _stages(cls, v: int, info: ValidationInfo) -> int:
+        if v and v >= info.data.get("epochs", v + 1):
+            raise ValueError("expected fewer epochs than train.epochs: the whole model trains after them")
+        return v
 
     @field_validator("channels_last", "step_capture", mode="before")
     @classmethod
