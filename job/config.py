@@ -150,6 +150,16 @@ class DataConfig(Section):
         description="Images: flip horizontally with probability 0.5; alternate: flip each image at random in the first "
         "epoch and the other way in each epoch after, so that every image is seen both ways every two epochs.",
     )
+    augment: list[Literal["trivial_augment", "rand_augment", "random_erasing"]] = Field(
+        [],
+        description="Images, per training image, on the batch (torchvision.transforms.v2's operations and "
+        "magnitudes, drawn from the run's seed): trivial_augment (TrivialAugmentWide: one operation at a random "
+        "magnitude) or rand_augment (RandAugment: two operations at magnitude 9 of 31), after crops and flips; "
+        "random_erasing: a random box of the normalised image set to 0, with data.erasing_probability.",
+    )
+    erasing_probability: float = Field(
+        0.25, gt=0, le=1, description="data.augment random_erasing: the share of training images erased."
+    )
     download: bool = Field(False, description="cifar10: download with torchvision when the local path is empty.")
     cache: bool = Field(
         True,
@@ -202,6 +212,13 @@ class DataConfig(Section):
             top = " <= 1" if info.field_name == "crop_scale" else ""
             raise ValueError(f"expected [low, high] with 0 < low <= high{top}")
         return v
+
+    @field_validator("augment")
+    @classmethod
+    def _augment(cls, v: list[str]) -> list[str]:
+        if "trivial_augment" in v and "rand_augment" in v:
+            raise ValueError("trivial_augment and rand_augment are two policies of the same operations: choose one")
+        return list(dict.fromkeys(v))
 
     @field_validator("workers", mode="before")
     @classmethod

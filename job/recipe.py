@@ -18,7 +18,7 @@ from torch import nn
 from job import weights
 from job.config import Config
 from job.console import say, say_own
-from job.data.augment import View, channel_stats, to_float
+from job.data.augment import Policy, View, channel_stats, to_float
 from job.data.batches import Loader
 from job.data.dataset import Dataset, Split
 from job.data.decode import DeviceDecoder
@@ -210,6 +210,7 @@ class Feed:
         d = self.cfg.data
         reflect = d.random_crop_padding_mode == "reflect"
         image_aug = {"crop_padding": d.random_crop_padding, "reflect": reflect, "hflip": d.random_hflip}
+        image_aug["policy"] = policy_of(d)
         image_aug = image_aug if self.is_image else {}
         if self.view is not None and d.random_resized_crop:
             image_aug["resized_crops"] = True
@@ -415,11 +416,19 @@ def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:
     return weights.float()
 
 
+def policy_of(d) -> Policy:
+    """data.augment as the loaders take it."""
+    erasing = d.erasing_probability if "random_erasing" in d.augment else 0.0
+    return Policy("trivial_augment" in d.augment, "rand_augment" in d.augment, erasing)
+
+
 def check_image_settings(cfg: Config, input_shape: tuple[int, ...], is_image: bool) -> None:
     """ConfigError for settings that need images the data does not have."""
     d, t = cfg.data, cfg.train
     if t.test_time_augmentation != "none" and not is_image:
         raise ConfigError("train.test_time_augmentation: flips and shifts images; this data is a table")
+    if d.augment and not is_image:
+        raise ConfigError(f"data.augment: {', '.join(d.augment)} change images; this data is a table")
     if is_image and d.random_crop_padding_mode == "reflect" and d.random_crop_padding >= min(input_shape[1:]):
         raise ConfigError(
             f"data.random_crop_padding: reflect pads by less than the image's side ({min(input_shape[1:])}), got "
