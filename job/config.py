@@ -390,6 +390,27 @@ class TrainConfig(Section):
     label_smoothing: float = Field(
         0.0, ge=0, lt=1, description="Training loss: cross-entropy against targets smoothed by this share."
     )
+    mixup: float = Field(
+        0.0,
+        ge=0,
+        description="MixUp (0: off): each training batch blended with itself reversed, by a share drawn from "
+        "Beta(mixup, mixup) (0.2 to 0.8 are usual), the targets blended alike (timm's Mixup, batch mode).",
+    )
+    cutmix: float = Field(
+        0.0,
+        ge=0,
+        description="CutMix (0: off): a box of the reversed batch pasted into each training image, its area drawn from "
+        "Beta(cutmix, cutmix) (1.0 is usual), the targets weighed by area.",
+    )
+    mix_probability: float = Field(
+        1.0, ge=0, le=1, description="train.mixup / train.cutmix: the share of training batches mixed."
+    )
+    mix_switch: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="With both train.mixup and train.cutmix: the share of mixed batches cut, not blended.",
+    )
     finetune_stages: int = Field(
         0,
         ge=0,

@@ -30,6 +30,7 @@ from job.ema import ModelEma
 from job.env import resolve_precision
 from job.errors import ConfigError
 from job.memory import available_host_memory
+from job.mix import Mix
 from job.models import build_model
 from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
@@ -294,6 +295,7 @@ class Recipe:
     loss: Callable[..., torch.Tensor] = F.cross_entropy  # the training loss of (logits, labels)
     lookahead: Lookahead | None = None  # stepped after each optimizer step, when optim.lookahead_every is set
     ema: ModelEma | None = None  # train.ema's average, updated after each optimizer step (after lookahead's)
+    mix: Mix | None = None  # train.mixup / train.cutmix: the training batches mixed before the step
 
     @property
     def evaluated(self) -> nn.Module:
@@ -355,10 +357,13 @@ def build(
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     amp = autocast(precision, device)
     smoothing = cfg.train.label_smoothing
+    t = cfg.train
+    mixing = (t.mixup or t.cutmix) and t.mix_probability > 0
+    mix = Mix(len(data.classes), cfg.seed, t.mixup, t.cutmix, t.mix_probability, t.mix_switch) if mixing else None
     loss = functools.partial(F.cross_entropy, label_smoothing=smoothing) if smoothing else F.cross_entropy
     if cfg.train.class_weights == "balanced":
         loss = CountedLoss(balanced_weights(data).to(device), smoothing)
-    elif data.streamed and cfg.data.skip_bad_samples:  # a batch may hold undecodable samples, labelled IGNORED
+    elif (data.streamed and cfg.data.skip_bad_samples) or mix is not None:  # IGNORED labels; mixed targets
         loss = CountedLoss(None, smoothing)
     return Recipe(
         model,
@@ -378,6 +383,7 @@ def build(
         loss,
         lookahead,
         ema,
+        mix,
     )
 
 
@@ -391,10 +397,13 @@ class CountedLoss:
         self.weight, self.smoothing = weight, smoothing
 
     def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y`: class indexes, or (train.mixup, train.cutmix) probabilities per class, whose weight is the classes'
+        weights mixed alike, and which count where they hold any class (a row of zeros: IGNORED samples)."""
         losses = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.smoothing)
-        counted = y >= 0
+        soft = y.is_floating_point()
+        counted = y.sum(1) > 0 if soft else y >= 0
         if self.weight is not None:
-            losses = losses * self.weight[y.clamp(min=0)]
+            losses = losses * (y @ self.weight if soft else self.weight[y.clamp(min=0)])
         return (losses * counted).sum() / counted.sum().clamp(min=1)
 
 
@@ -427,6 +436,8 @@ def check_image_settings(cfg: Config, input_shape: tuple[int, ...], is_image: bo
     d, t = cfg.data, cfg.train
     if t.test_time_augmentation != "none" and not is_image:
         raise ConfigError("train.test_time_augmentation: flips and shifts images; this data is a table")
+    if (t.mixup or t.cutmix) and not is_image:
+        raise ConfigError("train.mixup, train.cutmix: mix images; this data is a table")
     if d.augment and not is_image:
         raise ConfigError(f"data.augment: {', '.join(d.augment)} change images; this data is a table")
     if is_image and d.random_crop_padding_mode == "reflect" and d.random_crop_padding >= min(input_shape[1:]):

@@ -225,7 +225,8 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
         for batch in log.system.timed(loader.batches(epoch, state.epoch_step)):
             if accumulator is not None:
                 accumulator.plan(loader, state.epoch_step)
-            loop.step(batch.x, batch.y, batch.weight)
+            x, y = (batch.x, batch.y) if loop.r.mix is None else loop.r.mix(batch.x, batch.y, epoch, state.epoch_step)
+            loop.step(x, y, batch.weight)
             state.samples_since_eval += batch.samples  # the global batch's: every process's
             state.step += 1
             state.epoch_step += 1
