@@ -1,6 +1,8 @@
 """train.ema: the average is torch's AveragedModel with timm's warmup, step by step; a run evaluates, saves and
 keeps it in its checkpoints."""
 
+import json
+
 import pytest
 import torch
 from conftest import write_image_folder
@@ -65,3 +67,21 @@ def test_a_run_evaluates_saves_and_checkpoints_the_average(tmp_path, capsys):
     for k, v in saved.items():
         assert torch.equal(v, payload["ema"]["module"][k]), k
     assert any(not torch.equal(v, payload["model"][k]) for k, v in saved.items())  # the average, not the model
+
+
+def test_evaluate_and_predict_take_a_checkpoints_average(tmp_path):
+    from job import bundle
+    from job.evaluate import evaluate_checkpoint
+
+    images = write_image_folder(tmp_path / "images", size=32)
+    sets = [f"data.path={images}", "data.kind=folder", "model.name=cifar_cnn", "train.epochs=2", "data.batch_size=16"]
+    run(load_config("iris", [*sets, "train.ema=0.9", "optim.lr=0.05"]), str(tmp_path / "run"), "cpu", "never", True)
+    latest = str(sorted((tmp_path / "run" / "checkpoints").glob("e*.pt"))[-1])
+    evaluated = evaluate_checkpoint(latest, None, [], "cpu")
+    final = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert evaluated["test_accuracy"] == final[-1]["test_accuracy"]
+    assert evaluated["test_loss"] == pytest.approx(final[-1]["test_loss"], rel=1e-5)
+    predictor = bundle.load_predictor(latest, torch.device("cpu"))
+    saved = torch.load(tmp_path / "run" / "model.pt", weights_only=True)
+    for k, v in predictor.model.state_dict().items():
+        assert torch.equal(v, saved[k]), k
