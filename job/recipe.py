@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from job import weights
-from job.config import Config
+from job.config import Config, DataConfig
 from job.console import say, say_own
 from job.data.augment import Policy, View, channel_stats, to_float
 from job.data.batches import Loader
@@ -425,7 +425,7 @@ def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:
     return weights.float()
 
 
-def policy_of(d) -> Policy:
+def policy_of(d: DataConfig) -> Policy:
     """data.augment as the loaders take it."""
     erasing = d.erasing_probability if "random_erasing" in d.augment else 0.0
     return Policy("trivial_augment" in d.augment, "rand_augment" in d.augment, erasing)
