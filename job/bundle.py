@@ -194,7 +194,7 @@ def load_predictor(url: str, device: torch.device) -> Predictor:
     shape = tuple(card["input_shape"])
     if pre is None:  # a table's model: its features' columns and scaler instead
         model = build_model(cfg.model, shape, len(card["classes"]))
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(checkpoint.evaluated_weights(payload))
         model.to(device).eval()
         return Predictor(
             model, list(card["classes"]), Preprocess(), None, None, None, device, card["features"], thresholds_of(card)
@@ -205,7 +205,7 @@ def load_predictor(url: str, device: torch.device) -> Predictor:
     _, view = model_input(cfg, (3, *held.size), True)
     model = build_model(cfg.model, shape, len(card["classes"]))
     try:
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(checkpoint.evaluated_weights(payload))
     except RuntimeError as e:
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
     model.to(device).eval()

@@ -49,10 +49,10 @@ def write_splits(
     for split in r.held_out:
         loader = r.feed.test(r.feed.batch_size, rank, world, split)
         if r.multilabel:
-            part = multilabel_part(r.model, loader, r.amp, len(r.classes))
+            part = multilabel_part(r.evaluated, loader, r.amp, len(r.classes))
             write_multilabel(lambda name, data, split=split: put(split, name, data), part, r.classes, split, thresholds)
             continue
-        part = per_sample(r.model, loader, r.amp, stats)
+        part = per_sample(r.evaluated, loader, r.amp, stats)
         parts = gather(part) if gather is not None else [part]
         if parts is not None:
             write(lambda name, data, split=split: put(split, name, data), merged(parts), split, r.classes)

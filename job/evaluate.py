@@ -145,7 +145,7 @@ def evaluate_checkpoint(
     data = recipe.read_data(cfg, restored(payload.get("placement")))  # read as the run read it
     r = recipe.build(cfg, device, data, pretrained=False, started=payload)  # the checkpoint holds the weights
     try:
-        r.model.load_state_dict(payload["model"])
+        r.evaluated.load_state_dict(checkpoint.evaluated_weights(payload))
     except RuntimeError as e:
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
     split = "test" if "test" in r.held_out else "val"  # class folders held out for val alone: val
@@ -157,13 +157,13 @@ def evaluate_checkpoint(
         thresholds = thresholds_of(payload.get("model_json") or {})
         if report:
             write_report(r, report, thresholds)
-        sums, probs, ys = multilabel_outputs(r.model, loader, r.amp, len(r.classes), cfg.train.test_time_augmentation)
+        sums, probs, ys = multilabel_outputs(r.evaluated, loader, r.amp, len(r.classes), cfg.train.test_time_augmentation)
         s = multilabel_scored(sums, probs, ys, None, thresholds)
         head = {"checkpoint": url, "epoch": progress.get("epoch"), "step": progress.get("step"), "split": split}
         return head | s.record(split) | {"samples": len(probs), "device": str(device)} | run_record(url)
     if report:
         write_report(r, report)
-    loss_sum, correct, counted = test_sums(r.model, loader, r.amp, cfg.train.test_time_augmentation).tolist()
+    loss_sum, correct, counted = test_sums(r.evaluated, loader, r.amp, cfg.train.test_time_augmentation).tolist()
     return {
         "checkpoint": url,
         "epoch": progress.get("epoch"),

@@ -47,7 +47,7 @@ def test_and_report(loop: Loop) -> str:
     }
     show(loop, on, scored)
     thresholds = scored.thresholds if isinstance(scored, MultiScored) else None
-    reason = loop.chooser.judge(state, scored.accuracy, scored.loss, r.model, scored.confusion, thresholds)
+    reason = loop.chooser.judge(state, scored.accuracy, scored.loss, r.evaluated, scored.confusion, thresholds)
     state.steps_since_eval = state.samples_since_eval = 0
     loop.report.evaluation(record)
     if scored.confusion is not None and (only := scores.one_class(scored.confusion)) is not None:  # under its epoch
@@ -90,7 +90,7 @@ def score(loop: Loop, split: str, extra: torch.Tensor | None = None, thresholds:
     r = loop.r
     augmentation = loop.cfg.train.test_time_augmentation
     held = r.held_out[split]
-    return score_split(r.model, held, r.amp, len(r.classes), augmentation, loop.clock, extra, r.multilabel, thresholds)
+    return score_split(r.evaluated, held, r.amp, len(r.classes), augmentation, loop.clock, extra, r.multilabel, thresholds)
 
 
 def final_test(loop: Loop) -> dict:
@@ -101,7 +101,7 @@ def final_test(loop: Loop) -> dict:
         return {}
     tested = "test" in r.held_out
     final = score(loop, "test") if tested and not is_best(state) else None
-    chooser.choose(state, r.model)
+    chooser.choose(state, r.evaluated)
     if not tested:
         return {}
     scored = score(loop, "test", thresholds=chooser.thresholds)  # multi-label: at the thresholds chosen on val

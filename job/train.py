@@ -152,7 +152,7 @@ def train_loop(
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
         state = restore(found, r, log, state.run_id, cfg.seed)
-        chooser.restore(found[0], r.model)
+        chooser.restore(found[0], r.evaluated)
         replanned = replan_schedule(cfg, r, state)
         source = (found[1] or {}).get("file") or req.resume  # a bare .pt given by URL has no manifest
         into = f" ({state.epoch_step} steps into epoch {state.epoch + 1})" if state.epoch_step else ""
@@ -197,7 +197,7 @@ def train_loop(
         if saved:
             save(loop)
         if loop.ray is not None:  # in Ray Train's worker: the evaluation and the checkpoint reported to Ray
-            args = state, loop.report.records, saved, loop.r.model, run_dir.url
+            args = state, loop.report.records, saved, loop.r.evaluated, run_dir.url
             loop.ray.after_epoch(*args, lambda metrics: model_json(loop, metrics))
         if state.stopped_early:
             say(state.stopped_early)
@@ -226,7 +226,8 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
         for batch in log.system.timed(loader.batches(epoch, state.epoch_step)):
             if accumulator is not None:
                 accumulator.plan(loader, state.epoch_step)
-            loop.step(batch.x, batch.y, batch.weight)
+            x, y = (batch.x, batch.y) if loop.r.mix is None else loop.r.mix(batch.x, batch.y, epoch, state.epoch_step)
+            loop.step(x, y, batch.weight)
             state.samples_since_eval += batch.samples  # the global batch's: every process's
             state.step += 1
             state.epoch_step += 1
@@ -277,7 +278,8 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     progress = {**asdict(state), "loss_sums": loss_sums, **({"places": places} if places else {})}
     progress |= loop.step.accumulator.saved(state.epoch_step) if loop.step.accumulator is not None else {}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
-    payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead)
+    state_of = (r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead, r.ema)
+    payload = checkpoint.snapshot(*state_of)
     payload |= {"rng_ranks": rngs} if rngs else {}
     payload |= loop.chooser.saved(state)
     payload |= {"placement": r.feed.streaming_choice.saved()}
@@ -312,7 +314,7 @@ def model_json(loop: Loop, metrics: dict) -> dict:
 
 
 def write_results(loop: Loop, final: dict) -> None:
-    loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.model))
+    loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.evaluated))
     described = json.dumps(model_json(loop, final), indent=1, ensure_ascii=False)
     loop.run_dir.write(bundle.MODEL_JSON, described.encode())
     loop.report.close(final, loop.attempt.settle())
