@@ -157,7 +157,9 @@ def evaluate_checkpoint(
         thresholds = thresholds_of(payload.get("model_json") or {})
         if report:
             write_report(r, report, thresholds)
-        sums, probs, ys = multilabel_outputs(r.evaluated, loader, r.amp, len(r.classes), cfg.train.test_time_augmentation)
+        sums, probs, ys = multilabel_outputs(
+            r.evaluated, loader, r.amp, len(r.classes), cfg.train.test_time_augmentation
+        )
         s = multilabel_scored(sums, probs, ys, None, thresholds)
         head = {"checkpoint": url, "epoch": progress.get("epoch"), "step": progress.get("step"), "split": split}
         return head | s.record(split) | {"samples": len(probs), "device": str(device)} | run_record(url)

@@ -90,7 +90,9 @@ def score(loop: Loop, split: str, extra: torch.Tensor | None = None, thresholds:
     r = loop.r
     augmentation = loop.cfg.train.test_time_augmentation
     held = r.held_out[split]
-    return score_split(r.evaluated, held, r.amp, len(r.classes), augmentation, loop.clock, extra, r.multilabel, thresholds)
+    return score_split(
+        r.evaluated, held, r.amp, len(r.classes), augmentation, loop.clock, extra, r.multilabel, thresholds
+    )
 
 
 def final_test(loop: Loop) -> dict:
