@@ -15,6 +15,7 @@ from job import checkpoint, distributed, recipe, scores
 from job.attempts import RUN_JSON, attempts_in
 from job.cloud import check_input, filesystem
 from job.config import apply_override, load_config, validate
+from job.data.augment import viewed_logits
 from job.data.batches import IGNORED, Loader
 from job.data.placement import restored
 from job.env import pick_device
@@ -37,7 +38,7 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
         if not batch.own:
             continue
         with amp():
-            out = logits(model, batch.x, augmentation)
+            out = viewed_logits(model, batch.x, augmentation)
         predicted, counted = out.argmax(1), batch.y != IGNORED
         sums[0] += F.cross_entropy(out.float(), batch.y, reduction="sum")
         sums[1] += (predicted == batch.y).sum()
@@ -64,7 +65,7 @@ def multilabel_outputs(
         if not batch.own:
             continue
         with amp():
-            out = logits(model, batch.x, augmentation).float()
+            out = viewed_logits(model, batch.x, augmentation).float()
         counted = (batch.y >= 0).all(1)
         losses = F.binary_cross_entropy_with_logits(out, batch.y.clamp(min=0), reduction="none").mean(1)
         sums[0] += (losses * counted).sum()
@@ -86,21 +87,6 @@ def confusion_add(cells: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) 
         cells.index_add_(0, at, counted.to(cells.dtype))
     else:
         cells += torch.bincount(at[counted], minlength=len(cells))[: len(cells)]
-
-
-def logits(model, x: torch.Tensor, augmentation: str = "none") -> torch.Tensor:
-    """The model's logits for images x; with flip, the mean over each image and its mirror image; with flip_shift,
-    half that and half the same mean for the image shifted a pixel up-left and a pixel down-right (its edges
-    mirrored in)."""
-    if augmentation == "none":
-        return model(x)
-    flipped = (model(x).float() + model(x.flip(-1)).float()) / 2
-    if augmentation == "flip":
-        return flipped
-    h, w = x.shape[-2:]
-    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
-    shifted = [logits(model, padded[..., :h, :w], "flip"), logits(model, padded[..., 2:, 2:], "flip")]
-    return (flipped + (shifted[0] + shifted[1]) / 2) / 2
 
 
 def multilabel_scored(
@@ -279,12 +265,12 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
         from job import diagnostics
 
         stats = (p.mean.flatten().cpu(), p.std.flatten().cpu()) if p.mean is not None else (None, None)
-        scored = diagnostics.per_sample(p.model, loader, contextlib.nullcontext, stats)
+        scored = diagnostics.per_sample(p.served(), loader, contextlib.nullcontext, stats)
         diagnostics.write(lambda name, data: put_file(f"{report.rstrip('/')}/{split}/{name}", data), scored, split,
                           p.classes)  # fmt: skip
         loss_sum, correct, counted = scored.totals()
     else:
-        loss_sum, correct, counted = test_sums(p.model, loader, contextlib.nullcontext).tolist()  # fp32
+        loss_sum, correct, counted = test_sums(p.served(), loader, contextlib.nullcontext).tolist()  # fp32
     return {
         "model": model_url,
         "data": data_path,

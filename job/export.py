@@ -58,7 +58,9 @@ def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str]
     # A model.json of an earlier version has no exact recipe (input_size, held) to follow: its check is the job's.
     exact = "input_size" in card["preprocessing"]
     theirs = torch.from_numpy(np.stack([recipe_input(card["preprocessing"], data) for data in files])) if exact else x
-    model = p.model if p.thresholds is None else WithSigmoid(p.model)  # multi-label: probabilities out
+    # Multi-label: probabilities out; else the logits over the temperature, as predict's softmax takes them (the
+    # test-time views are predict's alone: an export is one pass).
+    model = p.served(views=False) if p.thresholds is None else WithSigmoid(p.model).eval()
     with torch.no_grad():
         want = model(x).float()
     bound = TOLERANCE * max(1.0, float(want.abs().max()))
@@ -67,6 +69,8 @@ def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str]
         "labels": json.dumps(card["classes"], ensure_ascii=False),
         "preprocessing": json.dumps(card["preprocessing"]),
     }
+    if p.temperature != 1.0:  # inside the graph already; said for a reader of the file
+        meta["temperature"] = json.dumps(p.temperature)
     if p.thresholds is not None:
         meta |= {"task": json.dumps("multilabel"), "thresholds": json.dumps(card["thresholds"], ensure_ascii=False)}
     with tempfile.TemporaryDirectory() as tmp:

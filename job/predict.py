@@ -88,7 +88,10 @@ def predict(
     seconds = time.perf_counter() - t0
     rate = done / max(seconds, 1e-9)
     said = f"{done} image{'s' if done != 1 else ''} labelled"
-    log(f"predict: {said}, {failed} could not be read, in {seconds:.1f} s ({rate:.0f} images/s)")
+    served = [f"the run's test-time views ({p.augmentation})"] if p.augmentation != "none" else []
+    served += [f"its temperature {p.temperature:.3g}"] if p.temperature != 1.0 and p.thresholds is None else []
+    how = f"; scored with {' and '.join(served)}" if served else ""  # as the run's evaluations scored its test split
+    log(f"predict: {said}, {failed} could not be read, in {seconds:.1f} s ({rate:.0f} images/s){how}")
     if done == 0 and failed:
         raise DataError(f"no input could be read ({failed} tried): see the error column")
     return {"labelled": done, "errors": failed}

@@ -305,17 +305,19 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     return loop.attempt.over(loop.budget) if loop.budget is not None else ""
 
 
-def model_json(loop: Loop, metrics: dict) -> dict:
+def model_json(loop: Loop, metrics: dict, temperature: float | None = None) -> dict:
     r = loop.r
     card = bundle.describe(loop.cfg, r.classes, r.input_shape, r.feed.stats_cpu(), r.feed.features, metrics)
+    if temperature is not None:  # the logits divided by it before the softmax: calibrated probabilities
+        card["temperature"] = temperature
     if r.multilabel:  # a class is in an image's label set where its probability is above its threshold
         card |= bundle.multilabel_entry(r.classes, loop.chooser.thresholds)
     return card
 
 
-def write_results(loop: Loop, final: dict) -> None:
+def write_results(loop: Loop, final: dict, temperature: float | None) -> None:
     loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.evaluated))
-    described = json.dumps(model_json(loop, final), indent=1, ensure_ascii=False)
+    described = json.dumps(model_json(loop, final, temperature), indent=1, ensure_ascii=False)
     loop.run_dir.write(bundle.MODEL_JSON, described.encode())
     loop.report.close(final, loop.attempt.settle())
     loop.attempt.end(0, metrics=final)
@@ -328,7 +330,8 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     run_dir, state, report, stop, on = loop.run_dir, loop.state, loop.report, loop.stop, loop.r.evaluated_on
     last = next((r for r in reversed(report.records) if "train_loss" in r), resumed)
     tested = final_test(loop)
-    write_reports(loop)
+    calibration = write_reports(loop)
+    temperature = calibration.pop("temperature", None)
     metric = loop.chooser.metric_key
     final = {
         f"best_{metric}": state.best_accuracy,
@@ -336,7 +339,8 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         f"final_{metric}": last.get(f"{on}_{metric}"),
         f"final_{on}_loss": last.get(f"{on}_loss"),
     } | {k: v for k, v in tested.items() if k.startswith(("test_", "final_test_"))}
-    distributed.on_writer(lambda: write_results(loop, final))
+    final |= calibration  # each split's expected calibration error, before and after the temperature
+    distributed.on_writer(lambda: write_results(loop, final, temperature))
     if not distributed.is_writer():  # rank 0 has written the results and uploads them
         return {"rank": distributed.rank(), "epochs": state.epoch, "steps": state.step}
     if run_dir.remote:
@@ -361,6 +365,12 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         say(f"{reason} came as the run was ending: it finished, there is nothing to continue")
     for line in chosen_lines(loop.chooser, loop.r.classes, state.best_epoch):
         say(line)  # before the last line, which says where the outputs are
+    if temperature is not None and "val_ece" in final:
+        split = "test" if "test_ece" in final else "val"
+        say(
+            f"calibrated on val: temperature {temperature:.3g} (model.json); {split} expected calibration error "
+            f"{final[f'{split}_ece']:.4f} -> {final[f'{split}_ece_calibrated']:.4f} (report/{split}/reliability.png)"
+        )
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; "
         f"{outcome(on, final, state, metric)}; "

@@ -355,3 +355,18 @@ def erase(x: torch.Tensor, d: PolicyDraws | None) -> torch.Tensor:
     inside_rows = (rows >= b[:, :1]) & (rows < b[:, 2:3])
     inside_cols = (cols >= b[:, 1:2]) & (cols < b[:, 3:4])
     return x.masked_fill(inside_rows[:, None, :, None] & inside_cols[:, None, None, :], 0.0)
+
+
+def viewed_logits(model, x: torch.Tensor, augmentation: str = "none") -> torch.Tensor:
+    """The model's logits for images x; with flip, the mean over each image and its mirror image; with flip_shift,
+    half that and half the same mean for the image shifted a pixel up-left and a pixel down-right (its edges
+    mirrored in)."""
+    if augmentation == "none":
+        return model(x)
+    flipped = (model(x).float() + model(x.flip(-1)).float()) / 2
+    if augmentation == "flip":
+        return flipped
+    h, w = x.shape[-2:]
+    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    shifted = [viewed_logits(model, padded[..., :h, :w], "flip"), viewed_logits(model, padded[..., 2:, 2:], "flip")]
+    return (flipped + (shifted[0] + shifted[1]) / 2) / 2
