@@ -45,7 +45,7 @@ import torch
 from job import checkpoint
 from job.cloud import describe_storage_error, filesystem
 from job.config import read_yaml, validate
-from job.data.augment import to_float
+from job.data.augment import to_float, viewed_logits
 from job.data.preprocess import Preprocess
 from job.errors import CheckpointError, StorageError
 from job.models import build_model
@@ -143,6 +143,13 @@ def describe(cfg, classes: list[str], input_shape: tuple[int, ...], feed_stats, 
     return entry
 
 
+def multilabel_entry(classes: list[str], thresholds: list[float] | None) -> dict:
+    """model.json's multi-label part: the task, and each class's threshold (by class name; 0.5 before any
+    evaluation has chosen them)."""
+    chosen = thresholds if thresholds is not None else [0.5] * len(classes)
+    return {"task": "multilabel", "thresholds": {c: float(t) for c, t in zip(classes, chosen)}}
+
+
 @dataclass
 class Predictor:
     """A trained model and what makes its inputs."""
@@ -155,17 +162,45 @@ class Predictor:
     std: torch.Tensor | None
     device: torch.device
     features: dict | None = None  # a table's model: its feature columns and scaler (model.json's)
+    thresholds: list[float] | None = None  # multi-label: each class's, in class order (sigmoids, not a softmax)
+    temperature: float = 1.0  # model.json's: the logits divided by it before the softmax (job/calibrate.py)
+    augmentation: str = "none"  # the run's train.test_time_augmentation: the views its evaluations averaged
+
+    def served(self, views: bool = True) -> torch.nn.Module:
+        """The model as predict serves it: the logits of the run's test-time views (`views`), over the temperature."""
+        return Served(self.model, self.augmentation if views else "none", self.temperature).eval()
 
     @torch.no_grad()
     def table_probabilities(self, x: torch.Tensor) -> torch.Tensor:
         """Rows of raw feature values, in the model's column order, scaled as in training."""
         low, span = torch.tensor(self.features["min"]), torch.tensor(self.features["span"])
-        return torch.softmax(self.model(((x - low) / span).to(self.device)).float(), dim=1).cpu()
+        return self.activated(self.served()(((x - low) / span).to(self.device)).float()).cpu()
 
     @torch.no_grad()
     def probabilities(self, images: torch.Tensor) -> torch.Tensor:
         x = to_float(images.to(self.device), torch.contiguous_format, self.mean, self.std, self.view)
-        return torch.softmax(self.model(x).float(), dim=1).cpu()
+        return self.activated(self.served()(x).float()).cpu()
+
+    def activated(self, logits: torch.Tensor) -> torch.Tensor:
+        """Probabilities of served logits: each class's sigmoid (multi-label), else the softmax over the classes."""
+        return torch.sigmoid(logits) if self.thresholds is not None else torch.softmax(logits, dim=1)
+
+    def label_set(self, probs: torch.Tensor) -> list[str]:
+        """A multi-label image's classes: those whose probability is above their threshold."""
+        return [c for c, v, t in zip(self.classes, probs.tolist(), self.thresholds) if v > t]
+
+
+class Served(torch.nn.Module):
+    """A model's logits as a run serves them: averaged over its test-time views, divided by its temperature (1: as
+    they are; job/calibrate.py fits it on val)."""
+
+    def __init__(self, model: torch.nn.Module, augmentation: str = "none", temperature: float = 1.0) -> None:
+        super().__init__()
+        self.model, self.augmentation, self.temperature = model, augmentation, temperature
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = viewed_logits(self.model, x, self.augmentation)
+        return out if self.temperature == 1.0 else out / self.temperature
 
 
 def load_predictor(url: str, device: torch.device) -> Predictor:
@@ -178,23 +213,36 @@ def load_predictor(url: str, device: torch.device) -> Predictor:
     shape = tuple(card["input_shape"])
     if pre is None:  # a table's model: its features' columns and scaler instead
         model = build_model(cfg.model, shape, len(card["classes"]))
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(checkpoint.evaluated_weights(payload))
         model.to(device).eval()
-        return Predictor(model, list(card["classes"]), Preprocess(), None, None, None, device, card["features"])
+        return Predictor(
+            model, list(card["classes"]), Preprocess(), None, None, None, device, card["features"], thresholds_of(card),
+            float(card.get("temperature", 1.0)),
+        )  # fmt: skip
     # A run that fixed no size held its images as they were (one size): every image is brought to that size here,
     # so that a photo of another size is labelled, not refused in the model or with its whole batch.
     held = Preprocess.of(cfg.data, shape)
     _, view = model_input(cfg, (3, *held.size), True)
     model = build_model(cfg.model, shape, len(card["classes"]))
     try:
-        model.load_state_dict(payload["model"])
+        model.load_state_dict(checkpoint.evaluated_weights(payload))
     except RuntimeError as e:
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
     model.to(device).eval()
     stats = [
         None if pre["mean"] is None else torch.tensor(pre[k]).view(1, -1, 1, 1).to(device) for k in ("mean", "std")
     ]
-    return Predictor(model, list(card["classes"]), held, view, *stats, device)
+    calibrated = {"temperature": float(card.get("temperature", 1.0)), "augmentation": cfg.train.test_time_augmentation}
+    return Predictor(
+        model, list(card["classes"]), held, view, *stats, device, thresholds=thresholds_of(card), **calibrated
+    )
+
+
+def thresholds_of(card: dict) -> list[float] | None:
+    """A multi-label model.json's thresholds in class order; None for one class an input."""
+    if card.get("task") != "multilabel":
+        return None
+    return [float(card["thresholds"][c]) for c in card["classes"]]
 
 
 def model_files(url: str) -> tuple[dict, dict, dict]:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 BINS = 15  # the usual count for the expected calibration error (Guo et al., torchmetrics' default)
 FIT_STEPS = 50
+LOWEST, HIGHEST = 0.05, 20.0  # the temperatures a fit may reach: beyond them a val split says nothing more
 
 
 def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -34,7 +35,10 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
     opt.step(nll)
     t = float(log_t.detach().exp())
-    return t if math.isfinite(t) and t > 0 else 1.0
+    if math.isfinite(t):
+        return min(max(t, LOWEST), HIGHEST)
+    # A val split the model separates perfectly has no finite best (sharper is always likelier): the bound it ran to.
+    return min((LOWEST, 1.0, HIGHEST), key=lambda c: float(F.cross_entropy(logits / c, labels)))
 
 
 def confidence_bins(
@@ -62,22 +66,28 @@ def expected_calibration_error(probabilities: torch.Tensor, labels: torch.Tensor
 
 
 def reliability_png(logits: torch.Tensor, labels: torch.Tensor, temperature: float, split: str) -> bytes:
-    """Accuracy against confidence per bin, before and after the temperature, with each one's ECE in its title."""
-    from matplotlib.figure import Figure  # without pyplot: no global backend switched
+    """Accuracy against confidence per bin, before and after the temperature, each panel titled with its ECE. Drawn
+    with Pillow: a few milliseconds, where a matplotlib figure costs a quarter of a second at the end of every run."""
+    from PIL import Image, ImageDraw
 
-    fig = Figure(figsize=(9, 4.2))
-    width = 1 / BINS
-    for ax, t, name in zip(fig.subplots(1, 2), (1.0, temperature), ("before", "after")):
+    side, margin, top = 240, 36, 30
+    img = Image.new("RGB", (2 * (side + 2 * margin), side + top + margin + 10), "white")
+    draw = ImageDraw.Draw(img)
+    for panel, (t, name) in enumerate(((1.0, "before"), (temperature, "after"))):
+        x0, y0 = panel * (side + 2 * margin) + margin, top
         p = torch.softmax(logits.double() / t, 1)
-        binned = confidence_bins(p, labels)
-        centres = [(b + 0.5) * width for b in range(BINS)]
-        ax.bar(centres, [acc for _, _, acc in binned], width=width, edgecolor="black", label="accuracy")
-        ax.plot([0, 1], [0, 1], "--", color="grey", label="perfectly calibrated")
-        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (top probability)", ylabel="accuracy")
         ece = expected_calibration_error(p, labels)
-        ax.set_title(f"{split}, {name} (T = {t:.3g}): ECE {ece:.4f}", fontsize=9)
-        ax.legend(loc="upper left", fontsize=7)
-    fig.tight_layout()
+        draw.text((x0, 6), f"{split}, {name} (T = {t:.3g}): ECE {ece:.4f}", fill="black")
+        for b, (n, _, acc) in enumerate(confidence_bins(p, labels)):
+            if n:
+                left, right = x0 + b * side / BINS, x0 + (b + 1) * side / BINS
+                draw.rectangle((left, y0 + side * (1 - acc), right, y0 + side), fill=(66, 133, 244), outline="black")
+        draw.line((x0, y0 + side, x0 + side, y0), fill=(128, 128, 128), width=1)  # perfectly calibrated
+        draw.rectangle((x0, y0, x0 + side, y0 + side), outline="black")
+        draw.text((x0, y0 + side + 4), "0", fill="black")
+        draw.text((x0 + side - 6, y0 + side + 4), "1", fill="black")
+        draw.text((x0 + side / 2 - 40, y0 + side + 4), "confidence", fill="black")
+        draw.text((x0 - margin + 2, y0), "acc.", fill="black")
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    img.save(buf, format="PNG")
     return buf.getvalue()

@@ -45,10 +45,17 @@ def order(name: str) -> tuple[int, int]:
 
 
 def snapshot(
-    model, optimizer, scheduler, scaler, progress: dict[str, Any], config: dict[str, Any], lookahead=None
+    model,
+    optimizer,
+    scheduler,
+    scaler,
+    progress: dict[str, Any],
+    config: dict[str, Any],
+    lookahead=None,
+    ema=None,
 ) -> dict:
     """Everything needed to continue the run exactly: weights, optimizer, schedule, scaler, lookahead's slow weights,
-    RNGs, position."""
+    the EMA's average, RNGs, position."""
     return {
         "format": FORMAT,
         "model": model.state_dict(),
@@ -56,6 +63,7 @@ def snapshot(
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
         **({"lookahead": lookahead.state_dict()} if lookahead is not None else {}),
+        **({"ema": ema.state_dict()} if ema is not None else {}),
         "rng": rng_state(),
         "progress": progress,
         "config": config,
@@ -65,6 +73,12 @@ def snapshot(
 def weights_bytes(model) -> bytes:
     """The model's weights alone, on the host, as model.pt holds them."""
     return to_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()})
+
+
+def evaluated_weights(payload: dict) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint's run evaluates and saves to model.pt: train.ema's average when it kept one, else the
+    model's (model.pt's payload holds these alone, under "model")."""
+    return payload["ema"]["module"] if payload.get("ema") else payload["model"]
 
 
 def to_bytes(obj: Any) -> bytes:
@@ -307,7 +321,7 @@ def load_url(url: str, weights: bool = False) -> tuple[dict, dict | None]:
 HOW_KEYS = ("fused", "foreach", "capturable")
 
 
-def restore(payload: dict, model, optimizer, scheduler, scaler, lookahead=None) -> None:
+def restore(payload: dict, model, optimizer, scheduler, scaler, lookahead=None, ema=None) -> None:
     """Put a checkpoint's state back into freshly built objects, RNGs included."""
     try:
         model.load_state_dict(payload["model"])
@@ -323,6 +337,10 @@ def restore(payload: dict, model, optimizer, scheduler, scaler, lookahead=None) 
             scaler.load_state_dict(payload["scaler"])
         if lookahead is not None and payload.get("lookahead") is not None:
             lookahead.load_state_dict(payload["lookahead"])
+        if ema is not None:
+            if payload.get("ema") is None:
+                raise ValueError("it holds no train.ema average; resume with train.ema=0, as it was taken")
+            ema.load_state_dict(payload["ema"])
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint does not fit this model or optimizer: {one_line(e)}") from None
     set_rng_state(payload["rng"])

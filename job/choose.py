@@ -28,7 +28,7 @@ class Chooser:
     test). A model that predicts one class for every sample is never chosen over one that tells classes apart,
     whatever their accuracies (always saying the largest class can score the higher)."""
 
-    def __init__(self, t: TrainConfig, on: str) -> None:
+    def __init__(self, t: TrainConfig, on: str, multilabel: bool = False) -> None:
         if t.early_stopping_patience and on != "val":
             raise ConfigError(
                 "train.early_stopping_patience: stops on the val split's accuracy, and this data has none; hold some "
@@ -39,14 +39,30 @@ class Chooser:
         self.best_confusion: torch.Tensor | None = None  # the best evaluation's
         self.latest_confusion: torch.Tensor | None = None
         self.test_confusion: torch.Tensor | None = None  # the chosen model's on test, at the end
+        self.multilabel = multilabel  # chooses on mAP (state.best_accuracy holds it), not accuracy
+        self.thresholds: list[float] | None = None  # multi-label: the best evaluation's, each class's best F1 there
 
-    def judge(self, state, accuracy: float, loss: float, model: torch.nn.Module, confusion: torch.Tensor) -> str:
-        """Record an evaluation (its accuracy, loss and confusion matrix) in the run's state (best_accuracy,
+    @property
+    def metric_key(self) -> str:
+        """What the run chooses on, as metrics.jsonl names it after the split: map (multi-label) or accuracy."""
+        return "map" if self.multilabel else "accuracy"
+
+    def judge(
+        self,
+        state,
+        accuracy: float,
+        loss: float,
+        model: torch.nn.Module,
+        confusion: torch.Tensor | None,
+        thresholds: list[float] | None = None,
+    ) -> str:
+        """Record an evaluation (its accuracy, or multi-label its mAP with its thresholds, loss and confusion matrix,
+        None for multi-label) in the run's state (best_accuracy,
         best_loss, best_epoch, best_one_class, evals_since_best); the reason to stop early, or ''. A tie in accuracy
         (a small val split is often right on every sample from the first epochs on) goes to the lower loss, unless
         early_stopping_min_delta asks for a gain; early stopping counts the evaluations since the accuracy improved."""
         self.latest_confusion = confusion
-        one = scores.one_class(confusion) is not None
+        one = confusion is not None and scores.one_class(confusion) is not None
         better = accuracy > state.best_accuracy + (self.min_delta if state.best_epoch else 0.0)
         # min_delta asks that only a gain of that much counts: no tie then
         tie = (
@@ -56,7 +72,7 @@ class Chooser:
             better, tie = not one, False  # telling classes apart beats any accuracy of saying one class
         if better or tie:
             state.best_accuracy, state.best_loss, state.best_epoch = accuracy, loss, state.epoch
-            state.best_one_class, self.best_confusion = one, confusion
+            state.best_one_class, self.best_confusion, self.thresholds = one, confusion, thresholds
             if self.on == "val":
                 self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         if better:
@@ -65,8 +81,9 @@ class Chooser:
         state.evals_since_best += 1
         if self.patience and state.evals_since_best >= self.patience:
             gain = f" by more than {self.min_delta:g}" if self.min_delta else ""
+            said = "mAP" if self.multilabel else "accuracy"
             return (
-                f"early stopping: val accuracy has not improved{gain} in {state.evals_since_best} evaluations "
+                f"early stopping: val {said} has not improved{gain} in {state.evals_since_best} evaluations "
                 f"(best {state.best_accuracy:.4f} at epoch {state.best_epoch})"
             )
         return ""
@@ -75,6 +92,7 @@ class Chooser:
         """What a checkpoint holds of the choice: the best and the latest evaluations' confusion matrices, and the
         best weights while the model has moved past them."""
         kept = {"best_confusion": self.best_confusion, "latest_confusion": self.latest_confusion}
+        kept |= {"best_thresholds": self.thresholds}
         out = {k: v for k, v in kept.items() if v is not None}
         if self.on != "val" or self.weights is None or is_best(state):
             return out
@@ -84,6 +102,7 @@ class Chooser:
         """The best weights from the checkpoint a run continues from: its own copy, or the model's where the
         checkpoint was taken at the best evaluation."""
         self.best_confusion, self.latest_confusion = payload.get("best_confusion"), payload.get("latest_confusion")
+        self.thresholds = payload.get("best_thresholds")
         if self.on != "val":
             return
         best, progress = payload.get("best_model"), payload.get("progress", {})
@@ -113,12 +132,14 @@ class Chooser:
         return scores.one_class(self.best_confusion)
 
 
-def outcome(on: str, final: dict, state: Progress) -> str:
-    """The run's result in words: what it chose on, and what the test split says of the choice."""
-    best = f"best {on} accuracy {state.best_accuracy:.4f} (epoch {state.best_epoch})"
+def outcome(on: str, final: dict, state: Progress, metric: str = "accuracy") -> str:
+    """The run's result in words: what it chose on (`metric`: accuracy, or map), and what the test split says of
+    the choice."""
+    said = "mAP" if metric == "map" else metric
+    best = f"best {on} {said} {state.best_accuracy:.4f} (epoch {state.best_epoch})"
     if on == "test":  # no val split: the test split is all there is, and the best epoch was picked on it
-        return f"{best}, final {final['final_accuracy']:.4f} (no val split: evaluations report the test split)"
-    tested = f"; test accuracy {final['test_accuracy']:.4f}" if "test_accuracy" in final else ""
+        return f"{best}, final {final[f'final_{metric}']:.4f} (no val split: evaluations report the test split)"
+    tested = f"; test {said} {final[f'test_{metric}']:.4f}" if f"test_{metric}" in final else ""
     return f"{best}, its weights in model.pt{tested}"
 
 

@@ -280,9 +280,10 @@ def evaluate(
         else:
             where = f": epoch {result['epoch']}, step {result['step']}" if result["epoch"] is not None else ""
             s = result["split"]
+            metric = "map" if f"{s}_map" in result else "accuracy"  # multi-label: mean average precision
             print(
                 f"{result['checkpoint']}{where}: {s}_loss {result[f'{s}_loss']:.4f}  "
-                f"{s}_accuracy {result[f'{s}_accuracy']:.4f} ({result['samples']} {s} samples)"
+                f"{s}_{metric} {result[f'{s}_{metric}']:.4f} ({result['samples']} {s} samples)"
             )
 
 

@@ -108,6 +108,19 @@ class DataConfig(Section):
     split_column: str = Field(
         "split", description="manifest: the column of splits (train, val, test), when the file has one."
     )
+    label_separator: str | None = Field(
+        None,
+        min_length=1,
+        description="manifest: the labels of a multi-label image in one cell, split at this text (e.g. '|': "
+        "dog|person); an empty cell is an image with none. Without it, a JSON list (a JSONL value, or a CSV cell "
+        '\'["dog", "person"]\') holds them.',
+    )
+    task: Literal["auto", "multiclass", "multilabel"] = Field(
+        "auto",
+        description="multiclass: one class an image (softmax); multilabel: any number of classes an image, none "
+        "included (sigmoids, BCE, thresholds chosen on val). auto: multilabel when the labels are lists (a JSON "
+        "list, data.label_separator, 0/1 columns or a parquet Sequence(ClassLabel)), else multiclass.",
+    )
     image_size: int | None = Field(
         None,
         gt=0,
@@ -149,6 +162,16 @@ class DataConfig(Section):
         False,
         description="Images: flip horizontally with probability 0.5; alternate: flip each image at random in the first "
         "epoch and the other way in each epoch after, so that every image is seen both ways every two epochs.",
+    )
+    augment: list[Literal["trivial_augment", "rand_augment", "random_erasing"]] = Field(
+        [],
+        description="Images, per training image, on the batch (torchvision.transforms.v2's operations and "
+        "magnitudes, drawn from the run's seed): trivial_augment (TrivialAugmentWide: one operation at a random "
+        "magnitude) or rand_augment (RandAugment: two operations at magnitude 9 of 31), after crops and flips; "
+        "random_erasing: a random box of the normalised image set to 0, with data.erasing_probability.",
+    )
+    erasing_probability: float = Field(
+        0.25, gt=0, le=1, description="data.augment random_erasing: the share of training images erased."
     )
     download: bool = Field(False, description="cifar10: download with torchvision when the local path is empty.")
     cache: bool = Field(
@@ -202,6 +225,13 @@ class DataConfig(Section):
             top = " <= 1" if info.field_name == "crop_scale" else ""
             raise ValueError(f"expected [low, high] with 0 < low <= high{top}")
         return v
+
+    @field_validator("augment")
+    @classmethod
+    def _augment(cls, v: list[str]) -> list[str]:
+        if "trivial_augment" in v and "rand_augment" in v:
+            raise ValueError("trivial_augment and rand_augment are two policies of the same operations: choose one")
+        return list(dict.fromkeys(v))
 
     @field_validator("workers", mode="before")
     @classmethod
@@ -294,6 +324,20 @@ class OptimConfig(Section):
         description="The learning rate of normalisation layers' parameters (batch, layer, group norm) times this; "
         "their weight decay per step stays that of the others.",
     )
+    warmup: float | str = Field(
+        0.0,
+        description="Warm-up before the schedule: the rate rises linearly from lr / n to lr over the first n "
+        "optimizer steps, then optim.schedule runs over the steps left. Epochs (a number: 2, 0.5), or optimizer steps "
+        "('500 steps'); 0: none. optim.schedule onecycle warms up itself.",
+    )
+    layer_decay: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Per-layer rates (1: off): the class layer trains at lr, and each block below it at layer_decay "
+        "times the rate of the block above (blocks: the model's modules two names deep, e.g. layer3.1, in order), so "
+        "the pretrained early layers move least.",
+    )
     lookahead_every: int = Field(
         0,
         ge=0,
@@ -301,6 +345,33 @@ class OptimConfig(Section):
         "toward a slow average of themselves and go on from it; the average keeps 0.95^k of itself at most, rising "
         "with the cube of the run's progress (the speed-record recipe's), and the run ends on the average.",
     )
+
+    @field_validator("warmup", mode="before")
+    @classmethod
+    def _warmup(cls, v: Any) -> Any:
+        parse_warmup(v)  # refused here, with the key's name; read where the schedule is made
+        return v
+
+
+def parse_warmup(v: Any) -> tuple[float, str]:
+    """optim.warmup as (amount, unit): a number of epochs, or 'N steps' / 'N epochs'; ValueError otherwise."""
+    hint = "expected epochs (a number >= 0) or optimizer steps such as '500 steps'"
+    if isinstance(v, bool):
+        raise ValueError(hint)
+    if isinstance(v, (int, float)):
+        amount, unit = float(v), "epochs"
+    elif isinstance(v, str) and len(words := v.split()) == 2 and words[1] in ("steps", "step", "epochs", "epoch"):
+        try:
+            amount, unit = float(words[0]), words[1].rstrip("s") + "s"
+        except ValueError:
+            raise ValueError(hint) from None
+        if unit == "steps" and not amount.is_integer():
+            raise ValueError(hint)
+    else:
+        raise ValueError(hint)
+    if not 0 <= amount < float("inf"):
+        raise ValueError(hint)
+    return amount, unit
 
 
 class TrainConfig(Section):
@@ -331,6 +402,46 @@ class TrainConfig(Section):
     )
     label_smoothing: float = Field(
         0.0, ge=0, lt=1, description="Training loss: cross-entropy against targets smoothed by this share."
+    )
+    mixup: float = Field(
+        0.0,
+        ge=0,
+        description="MixUp (0: off): each training batch blended with itself reversed, by a share drawn from "
+        "Beta(mixup, mixup) (0.2 to 0.8 are usual), the targets blended alike (timm's Mixup, batch mode).",
+    )
+    cutmix: float = Field(
+        0.0,
+        ge=0,
+        description="CutMix (0: off): a box of the reversed batch pasted into each training image, its area drawn from "
+        "Beta(cutmix, cutmix) (1.0 is usual), the targets weighed by area.",
+    )
+    mix_probability: float = Field(
+        1.0, ge=0, le=1, description="train.mixup / train.cutmix: the share of training batches mixed."
+    )
+    mix_switch: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="With both train.mixup and train.cutmix: the share of mixed batches cut, not blended.",
+    )
+    finetune_stages: int = Field(
+        0,
+        ge=0,
+        description="Two-stage fine-tuning (0: off): for this many epochs only the class layer learns (the rest at a "
+        "rate of 0), then the whole model, at per-layer rates with optim.layer_decay.",
+    )
+    ema: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Exponential moving average of the weights (0: off; 0.999, 0.9999: its decay per optimizer step): "
+        "after each optimizer step the average moves toward the model by 1 - decay; the averaged weights are the ones "
+        "evaluated, chosen, saved to model.pt, predicted with and exported, and checkpoints keep them.",
+    )
+    ema_warmup: bool = Field(
+        True,
+        description="train.ema: the decay rises as timm's ModelEmaV3 warmup has it, 1 - (1 + n)^(-2/3) after n "
+        "updates, up to train.ema, so the average forgets the random start; false: train.ema from the first update.",
     )
     test_time_augmentation: Literal["none", "flip", "flip_shift"] = Field(
         "none",
@@ -366,7 +477,8 @@ class TrainConfig(Section):
     class_weights: Literal["none", "balanced"] = Field(
         "none",
         description="balanced: weigh each class's training loss by n_samples / (n_classes x its samples), as "
-        "scikit-learn's and Keras's 'balanced', so a class with few images is not ignored.",
+        "scikit-learn's and Keras's 'balanced', so a class with few images is not ignored; multi-label: each "
+        "class's positives by its negatives / positives (BCEWithLogitsLoss's pos_weight).",
     )
     grace_seconds: float = Field(
         20.0,
@@ -401,6 +513,13 @@ class TrainConfig(Section):
         "checkpoint interval took: the checkpoint is committed, exit 0; the same command with a larger budget "
         "continues it.",
     )
+
+    @field_validator("finetune_stages")
+    @classmethod
+    def _stages(cls, v: int, info: ValidationInfo) -> int:
+        if v and v >= info.data.get("epochs", v + 1):
+            raise ValueError("expected fewer epochs than train.epochs: the whole model trains after them")
+        return v
 
     @field_validator("channels_last", "step_capture", mode="before")
     @classmethod

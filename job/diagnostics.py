@@ -26,25 +26,64 @@ import torch
 import torch.nn.functional as F
 
 from job import scores
+from job.data.augment import viewed_logits
 from job.data.batches import IGNORED
 
 WORST = 36  # samples in worst.csv and worst.png
 SHOWN = 30  # classes drawn in confusion.png at most: the most confused ones
 
 
-def write_splits(r, put: Callable[[str, str, bytes], None], group: tuple[int, int] = (0, 1), gather=None) -> None:
+def write_splits(
+    r,
+    put: Callable[[str, str, bytes], None],
+    group: tuple[int, int] = (0, 1),
+    gather=None,
+    thresholds: list[float] | None = None,
+    augmentation: str = "none",
+) -> dict[str, float] | None:
     """Each held-out split's report files of the recipe's model through `put(split, name, bytes)`. In a group of
     processes (`group`: rank, world) each scores its part of the split and `gather` brings the parts to the writer
     (a list by rank there, None elsewhere; without it, this process is alone). TensorBoard's confusion images are
-    drawn at each evaluation instead (confusion_picture)."""
+    drawn at each evaluation instead (confusion_picture). Multi-label: classes.csv and pr_curves.png
+    (write_multilabel), at `thresholds`. One class an image: scored with the run's test-time views
+    (`augmentation`), a temperature fitted on val (job/calibrate.py) and each split's calibration before and after
+    it (reliability.png); returns, on the writer, the temperature and the expected calibration errors (calibrated())."""
     rank, world = group
     stats = r.feed.stats_cpu() if r.feed.is_image else None
+    passes: dict[str, Passed] = {}
     for split in r.held_out:
         loader = r.feed.test(r.feed.batch_size, rank, world, split)
-        part = per_sample(r.model, loader, r.amp, stats)
+        if r.multilabel:
+            part = multilabel_part(r.evaluated, loader, r.amp, len(r.classes))
+            write_multilabel(lambda name, data, split=split: put(split, name, data), part, r.classes, split, thresholds)
+            continue
+        part = per_sample(r.evaluated, loader, r.amp, stats, augmentation)
         parts = gather(part) if gather is not None else [part]
         if parts is not None:
-            write(lambda name, data, split=split: put(split, name, data), merged(parts), split, r.classes)
+            passes[split] = merged(parts)
+            write(lambda name, data, split=split: put(split, name, data), passes[split], split, r.classes)
+    return calibrated(passes, put) if passes else None
+
+
+def calibrated(passes: dict[str, Passed], put: Callable[[str, str, bytes], None]) -> dict[str, float]:
+    """The temperature fitted on val's logits (1 without a val split), and each split's expected calibration error
+    before and after it, with its reliability diagram."""
+    from job import calibrate
+
+    def counted(s: Passed) -> tuple[torch.Tensor, torch.Tensor]:
+        keep = s.labels != IGNORED
+        return s.logits[keep], s.labels[keep]
+
+    t = calibrate.fit_temperature(*counted(passes["val"])) if "val" in passes else 1.0
+    out = {"temperature": t}
+    for split, s in passes.items():
+        logits, labels = counted(s)
+        if not len(labels):
+            continue
+        out[f"{split}_ece"] = calibrate.expected_calibration_error(torch.softmax(logits, 1), labels)
+        out[f"{split}_ece_calibrated"] = calibrate.expected_calibration_error(torch.softmax(logits / t, 1), labels)
+        put(split, "reliability.png", calibrate.reliability_png(logits, labels, t, split))
+    return out
 
 
 @dataclass
@@ -57,6 +96,7 @@ class Passed:
     predicted: torch.Tensor
     probability: torch.Tensor
     labels: torch.Tensor
+    logits: torch.Tensor  # every sample's, float32: what the temperature is fitted to (a few MB for 10,000 x 100)
     names: list[str]
     worst: torch.Tensor  # places of the WORST highest losses among the counted samples, highest first
     pictures: torch.Tensor | None  # the inputs at those places (None: a table, or no sample counted)
@@ -70,19 +110,20 @@ class Passed:
 
 
 @torch.no_grad()
-def per_sample(model, loader, amp, stats=None) -> Passed:
-    """A loader's samples through the model (padding left out). The inputs of the highest losses so far are kept on
-    the device as the pass goes (a top-k over those and each batch), so memory holds WORST inputs, not the split.
-    `stats`: the inputs' (mean, std) per channel, to draw them (None: a table; (None, None): not normalised)."""
+def per_sample(model, loader, amp, stats=None, augmentation: str = "none") -> Passed:
+    """A loader's samples through the model (padding left out), with the run's test-time views (`augmentation`, as
+    its evaluations score them). The inputs of the highest losses so far are kept on the device as the pass goes (a
+    top-k over those and each batch), so memory holds WORST inputs, not the split. `stats`: the inputs' (mean, std)
+    per channel, to draw them (None: a table; (None, None): not normalised)."""
     model.eval()
-    losses, predicted, probability, labels, names = [], [], [], [], []
+    losses, predicted, probability, labels, outs, names = [], [], [], [], [], []
     top_loss = top_at = top_x = None
     seen = 0
     for batch in loader.batches():
         if not batch.own:  # padding: this process's samples have run out
             continue
         with amp():
-            out = model(batch.x).float()
+            out = viewed_logits(model, batch.x, augmentation).float()
         p = torch.softmax(out, 1)
         loss = F.cross_entropy(out, batch.y, reduction="none", ignore_index=IGNORED)
         ranked = loss.masked_fill(batch.y == IGNORED, float("-inf"))  # never counted, never among the worst
@@ -98,6 +139,7 @@ def per_sample(model, loader, amp, stats=None) -> Passed:
         predicted.append(top.indices.cpu())
         probability.append(top.values.cpu())
         labels.append(batch.y.cpu())
+        outs.append(out.cpu())
         names += batch.names if len(batch.names) == len(batch.y) else [str(i) for i in range(seen, seen + len(loss))]
         seen += len(loss)
     model.train()
@@ -105,7 +147,7 @@ def per_sample(model, loader, amp, stats=None) -> Passed:
     worst = top_at[:found].cpu() if found else torch.zeros(0, dtype=torch.long)
     drawn = pixels(top_x[:found], *stats) if top_x is not None and found else None
     held = [torch.cat(t) if t else torch.zeros(0) for t in (losses, predicted, probability, labels)]
-    return Passed(*held, names, worst, drawn)
+    return Passed(*held, torch.cat(outs) if outs else torch.zeros(0, 0), names, worst, drawn)
 
 
 def merged(parts: list[Passed]) -> Passed:
@@ -113,7 +155,8 @@ def merged(parts: list[Passed]) -> Passed:
     if len(parts) == 1:
         return parts[0]
     offsets = torch.tensor([0] + [len(p.losses) for p in parts[:-1]]).cumsum(0).tolist()
-    joined = [torch.cat([getattr(p, f) for p in parts]) for f in ("losses", "predicted", "probability", "labels")]
+    fields = ("losses", "predicted", "probability", "labels", "logits")
+    joined = [torch.cat([getattr(p, f) for p in parts]) for f in fields]
     worst = torch.cat([p.worst + off for p, off in zip(parts, offsets)])
     drawn = [p.pictures for p in parts if p.pictures is not None]
     order = joined[0][worst].argsort(descending=True, stable=True)[:WORST]
@@ -137,6 +180,59 @@ def write(put: Callable[[str, bytes], None], s: Passed, split: str, classes: lis
     if s.pictures is not None and rows:
         put("worst.png", worst_png(s.pictures, rows))
     return confusion
+
+
+def multilabel_part(model, loader, amp, classes: int) -> list:
+    """A multi-label model's (probabilities, targets) on a split, every process's part (on the host), by rank."""
+    from job import distributed
+    from job.evaluate import multilabel_outputs
+
+    _, probs, ys = multilabel_outputs(model, loader, amp, classes)
+    return distributed.gather_objects((probs.cpu().numpy(), ys.cpu().numpy()))
+
+
+def write_multilabel(
+    put: Callable[[str, bytes], None], parts: list, classes: list[str], split: str, thresholds: list[float] | None
+) -> None:
+    """A multi-label split's report from its (probabilities, targets) parts: classes.csv (class, ap, threshold,
+    precision, recall, f1, support: lowest AP first) at `thresholds` (default: the split's best-F1 ones), and
+    pr_curves.png, each class's precision-recall curve. The writer (rank 0) writes."""
+    from job import distributed, multilabel
+
+    if not distributed.is_writer():
+        return
+    y, p = multilabel.joined(parts)
+    s = multilabel.scored(y, p, 0.0, thresholds)
+    rows = sorted(s.table(classes), key=lambda row: (row[1], classes.index(row[0])))
+    cells = [(c, f"{ap:.10f}", f"{t:.6f}", f"{p:.6f}", f"{rc:.6f}", f"{f:.6f}", n) for c, ap, t, p, rc, f, n in rows]
+    put("classes.csv", table(["class", "ap", "threshold", "precision", "recall", "f1", "support"], cells))
+    put("pr_curves.png", pr_curves_png(y, p, classes, s.ap, split))
+
+
+def pr_curves_png(y, p, classes: list[str], ap: list[float], split: str) -> bytes:
+    """Each class's precision-recall curve (of the 20 of lowest AP, among many), its AP in the legend."""
+    from matplotlib.figure import Figure
+
+    from job.multilabel import curves
+
+    shown = sorted(range(len(classes)), key=lambda i: ap[i])[:20]
+    fig = Figure(figsize=(6, 5))
+    ax = fig.add_subplot(1, 1, 1)
+    for i in shown:
+        recall, precision = curves(y[:, i], p[:, i])
+        ax.step(recall, precision, where="post", label=f"{classes[i]} (AP {ap[i]:.3f})")
+    ax.set_xlabel("recall")
+    ax.set_ylabel("precision")
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.02)
+    ax.set_title(
+        f"{split}: precision-recall by class" + (f" (20 lowest AP of {len(classes)})" if len(classes) > 20 else "")
+    )
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
 
 
 def pixels(x: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor | None) -> torch.Tensor:

@@ -15,11 +15,13 @@ from job import checkpoint, distributed, recipe, scores
 from job.attempts import RUN_JSON, attempts_in
 from job.cloud import check_input, filesystem
 from job.config import apply_override, load_config, validate
+from job.data.augment import viewed_logits
 from job.data.batches import IGNORED, Loader
 from job.data.placement import restored
 from job.env import pick_device
 from job.errors import CheckpointError, DataError
 from job.memory import memory_guard
+from job.multilabel import MultiScored
 from job.sync import send
 
 
@@ -36,7 +38,7 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
         if not batch.own:
             continue
         with amp():
-            out = logits(model, batch.x, augmentation)
+            out = viewed_logits(model, batch.x, augmentation)
         predicted, counted = out.argmax(1), batch.y != IGNORED
         sums[0] += F.cross_entropy(out.float(), batch.y, reduction="sum")
         sums[1] += (predicted == batch.y).sum()
@@ -47,6 +49,33 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
             confusion_add(sums[4:], batch.y.clamp(min=0) * classes + predicted, counted)
     model.train()
     return sums
+
+
+@torch.no_grad()
+def multilabel_outputs(
+    model, loader: Loader, amp, classes: int, augmentation: str = "none"
+) -> tuple[torch.Tensor, ...]:
+    """Multi-label: [summed loss, samples counted] over this process's samples of the split, and every sample's class
+    probabilities (sigmoids) and targets, all left on the device: rows are kept whether they count or not (a mask
+    would make the host wait for their number) and the uncounted (targets below 0) are dropped on the host."""
+    model.eval()
+    sums = torch.zeros(2, device=loader.device)
+    probs, ys = [], []
+    for batch in loader.batches():
+        if not batch.own:
+            continue
+        with amp():
+            out = viewed_logits(model, batch.x, augmentation).float()
+        counted = (batch.y >= 0).all(1)
+        losses = F.binary_cross_entropy_with_logits(out, batch.y.clamp(min=0), reduction="none").mean(1)
+        sums[0] += (losses * counted).sum()
+        sums[1] += counted.sum()
+        probs.append(torch.sigmoid(out))
+        ys.append(batch.y)
+    model.train()
+    if not probs:
+        return sums, torch.zeros(0, classes), torch.zeros(0, classes)
+    return sums, torch.cat(probs), torch.cat(ys)
 
 
 def confusion_add(cells: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) -> None:
@@ -60,19 +89,21 @@ def confusion_add(cells: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) 
         cells += torch.bincount(at[counted], minlength=len(cells))[: len(cells)]
 
 
-def logits(model, x: torch.Tensor, augmentation: str = "none") -> torch.Tensor:
-    """The model's logits for images x; with flip, the mean over each image and its mirror image; with flip_shift,
-    half that and half the same mean for the image shifted a pixel up-left and a pixel down-right (its edges
-    mirrored in)."""
-    if augmentation == "none":
-        return model(x)
-    flipped = (model(x).float() + model(x.flip(-1)).float()) / 2
-    if augmentation == "flip":
-        return flipped
-    h, w = x.shape[-2:]
-    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
-    shifted = [logits(model, padded[..., :h, :w], "flip"), logits(model, padded[..., 2:, 2:], "flip")]
-    return (flipped + (shifted[0] + shifted[1]) / 2) / 2
+def multilabel_scored(
+    sums: torch.Tensor,
+    probs: torch.Tensor,
+    ys: torch.Tensor,
+    extra: torch.Tensor | None = None,
+    thresholds: list[float] | None = None,
+) -> MultiScored:
+    """The group's multi-label scores: the sums (and `extra`) reduced, every process's probabilities and targets
+    gathered (each of their order: AP does not depend on it)."""
+    from job import multilabel
+
+    totals = distributed.totals(sums, sums[:0] if extra is None else extra).cpu()
+    y, p = multilabel.joined(distributed.gather_objects((probs.cpu().numpy(), ys.cpu().numpy())))
+    loss, counted = totals[:2].tolist()
+    return multilabel.scored(y, p, loss / max(counted, 1), thresholds, totals[2:].tolist())
 
 
 def evaluate_checkpoint(
@@ -100,15 +131,27 @@ def evaluate_checkpoint(
     data = recipe.read_data(cfg, restored(payload.get("placement")))  # read as the run read it
     r = recipe.build(cfg, device, data, pretrained=False, started=payload)  # the checkpoint holds the weights
     try:
-        r.model.load_state_dict(payload["model"])
+        r.evaluated.load_state_dict(checkpoint.evaluated_weights(payload))
     except RuntimeError as e:
         raise CheckpointError(f"{url}: weights do not fit model {cfg.model.name}: {str(e).splitlines()[0]}") from None
     split = "test" if "test" in r.held_out else "val"  # class folders held out for val alone: val
     loader = r.held_out[split]
+    progress = payload.get("progress", {})
+    if r.multilabel:  # scored at the thresholds the checkpoint's model had chosen on val
+        from job.bundle import thresholds_of
+
+        thresholds = thresholds_of(payload.get("model_json") or {})
+        if report:
+            write_report(r, report, thresholds)
+        sums, probs, ys = multilabel_outputs(
+            r.evaluated, loader, r.amp, len(r.classes), cfg.train.test_time_augmentation
+        )
+        s = multilabel_scored(sums, probs, ys, None, thresholds)
+        head = {"checkpoint": url, "epoch": progress.get("epoch"), "step": progress.get("step"), "split": split}
+        return head | s.record(split) | {"samples": len(probs), "device": str(device)} | run_record(url)
     if report:
         write_report(r, report)
-    loss_sum, correct, counted = test_sums(r.model, loader, r.amp, cfg.train.test_time_augmentation).tolist()
-    progress = payload.get("progress", {})
+    loss_sum, correct, counted = test_sums(r.evaluated, loader, r.amp, cfg.train.test_time_augmentation).tolist()
     return {
         "checkpoint": url,
         "epoch": progress.get("epoch"),
@@ -145,11 +188,12 @@ def is_shards(url: str) -> bool:
         return False
 
 
-def write_report(r, folder: str) -> None:
-    """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL."""
+def write_report(r, folder: str, thresholds: list[float] | None = None) -> None:
+    """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL; multi-label at `thresholds`."""
     from job import diagnostics
 
-    diagnostics.write_splits(r, lambda split, name, data: put_file(f"{folder.rstrip('/')}/{split}/{name}", data))
+    put = lambda split, name, data: put_file(f"{folder.rstrip('/')}/{split}/{name}", data)  # noqa: E731
+    diagnostics.write_splits(r, put, thresholds=thresholds)
 
 
 def put_file(url: str, data: bytes) -> None:
@@ -189,11 +233,16 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     _, _, raw = model_files(model_url)
     cfg = resolved(validate(raw))
     d = cfg.data.model_copy(update={"path": data_path, "val_split": 0.0, "test_split": None, "cache": False})
+    if p.thresholds is not None:  # a multi-label model's manifest: a row of one name is a list of one
+        d = d.model_copy(update={"task": "multilabel"})
     lines: list[str] = []
     if is_shards(data_path):  # streamed: its held-out split alone is read, a few batches in memory at a time
         loader, split, skipped = streamed_split(d, data_path, device, p, lines.append)
     else:
         data = labelled(d, data_path, p, lines.append)
+        if (p.thresholds is not None) != data.multilabel:
+            want = "lists of labels (multi-label)" if p.thresholds is not None else "one class an image"
+            raise DataError(f"{data_path}: the model {model_url} was trained on {want}, and these labels are not")
         split = next(s for s in ("test", "val", "train") if data.split(s) is not None and data.samples(s))
         from job.data.loader import BatchLoader
 
@@ -201,16 +250,27 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
         split = "all" if split == "train" else split  # class folders with no split: every image scored
         found = len(data.inventory.skipped) if data.inventory is not None else 0
         skipped = lambda: found  # noqa: E731 (read after the pass, as a stream's count is)
+    if p.thresholds is not None:  # multi-label: at the model's thresholds
+        sums, probs, ys = multilabel_outputs(p.model, loader, contextlib.nullcontext, len(p.classes))
+        s = multilabel_scored(sums, probs, ys, None, p.thresholds)
+        if report:
+            from job import diagnostics
+
+            put = lambda name, data: put_file(f"{report.rstrip('/')}/{split}/{name}", data)  # noqa: E731
+            parts = [(probs.cpu().numpy(), ys.cpu().numpy())]
+            diagnostics.write_multilabel(put, parts, p.classes, split, p.thresholds)
+        head = {"model": model_url, "data": data_path, "split": split}
+        return head | s.record(split) | {"samples": len(probs), "skipped": skipped(), "device": str(device)}
     if report:  # one pass: the report's per-sample losses and predictions give the totals too
         from job import diagnostics
 
         stats = (p.mean.flatten().cpu(), p.std.flatten().cpu()) if p.mean is not None else (None, None)
-        scored = diagnostics.per_sample(p.model, loader, contextlib.nullcontext, stats)
+        scored = diagnostics.per_sample(p.served(), loader, contextlib.nullcontext, stats)
         diagnostics.write(lambda name, data: put_file(f"{report.rstrip('/')}/{split}/{name}", data), scored, split,
                           p.classes)  # fmt: skip
         loss_sum, correct, counted = scored.totals()
     else:
-        loss_sum, correct, counted = test_sums(p.model, loader, contextlib.nullcontext).tolist()  # fp32
+        loss_sum, correct, counted = test_sums(p.served(), loader, contextlib.nullcontext).tolist()  # fp32
     return {
         "model": model_url,
         "data": data_path,
@@ -287,11 +347,25 @@ class Scored:
 
 
 def score_split(
-    model, loader: Loader, amp, classes: int, augmentation: str, clock, extra: torch.Tensor | None = None
-) -> Scored:
+    model,
+    loader: Loader,
+    amp,
+    classes: int,
+    augmentation: str,
+    clock,
+    extra: torch.Tensor | None = None,
+    multilabel: bool = False,
+    thresholds: list[float] | None = None,
+) -> Scored | MultiScored:
     """A model on a held-out split over the whole group (test_sums on each process's part, then their totals), and
-    `extra`'s totals reduced with them: the evaluation's one host sync. `clock`: times the pass (meters.TrainClock)."""
-    with memory_guard(f"data.eval_batch_size={loader.batch_size}", next(model.parameters()).device), clock.testing():
+    `extra`'s totals reduced with them: the evaluation's one host sync. `clock`: times the pass (meters.TrainClock).
+    `multilabel`: scored by job/multilabel.py, at `thresholds` (default: the best-F1 ones of this split)."""
+    guard = memory_guard(f"data.eval_batch_size={loader.batch_size}", next(model.parameters()).device)
+    if multilabel:
+        with guard, clock.testing():
+            sums, probs, ys = multilabel_outputs(model, loader, amp, classes, augmentation)
+        return multilabel_scored(sums, probs, ys, extra, thresholds)
+    with guard, clock.testing():
         sums = test_sums(model, loader, amp, augmentation, classes=classes)
     totals = distributed.totals(sums, sums[:0] if extra is None else extra).cpu()
     loss, correct, counted, top5 = totals[:4].tolist()

@@ -7,11 +7,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
-from job import diagnostics, distributed, scores
+from job import diagnostics, distributed, multilabel, scores
 from job.console import say
 from job.evaluate import Scored, score_split
+from job.multilabel import MultiScored
 from job.progress import is_best
 
 if TYPE_CHECKING:
@@ -43,11 +45,12 @@ def test_and_report(loop: Loop) -> str:
         "samples_per_s": state.samples_since_eval / max(now - loop.t_eval, 1e-9),
         "wall_s": round(now - loop.t_start, 3),
     }
-    show(loop, on, scored.confusion)
-    reason = loop.chooser.judge(state, record[f"{on}_accuracy"], record[f"{on}_loss"], r.model, scored.confusion)
+    show(loop, on, scored)
+    thresholds = scored.thresholds if isinstance(scored, MultiScored) else None
+    reason = loop.chooser.judge(state, scored.accuracy, scored.loss, r.evaluated, scored.confusion, thresholds)
     state.steps_since_eval = state.samples_since_eval = 0
     loop.report.evaluation(record)
-    if (only := scores.one_class(scored.confusion)) is not None:  # under the epoch line it belongs to
+    if scored.confusion is not None and (only := scores.one_class(scored.confusion)) is not None:  # under its epoch
         say(f"warning: the model predicts {r.classes[only]} for every {on} sample: it tells no class from another")
     loop.t_eval = now
     return reason
@@ -55,22 +58,41 @@ def test_and_report(loop: Loop) -> str:
 
 def evaluation_fields(r: Recipe) -> list[str]:
     """The metrics each evaluation's record holds (test_and_report), known before the first one."""
-    blank = Scored(0.0, 0.0, 0.0, torch.zeros(len(r.classes), len(r.classes)), [])
+    k = len(r.classes)
+    blank = multilabel.scored(np.zeros((0, k)), np.zeros((0, k)), 0.0) if r.multilabel else None
+    blank = blank or Scored(0.0, 0.0, 0.0, torch.zeros(k, k), [])
     return ["train_loss", *blank.record(r.evaluated_on), "samples_per_s", "wall_s"]
 
 
-def show(loop: Loop, split: str, confusion: torch.Tensor) -> None:
-    """An evaluation's per-class table and confusion picture in TensorBoard."""
-    classes, step = loop.r.classes, loop.state.step
+def show(loop: Loop, split: str, scored: Scored | MultiScored) -> None:
+    """An evaluation's per-class table and confusion picture in TensorBoard (multi-label: the per-class AP table)."""
+    classes, step, confusion = loop.r.classes, loop.state.step, scored.confusion
+    if isinstance(scored, MultiScored):
+        f1 = dict(zip(classes, scored.f1))
+        loop.report.class_table(split, multilabel_table(scored, classes), f1, step)
+        return
     f1 = dict(zip(classes, scores.per_class(confusion)["f1"].tolist()))
     loop.report.class_table(split, scores.table(confusion, classes), f1, step)
     loop.report.image(f"{split}/confusion", lambda: diagnostics.confusion_picture(confusion, classes, split), step)
 
 
-def score(loop: Loop, split: str, extra: torch.Tensor | None = None) -> Scored:
+def multilabel_table(scored: MultiScored, classes: list[str]) -> str:
+    """Each class's AP, threshold, precision, recall, F1 and support, as a Markdown table."""
+    head = "| class | AP | threshold | precision | recall | F1 | support |\n|---|---|---|---|---|---|---|\n"
+    return head + "".join(
+        f"| {c} | {ap:.4f} | {t:.4f} | {p:.4f} | {rc:.4f} | {f:.4f} | {n} |\n"
+        for c, ap, t, p, rc, f, n in scored.table(classes)
+    )
+
+
+def score(loop: Loop, split: str, extra: torch.Tensor | None = None, thresholds: list[float] | None = None):
+    """The model on a split (multi-label: at `thresholds`, default the split's own best-F1 ones)."""
     r = loop.r
     augmentation = loop.cfg.train.test_time_augmentation
-    return score_split(r.model, r.held_out[split], r.amp, len(r.classes), augmentation, loop.clock, extra)
+    held = r.held_out[split]
+    return score_split(
+        r.evaluated, held, r.amp, len(r.classes), augmentation, loop.clock, extra, r.multilabel, thresholds
+    )
 
 
 def final_test(loop: Loop) -> dict:
@@ -81,24 +103,29 @@ def final_test(loop: Loop) -> dict:
         return {}
     tested = "test" in r.held_out
     final = score(loop, "test") if tested and not is_best(state) else None
-    chooser.choose(state, r.model)
+    chooser.choose(state, r.evaluated)
     if not tested:
         return {}
-    scored = score(loop, "test")
+    scored = score(loop, "test", thresholds=chooser.thresholds)  # multi-label: at the thresholds chosen on val
     chooser.test_confusion = scored.confusion  # the weakest classes are the chosen model's on test
-    show(loop, "test", scored.confusion)
+    show(loop, "test", scored)
+    metric = chooser.metric_key
     record = {"epoch": state.epoch, "step": state.step, "chosen_epoch": state.best_epoch}
-    record |= {"val_accuracy": state.best_accuracy, **scored.record("test")}
-    record |= {"final_test_loss": final.loss, "final_test_accuracy": final.accuracy} if final else {}
+    record |= {f"val_{metric}": state.best_accuracy, **scored.record("test")}
+    record |= {"final_test_loss": final.loss, f"final_test_{metric}": final.accuracy} if final else {}
     loop.report.tested(record)
     return record
 
 
-def write_reports(loop: Loop) -> None:
+def write_reports(loop: Loop) -> dict[str, float]:
     """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py):
-    every process scores its part, rank 0 writes the files."""
+    every process scores its part, rank 0 writes the files. Returns, on rank 0, the temperature fitted on val and
+    the expected calibration errors (diagnostics.calibrated; empty for multi-label and on the other ranks)."""
 
     def put(split: str, name: str, data: bytes) -> None:
         loop.run_dir.write(f"report/{split}/{name}", data)
 
-    diagnostics.write_splits(loop.r, put, (distributed.rank(), distributed.world()), distributed.gather_to_writer)
+    group = (distributed.rank(), distributed.world())
+    views = loop.cfg.train.test_time_augmentation
+    chosen = loop.chooser.thresholds
+    return diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer, chosen, views) or {}

@@ -1,9 +1,11 @@
 """`job export`: a trained model as a file someone can serve, checked against the model before it is called done.
 
     onnx  torch.onnx.export's dynamo exporter; the class names and the preprocessing in the file's metadata_props
-          (`labels`: a JSON list in index order; `preprocessing`: model.json's object)
-    pt2   torch.export's ExportedProgram, saved with torch.export.save; `labels.json` and `preprocessing.json` as
-          its extra files
+          (`labels`: a JSON list in index order; `preprocessing`: model.json's object; multi-label: `task`
+          "multilabel" and `thresholds`, model.json's object by class, the sigmoid inside: its output, named
+          `probabilities`, is each class's probability)
+    pt2   torch.export's ExportedProgram, saved with torch.export.save; `labels.json` and `preprocessing.json` (and
+          `task.json`, `thresholds.json`) as its extra files
 
 Both take a batch of any size (a dynamic first dimension) of the model's input, float32 NCHW as model.json's
 preprocessing makes it. The export is then run with its own runtime (onnxruntime; torch.export.load) on real images,
@@ -56,26 +58,36 @@ def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str]
     # A model.json of an earlier version has no exact recipe (input_size, held) to follow: its check is the job's.
     exact = "input_size" in card["preprocessing"]
     theirs = torch.from_numpy(np.stack([recipe_input(card["preprocessing"], data) for data in files])) if exact else x
+    # Multi-label: probabilities out; else the logits over the temperature, as predict's softmax takes them (the
+    # test-time views are predict's alone: an export is one pass).
+    model = p.served(views=False) if p.thresholds is None else WithSigmoid(p.model).eval()
     with torch.no_grad():
-        want = p.model(x).float()
+        want = model(x).float()
     bound = TOLERANCE * max(1.0, float(want.abs().max()))
     example = torch.zeros(2, *shape)
+    meta = {
+        "labels": json.dumps(card["classes"], ensure_ascii=False),
+        "preprocessing": json.dumps(card["preprocessing"]),
+    }
+    if p.temperature != 1.0:  # inside the graph already; said for a reader of the file
+        meta["temperature"] = json.dumps(p.temperature)
+    if p.thresholds is not None:
+        meta |= {"task": json.dumps("multilabel"), "thresholds": json.dumps(card["thresholds"], ensure_ascii=False)}
     with tempfile.TemporaryDirectory() as tmp:
         local = os.path.join(tmp, f"model.{fmt}")
-        labels, pre = json.dumps(card["classes"], ensure_ascii=False), json.dumps(card["preprocessing"])
         try:
             both = torch.cat([x, theirs.to(x.device)])  # the job's inputs, then the recipe's: one run of the runtime
             if fmt == "onnx":
-                got, by_recipe = to_onnx(p.model, example, local, labels, pre, both).split(len(x))
+                got, by_recipe = to_onnx(model, example, local, meta, both).split(len(x))
             else:
-                got, by_recipe = to_pt2(p.model, example, local, labels, pre, both).split(len(x))
+                got, by_recipe = to_pt2(model, example, local, meta, both).split(len(x))
         except (ConfigError, StorageError):
             raise
         except Exception as e:  # the exporters raise many types, with long messages: the first line says why
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise ConfigError(f"export: {card['model']['name']} cannot be exported to {fmt}: {first[:300]}") from None
-        diff, agree = compared(got, want)
-        recipe_diff, recipe_agree = compared(by_recipe, want)
+        diff, agree = compared(got, want, p.thresholds)
+        recipe_diff, recipe_agree = compared(by_recipe, want, p.thresholds)
         check = {"format": fmt, "images": len(x), "max_abs_logit_diff": diff, "labels_agree": agree}
         check |= {
             "recipe_checked": exact,
@@ -100,17 +112,34 @@ def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str]
         write_url(f"{output}.check.json", json.dumps(check, indent=1).encode())
     log(
         f"export: {output}, checked on {len(x)} images with {check['runtime']}, preprocessed by the job and by "
-        f"model.json's recipe: largest logit difference {max(diff, recipe_diff):.1e}, top-1 agreement 100%"
+        f"model.json's recipe: largest {'probability' if p.thresholds else 'logit'} difference "
+        f"{max(diff, recipe_diff):.1e}, {'label sets over the thresholds' if p.thresholds else 'top-1'} agreement 100%"
     )
     return check
 
 
-def compared(got: torch.Tensor, want: torch.Tensor) -> tuple[float, bool]:
-    """The largest difference of two sets of logits, and whether every top-1 label agrees."""
-    return float((got - want).abs().max()), bool((got.argmax(1) == want.argmax(1)).all())
+def compared(got: torch.Tensor, want: torch.Tensor, thresholds: list[float] | None = None) -> tuple[float, bool]:
+    """The largest difference of two sets of logits (multi-label: of probabilities), and whether every top-1 label
+    (multi-label: every label set over the thresholds) agrees."""
+    diff = float((got - want).abs().max())
+    if thresholds is not None:
+        t = torch.tensor(thresholds)
+        return diff, bool(((got > t) == (want > t)).all())
+    return diff, bool((got.argmax(1) == want.argmax(1)).all())
 
 
-def to_onnx(model, example, path: str, labels: str, pre: str, x: torch.Tensor) -> torch.Tensor:
+class WithSigmoid(torch.nn.Module):
+    """A multi-label model with its sigmoid inside: each class's probability out, as predict gives it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.model(x))
+
+
+def to_onnx(model, example, path: str, meta: dict[str, str], x: torch.Tensor) -> torch.Tensor:
     try:
         import onnx
         import onnxruntime as ort
@@ -119,10 +148,13 @@ def to_onnx(model, example, path: str, labels: str, pre: str, x: torch.Tensor) -
         raise ConfigError(f"--format onnx: needs {e.name}: pip install onnx onnxscript onnxruntime") from None
 
     batch = torch.export.Dim("batch", min=1)
-    program = torch.onnx.export(model, (example,), dynamo=True, dynamic_shapes=({0: batch},), verbose=False)
+    names = ["probabilities"] if isinstance(model, WithSigmoid) else None
+    program = torch.onnx.export(
+        model, (example,), dynamo=True, dynamic_shapes=({0: batch},), verbose=False, output_names=names
+    )
     program.save(path)
     proto = onnx.load(path)
-    for key, value in (("labels", labels), ("preprocessing", pre)):
+    for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value
     onnx.save(proto, path)
@@ -131,10 +163,10 @@ def to_onnx(model, example, path: str, labels: str, pre: str, x: torch.Tensor) -
     return torch.from_numpy(session.run(None, {name: x.numpy()})[0]).float()
 
 
-def to_pt2(model, example, path: str, labels: str, pre: str, x: torch.Tensor) -> torch.Tensor:
+def to_pt2(model, example, path: str, meta: dict[str, str], x: torch.Tensor) -> torch.Tensor:
     batch = torch.export.Dim("batch", min=1)
     program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
-    torch.export.save(program, path, extra_files={"labels.json": labels, "preprocessing.json": pre})
+    torch.export.save(program, path, extra_files={f"{key}.json": value for key, value in meta.items()})
     loaded = torch.export.load(path)
     with torch.no_grad():
         out = loaded.module()(x)
@@ -182,7 +214,7 @@ def manifest_held_out(cfg, where: str, limit: int) -> list[str]:
     except DataError:
         raise ConfigError(f"{where} (the run's {cfg.path} is not there from here)") from None
     raw = read_bytes(cfg.path, None, lambda _: None)
-    files, _ = manifest_files(cfg.path, raw, Columns.of(cfg), HoldOut.of(cfg))
+    files, _ = manifest_files(cfg.path, raw, Columns.of(cfg), HoldOut.of(cfg), cfg.task, cfg.label_separator)
     held = files.roles["val"] or files.roles["test"]
     if not held:
         raise ConfigError(f"{where} (the run held no images out)")

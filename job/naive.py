@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 from torchvision.transforms import v2
 
-from job.config import Config
+from job.config import Config, parse_warmup
 from job.data.augment import channel_stats
 from job.data.dataset import Dataset, Split
 from job.env import resolve_precision, seed_everything
@@ -102,6 +102,12 @@ def beyond_the_tutorials(cfg: Config, model: torch.nn.Module) -> list[str]:
         "data.random_hflip=alternate": d.random_hflip == "alternate",
         "data.random_crop_padding_mode=reflect": d.random_crop_padding and d.random_crop_padding_mode == "reflect",
         "optim.lookahead_every": o.lookahead_every > 0,
+        "optim.warmup": parse_warmup(o.warmup)[0] > 0,
+        "optim.layer_decay": o.layer_decay != 1,
+        "data.augment": bool(d.augment),
+        "train.ema": t.ema > 0,
+        "train.mixup, train.cutmix": bool(t.mixup or t.cutmix),
+        "train.finetune_stages": t.finetune_stages > 0,
         "train.label_smoothing": t.label_smoothing > 0,
         "train.test_time_augmentation": t.test_time_augmentation != "none",
         f"model {cfg.model.name}'s init_from_data": hasattr(model, "init_from_data"),

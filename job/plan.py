@@ -30,7 +30,7 @@ class StepFacts:
     """What decides how a step runs: the device, train.step_capture, the precision, a forward pass's FLOPs, whether
     the model is the user's own class, fp16's loss scaler, what wraps the model (none, ddp, compile), and the
     optimizer: `plain_sgd`, SGD whose step is the same arithmetic every batch with nothing on the host's side between
-    steps (no accumulation, schedule, lookahead or loss scaler; a constant rate): what a captured step may hold
+    steps (no accumulation, schedule, lookahead, EMA or loss scaler; a constant rate): what a captured step may hold
     whole; `bare_sgd`, that and one group without momentum (two operations a tensor, traced on a CPU)."""
 
     device: str
@@ -101,6 +101,7 @@ def step_facts(
         and isinstance(o, torch.optim.SGD)
         and r.scheduler is None
         and r.lookahead is None
+        and r.ema is None
         and not r.scaler.is_enabled()
         and not any(isinstance(g["lr"], torch.Tensor) for g in groups)
     )
@@ -114,7 +115,7 @@ def build_step(r: Recipe, sums: torch.Tensor, plan: StepPlan, model=None) -> Eag
     """The recipe's step as `plan` says (plan_step), adding each step's loss to `sums`. `model`: what the step calls,
     when not the recipe's own model (a DistributedDataParallel or compiled wrapper of it)."""
     args = (model if model is not None else r.model, r.optimizer, r.scheduler, r.scaler, r.amp, sums)
-    how = {"accumulate": r.accumulate, "loss": r.loss, "lookahead": r.lookahead, "plan": plan}
+    how = {"accumulate": r.accumulate, "loss": r.loss, "lookahead": r.lookahead, "plan": plan, "ema": r.ema}
     if plan.kind is StepKind.CUDA_GRAPH:
         return CudaGraphStep(*args, **how)
     if plan.kind is StepKind.CPU_TRACE:

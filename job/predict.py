@@ -58,7 +58,7 @@ def predict(
     p = load_predictor(model_url, device)
     k = max(1, min(top_k, len(p.classes)))
     if p.features is not None:
-        return predict_tables(p, inputs, Rows(output, k, jsonl), log, index, count)
+        return predict_tables(p, inputs, Rows(output, k, jsonl, p), log, index, count)
     found = list(share(listed(inputs), index, count))
     try:
         decoder = decoder_for(decode, workers, device, p.pre, skip=True)
@@ -69,7 +69,7 @@ def predict(
         on = f"{threads} CPU thread{'s' if threads != 1 else ''}"
         decoding = f"decoding in {workers} process{'es' if workers != 1 else ''}" if workers else "decoding in it"
         log(f"predict: writing {output} on {on}, {decoding}")
-    rows = Rows(output, k, jsonl)
+    rows = Rows(output, k, jsonl, p)
     t0, done, failed = time.perf_counter(), 0, 0
     from tqdm import tqdm
 
@@ -88,7 +88,10 @@ def predict(
     seconds = time.perf_counter() - t0
     rate = done / max(seconds, 1e-9)
     said = f"{done} image{'s' if done != 1 else ''} labelled"
-    log(f"predict: {said}, {failed} could not be read, in {seconds:.1f} s ({rate:.0f} images/s)")
+    served = [f"the run's test-time views ({p.augmentation})"] if p.augmentation != "none" else []
+    served += [f"its temperature {p.temperature:.3g}"] if p.temperature != 1.0 and p.thresholds is None else []
+    how = f"; scored with {' and '.join(served)}" if served else ""  # as the run's evaluations scored its test split
+    log(f"predict: {said}, {failed} could not be read, in {seconds:.1f} s ({rate:.0f} images/s){how}")
     if done == 0 and failed:
         raise DataError(f"no input could be read ({failed} tried): see the error column")
     return {"labelled": done, "errors": failed}
@@ -105,9 +108,7 @@ def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log, index: int 
             rows.row(name, [], f"row {n}: not a number in the feature columns")
             failed += 1
             continue
-        probs = p.table_probabilities(x)[0]
-        top = probs.topk(rows.k)
-        rows.row(name, [(p.classes[int(c)], float(v)) for v, c in zip(top.values, top.indices)], "")
+        rows.scored(name, p.table_probabilities(x)[0])
         done += 1
     rows.close()
     log(f"predict: {done} rows labelled, {failed} could not be read")
@@ -117,16 +118,22 @@ def predict_tables(p: Predictor, inputs: list[str], rows: Rows, log, index: int 
 
 
 class Rows:
-    """The output file: CSV (path, label, probability, label_2, probability_2, ..., error) or JSONL."""
+    """The output file: CSV (path, label, probability, label_2, probability_2, ..., error) or JSONL. Multi-label
+    (a model with thresholds): CSV path, labels (joined by |), one probability column a class, error; JSONL "labels"
+    (the classes above their thresholds) and "probabilities" (every class's, by name)."""
 
-    def __init__(self, output: str | None, k: int, jsonl: bool) -> None:
+    def __init__(self, output: str | None, k: int, jsonl: bool, p: Predictor | None = None) -> None:
         self.output, self.k, self.jsonl = output, k, jsonl
+        self.classes = p.classes if p is not None else []
+        self.multi = p if p is not None and p.thresholds is not None else None
         # Rows go to a local file as they come (memory stays flat), copied to a remote URL at the end.
         part = None if output is None else tempfile.NamedTemporaryFile("w", suffix=".part", delete=False)  # noqa: SIM115
         self.local = part  # closed by close()
         self.buf = self.local if self.local is not None else sys.stdout
         self.csv = None if self.jsonl else csv.writer(self.buf)
-        if self.csv is not None:
+        if self.csv is not None and self.multi is not None:
+            self.csv.writerow(["path", "labels", *self.multi.classes, "error"])
+        elif self.csv is not None:
             head = ["path", "label", "probability"]
             for i in range(2, k + 1):
                 head += [f"label_{i}", f"probability_{i}"]
@@ -146,14 +153,11 @@ class Rows:
         good = (marks != IGNORED).nonzero().flatten()
         kept = images if len(good) == len(batch) else images[good]  # an index is a copy to the device
         probs = p.probabilities(kept) if len(good) else torch.empty(0, len(p.classes))
-        top = probs.topk(self.k, dim=1) if len(good) else None
         why = iter(errors)
         at = {int(i): j for j, i in enumerate(good)}
         for i, (name, _, unread) in enumerate(batch):
             if i in at:
-                j = at[i]
-                pairs = [(p.classes[int(c)], float(v)) for v, c in zip(top.values[j], top.indices[j])]
-                self.row(name, pairs, "")
+                self.scored(name, probs[at[i]])
                 done += 1
             else:
                 said = next(why, "cannot decode")  # the decoder's words of each, taken in order
@@ -161,7 +165,27 @@ class Rows:
                 failed += 1
         return done, failed
 
+    def scored(self, name: str, probs: torch.Tensor) -> None:
+        """One input's row from its probabilities: the top k classes, or (multi-label) its label set and every
+        class's probability."""
+        p = self.multi
+        if p is None:
+            top = probs.topk(self.k)
+            self.row(name, [(self.classes[int(c)], float(v)) for v, c in zip(top.values, top.indices)], "")
+        elif self.jsonl:
+            entry = {"path": name, "labels": p.label_set(probs), "probabilities": dict(zip(p.classes, probs.tolist()))}
+            self.buf.write(json.dumps(entry | {"error": None}, ensure_ascii=False) + "\n")
+        else:
+            self.csv.writerow([name, "|".join(p.label_set(probs)), *(f"{v:.6f}" for v in probs.tolist()), ""])
+
     def row(self, name: str, pairs: list[tuple[str, float]], error: str) -> None:
+        if self.multi is not None:  # an input that could not be read
+            if self.jsonl:
+                entry = {"path": name, "labels": [], "probabilities": None, "error": error}
+                self.buf.write(json.dumps(entry, ensure_ascii=False) + "\n")
+            else:
+                self.csv.writerow([name, "", *([""] * len(self.multi.classes)), error])
+            return
         if self.jsonl:
             first = pairs[0] if pairs else (None, None)
             entry = {"path": name, "label": first[0], "probability": first[1], "top_k": pairs, "error": error or None}

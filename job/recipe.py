@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from job import weights
-from job.config import Config
+from job.config import Config, DataConfig
 from job.console import say, say_own
-from job.data.augment import View, channel_stats, to_float
+from job.data.augment import Policy, View, channel_stats, to_float
 from job.data.batches import Loader
 from job.data.dataset import Dataset, Split
 from job.data.decode import DeviceDecoder
@@ -26,9 +26,11 @@ from job.data.loader import BatchLoader
 from job.data.placement import HELD, Streaming, hold_on
 from job.data.read import load_data
 from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
+from job.ema import ModelEma
 from job.env import resolve_precision
 from job.errors import ConfigError
 from job.memory import available_host_memory
+from job.mix import Mix
 from job.models import build_model
 from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
@@ -209,6 +211,7 @@ class Feed:
         d = self.cfg.data
         reflect = d.random_crop_padding_mode == "reflect"
         image_aug = {"crop_padding": d.random_crop_padding, "reflect": reflect, "hflip": d.random_hflip}
+        image_aug["policy"] = policy_of(d)
         image_aug = image_aug if self.is_image else {}
         if self.view is not None and d.random_resized_crop:
             image_aug["resized_crops"] = True
@@ -291,6 +294,14 @@ class Recipe:
     accumulate: int = 1  # batches per optimizer step
     loss: Callable[..., torch.Tensor] = F.cross_entropy  # the training loss of (logits, labels)
     lookahead: Lookahead | None = None  # stepped after each optimizer step, when optim.lookahead_every is set
+    multilabel: bool = False  # sigmoids against multi-hot targets (BCE), scored by mAP; else softmax and accuracy
+    ema: ModelEma | None = None  # train.ema's average, updated after each optimizer step (after lookahead's)
+    mix: Mix | None = None  # train.mixup / train.cutmix: the training batches mixed before the step
+
+    @property
+    def evaluated(self) -> nn.Module:
+        """The model the run evaluates, chooses, saves and exports: train.ema's average when on, else the model."""
+        return self.ema.module if self.ema is not None else self.model
 
     @property
     def evaluated_on(self) -> str:
@@ -335,7 +346,7 @@ def build(
     feed = Feed(cfg, data, device, channels_last, memory_limit, view, saved_stats(started))
     if pretrained and not cfg.model.weights and hasattr(model, "init_from_data"):  # a start that depends on the data
         model.init_from_data(feed.sample_images(DATA_INIT_IMAGES))
-    train = scheduler = lookahead = None
+    train = scheduler = lookahead = ema = None
     held_out: dict[str, Loader] = {}
     accumulate = cfg.train.accumulate_steps
     if loaders:
@@ -343,13 +354,20 @@ def build(
         steps = optimizer_steps(cfg, len(train))
         scheduler = make_scheduler(cfg, optimizer, steps)
         lookahead = Lookahead(model, cfg.optim.lookahead_every, steps) if cfg.optim.lookahead_every else None
+        ema = ModelEma(model, cfg.train.ema, cfg.train.ema_warmup) if cfg.train.ema else None
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     amp = autocast(precision, device)
     smoothing = cfg.train.label_smoothing
+    t = cfg.train
+    mixing = (t.mixup or t.cutmix) and t.mix_probability > 0
+    mix = Mix(len(data.classes), cfg.seed, t.mixup, t.cutmix, t.mix_probability, t.mix_switch) if mixing else None
     loss = functools.partial(F.cross_entropy, label_smoothing=smoothing) if smoothing else F.cross_entropy
-    if cfg.train.class_weights == "balanced":
+    if data.multilabel:
+        balanced = cfg.train.class_weights == "balanced"
+        loss = MultiLabelLoss(positive_weights(data).to(device) if balanced else None)
+    elif cfg.train.class_weights == "balanced":
         loss = CountedLoss(balanced_weights(data).to(device), smoothing)
-    elif data.streamed and cfg.data.skip_bad_samples:  # a batch may hold undecodable samples, labelled IGNORED
+    elif (data.streamed and cfg.data.skip_bad_samples) or mix is not None:  # IGNORED labels; mixed targets
         loss = CountedLoss(None, smoothing)
     return Recipe(
         model,
@@ -368,6 +386,9 @@ def build(
         accumulate,
         loss,
         lookahead,
+        data.multilabel,
+        ema,
+        mix,
     )
 
 
@@ -381,11 +402,44 @@ class CountedLoss:
         self.weight, self.smoothing = weight, smoothing
 
     def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y`: class indexes, or (train.mixup, train.cutmix) probabilities per class, whose weight is the classes'
+        weights mixed alike, and which count where they hold any class (a row of zeros: IGNORED samples)."""
         losses = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.smoothing)
-        counted = y >= 0
+        soft = y.is_floating_point()
+        counted = y.sum(1) > 0 if soft else y >= 0
         if self.weight is not None:
-            losses = losses * self.weight[y.clamp(min=0)]
+            losses = losses * (y @ self.weight if soft else self.weight[y.clamp(min=0)])
         return (losses * counted).sum() / counted.sum().clamp(min=1)
+
+
+class MultiLabelLoss:
+    """Multi-label: binary cross-entropy of each class's sigmoid against its 0/1 target (BCEWithLogitsLoss), the mean
+    over the classes and the samples that count (a streamed sample that could not be decoded has targets below 0).
+    `pos_weight`: each class's weight on its positives (train.class_weights=balanced)."""
+
+    def __init__(self, pos_weight: torch.Tensor | None) -> None:
+        self.pos_weight = pos_weight
+
+    def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        counted = (y >= 0).all(1)
+        losses = F.binary_cross_entropy_with_logits(
+            logits.float(), y.clamp(min=0), pos_weight=self.pos_weight, reduction="none"
+        ).mean(1)
+        return (losses * counted).sum() / counted.sum().clamp(min=1)
+
+
+def positive_weights(data: Dataset | StreamData) -> torch.Tensor:
+    """train.class_weights balanced, multi-label: each class's negatives / positives among the training samples, as
+    BCEWithLogitsLoss's pos_weight (1 for a class with none)."""
+    if isinstance(data, StreamData):
+        if data.inventory is None:
+            raise ConfigError("train.class_weights=balanced: these shards do not record their class counts")
+        inv = data.inventory
+        positives = torch.tensor([float(inv.counts["train"].get(c, 0)) for c in data.classes])
+        n = float(inv.total("train"))
+    else:
+        positives, n = data.train.y.cpu().double().sum(0), float(len(data.train))
+    return torch.where(positives > 0, (n - positives) / positives.clamp(min=1), torch.ones_like(positives)).float()
 
 
 def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:
@@ -406,11 +460,21 @@ def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:
     return weights.float()
 
 
+def policy_of(d: DataConfig) -> Policy:
+    """data.augment as the loaders take it."""
+    erasing = d.erasing_probability if "random_erasing" in d.augment else 0.0
+    return Policy("trivial_augment" in d.augment, "rand_augment" in d.augment, erasing)
+
+
 def check_image_settings(cfg: Config, input_shape: tuple[int, ...], is_image: bool) -> None:
     """ConfigError for settings that need images the data does not have."""
     d, t = cfg.data, cfg.train
     if t.test_time_augmentation != "none" and not is_image:
         raise ConfigError("train.test_time_augmentation: flips and shifts images; this data is a table")
+    if (t.mixup or t.cutmix) and not is_image:
+        raise ConfigError("train.mixup, train.cutmix: mix images; this data is a table")
+    if d.augment and not is_image:
+        raise ConfigError(f"data.augment: {', '.join(d.augment)} change images; this data is a table")
     if is_image and d.random_crop_padding_mode == "reflect" and d.random_crop_padding >= min(input_shape[1:]):
         raise ConfigError(
             f"data.random_crop_padding: reflect pads by less than the image's side ({min(input_shape[1:])}), got "
@@ -463,26 +527,45 @@ NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 def param_groups(cfg: Config, model: nn.Module) -> list:
     """The trainable parameters, in one group (a plain list) unless some train otherwise: normalisation layers' at
     optim.norm_lr_scale times the rate (their weight decay divided by it, so that decay per step, rate times decay,
-    is the same), and those the model's `param_epochs` names, marked with their epochs. A frozen backbone's
-    parameters are left out (no optimizer state)."""
+    is the same), those the model's `param_epochs` names, marked with their epochs, each block below the class layer
+    at its optim.layer_decay rate, and with train.finetune_stages all but the class layer marked to start after
+    them. A frozen backbone's parameters are left out (no optimizer state)."""
     o = cfg.optim
     limits = dict(getattr(model, "param_epochs", None) or {})
     named = dict(model.named_parameters())
     if unknown := sorted(set(limits) - set(named)):
         raise ConfigError(f"model {cfg.model.name}: param_epochs names no parameter of it: {', '.join(unknown)}")
     norms = {id(p) for m in model.modules() if isinstance(m, NORMS) for p in m.parameters(recurse=False)}
-    groups: dict[tuple, list] = {(False, None): []}  # the plain group first: its rate is the one logged
+    depth = layer_depths(named)
+    stages = cfg.train.finetune_stages
+    if o.layer_decay == 1:  # one rate for every block: only the class layer apart, and that only for the stages
+        depth = {name: min(below, 1) if stages else 0 for name, below in depth.items()}
+    groups: dict[tuple, list] = {(False, None, 0): []}  # the plain group first: its rate is the one logged
     for name, p in named.items():
         if p.requires_grad:
-            groups.setdefault((o.norm_lr_scale != 1 and id(p) in norms, limits.get(name)), []).append(p)
-    if len(groups) == 1:
-        return groups[(False, None)]
+            norm = o.norm_lr_scale != 1 and id(p) in norms
+            groups.setdefault((norm, limits.get(name), depth[name]), []).append(p)
+    if len(groups) == 1 and not stages:
+        return groups[(False, None, 0)]
     out = []
-    for (norm, epochs), params in groups.items():
+    for (norm, epochs, below), params in groups.items():
         scale = o.norm_lr_scale if norm else 1.0
-        group = {"params": params, "lr": o.lr * scale, "weight_decay": o.weight_decay / scale, "lr_scale": scale}
-        out.append(group | ({"train_epochs": epochs} if epochs is not None else {}))
+        layer = o.layer_decay**below
+        group = {"params": params, "lr": o.lr * scale * layer, "weight_decay": o.weight_decay / scale}
+        group |= {"lr_scale": scale * layer} | ({"train_epochs": epochs} if epochs is not None else {})
+        out.append(group | ({"from_epochs": stages} if stages and below else {}))
     return [g for g in out if g["params"]]
+
+
+def layer_depths(named: dict[str, nn.Parameter]) -> dict[str, int]:
+    """Each parameter's block's place below the class layer (0: the class layer itself). A block is the module two
+    names deep (layer3.1, features.4, conv1), in the order the model holds them; the class layer is the block of the
+    model's last parameter, as torchvision's classifiers and the job's models end on it."""
+    blocks = {name: ".".join(name.split(".")[:-1][:2]) for name in named}
+    order = list(dict.fromkeys(blocks.values()))
+    head = blocks[next(reversed(named))] if named else ""
+    below = {b: 0 if b == head else max(order.index(head) - i, 1) for i, b in enumerate(order)}
+    return {name: below[b] for name, b in blocks.items()}
 
 
 def prime_momentum(optimizer: torch.optim.Optimizer) -> None:

@@ -95,9 +95,10 @@ class Report:
             self.tracker.point(step, evaluation_points(record))
         if self.hypertune is not None:
             self.hypertune.report(record)
+        metric = chosen_metric(record, on)
         say(
             f"epoch {record['epoch']}/{self.epochs}  step {step}  train_loss {record['train_loss']:.4f}  "
-            f"{on}_loss {record[f'{on}_loss']:.4f}  {on}_accuracy {record[f'{on}_accuracy']:.4f}  "
+            f"{on}_loss {record[f'{on}_loss']:.4f}  {on}_{metric} {record[f'{on}_{metric}']:.4f}  "
             f"{record['samples_per_s']:.0f} samples/s"
         )
         if self.judge is not None:
@@ -105,20 +106,20 @@ class Report:
 
     def tested(self, record: dict[str, Any]) -> None:
         """The test split's one report, at the end, on the model the run chose on val (and on the final one)."""
-        step = record["step"]
+        step, metric = record["step"], chosen_metric(record, "test")
         self.scalars(record, "test", step)
-        if "final_test_accuracy" in record:
-            self.writer.add_scalar("test/final_model_accuracy", record["final_test_accuracy"], step)
+        if f"final_test_{metric}" in record:
+            self.writer.add_scalar(f"test/final_model_{metric}", record[f"final_test_{metric}"], step)
         self.append(record)
         if self.tracker is not None:
             self.tracker.point(step, test_points(record))
         if self.hypertune is not None:  # the chosen model's value, which the trial's result should be
             self.hypertune.report(record)
-        final = record.get("final_test_accuracy")
+        final = record.get(f"final_test_{metric}")
         also = f"; the final model's {final:.4f}" if final is not None else ""
         say(
             f"test: the model chosen on val (epoch {record['chosen_epoch']}): test_loss {record['test_loss']:.4f}  "
-            f"test_accuracy {record['test_accuracy']:.4f}{also}"
+            f"test_{metric} {record[f'test_{metric}']:.4f}{also}"
         )
 
     def image(self, tag: str, draw: Callable[[], Any], step: int) -> None:
@@ -204,6 +205,11 @@ def evaluated(record: dict[str, Any]) -> str:
     return "val" if "val_loss" in record else "test"
 
 
+def chosen_metric(record: dict[str, Any], on: str) -> str:
+    """What an evaluation's record chooses on: map (multi-label), else accuracy."""
+    return "map" if f"{on}_map" in record else "accuracy"
+
+
 def plot_curves(records: list[dict[str, Any]]) -> bytes:
     """PNG of training and held-out loss, and held-out accuracy, over the run's evaluations (val, or test when the
     run has no val split)."""
@@ -220,8 +226,9 @@ def plot_curves(records: list[dict[str, Any]]) -> bytes:
     ax_loss.plot(epochs, [r.get(f"{on}_loss") for r in records], marker=".", label=on)
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_loss.legend()
-    ax_acc.plot(epochs, [r.get(f"{on}_accuracy") for r in records], marker=".", color="tab:green")
-    ax_acc.set(xlabel="epoch", ylabel="accuracy", title=f"{on} accuracy", ylim=(0, 1))
+    metric = chosen_metric(records[-1], on) if records else "accuracy"
+    ax_acc.plot(epochs, [r.get(f"{on}_{metric}") for r in records], marker=".", color="tab:green")
+    ax_acc.set(xlabel="epoch", ylabel=metric, title=f"{on} {metric}", ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -279,7 +279,7 @@ def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
 def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed: int) -> Progress:
     """The recipe's state and the loop's position from a checkpoint; each process's own random stream."""
     payload, _ = found
-    checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler, r.lookahead)
+    checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler, r.lookahead, r.ema)
     distributed.seed_own(seed, False, payload["progress"]["step"], payload.get("rng_ranks"))
     recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
     saved = dict(payload["progress"])

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from job.config import Config
+from job.config import Config, parse_warmup
 from job.errors import ConfigError
 
 LOOKAHEAD_DECAY = 0.95  # per step: the slow average keeps LOOKAHEAD_DECAY ** every of itself at the run's end
@@ -19,29 +19,41 @@ LOOKAHEAD_DECAY = 0.95  # per step: the slow average keeps LOOKAHEAD_DECAY ** ev
 
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
     """A per-step schedule over the whole run (`total_steps` optimizer steps), or None. Parameter groups with a
-    `train_epochs` limit get a rate of 0 after that many epochs."""
+    `train_epochs` limit get a rate of 0 after that many epochs, those with `from_epochs` (train.finetune_stages) a
+    rate of 0 before; optim.warmup comes before the schedule."""
     o = cfg.optim
-    limited = any("train_epochs" in g for g in optimizer.param_groups)
+    limited = any("train_epochs" in g or "from_epochs" in g for g in optimizer.param_groups)
+    per_epoch = total_steps // cfg.train.epochs
+    warm = warmup_steps(cfg, per_epoch)
+    if warm >= total_steps:
+        raise ConfigError(f"optim.warmup: {warm} steps, the whole run ({total_steps}): leave some to the schedule")
     if o.schedule == "onecycle":
+        if warm:
+            raise ConfigError("optim.warmup: onecycle warms up itself; use it with cosine, triangle or none")
         if limited:
             raise ConfigError(
-                f"optim.schedule: onecycle cannot hold the parameters model {cfg.model.name} trains for its first "
-                "epochs only; use none, cosine or triangle"
+                f"optim.schedule: onecycle cannot hold the parameters model {cfg.model.name} (or "
+                "train.finetune_stages) trains for some epochs only; use none, cosine or triangle"
             )
         cycle_momentum = o.name == "adamw" or o.momentum > 0  # never add momentum a recipe did not ask for
         peaks = [o.lr * g.get("lr_scale", 1.0) for g in optimizer.param_groups]
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=peaks, total_steps=total_steps, cycle_momentum=cycle_momentum
         )
-    if o.schedule == "cosine" and not limited:
+    if o.schedule == "cosine" and not limited and not warm:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    if o.schedule == "none" and not limited:
+    if o.schedule == "none" and not limited and not warm:
         return None
-    shape = curve(cfg, total_steps)
-    per_epoch = total_steps // cfg.train.epochs
-    lambdas = [
-        until(shape, g["train_epochs"] * per_epoch) if "train_epochs" in g else shape for g in optimizer.param_groups
-    ]
+    shape = warmed(curve(cfg, total_steps - warm), warm)
+
+    def of_group(g: dict) -> Callable[[int], float]:
+        if "train_epochs" in g:
+            return until(shape, g["train_epochs"] * per_epoch)
+        if "from_epochs" in g:
+            return after(shape, g["from_epochs"] * per_epoch)
+        return shape
+
+    lambdas = [of_group(g) for g in optimizer.param_groups]
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
     scheduler.total_steps = total_steps  # kept in its state: the length it was planned over
     return scheduler
@@ -66,6 +78,25 @@ def curve(cfg: Config, total: int) -> Callable[[int], float]:
 
 def until(shape: Callable[[int], float], steps: int) -> Callable[[int], float]:
     return lambda t: shape(t) if t < steps else 0.0
+
+
+def after(shape: Callable[[int], float], steps: int) -> Callable[[int], float]:
+    return lambda t: shape(t) if t >= steps else 0.0
+
+
+def warmup_steps(cfg: Config, per_epoch: int) -> int:
+    """optim.warmup in optimizer steps (epochs counted at `per_epoch` optimizer steps each)."""
+    amount, unit = parse_warmup(cfg.optim.warmup)
+    return int(amount) if unit == "steps" else round(amount * per_epoch)
+
+
+def warmed(shape: Callable[[int], float], warm: int) -> Callable[[int], float]:
+    """A linear rise over the first `warm` steps (1/warm of the rate at the first, all of it at the last), then
+    `shape` from its own start: the schedule runs over the steps after the warm-up, as torchvision's recipes chain
+    LinearLR and the schedule."""
+    if not warm:
+        return shape
+    return lambda t: (t + 1) / warm if t < warm else shape(t - warm)
 
 
 def planned_steps(scheduler) -> int | None:

@@ -116,7 +116,7 @@ class Accumulator:
 class EagerStep:
     """Forward, loss, backward and optimizer step as plain PyTorch calls; the loss is added to `sums` on the device.
     `accumulate`: batches per optimizer step (an Accumulator sums their gradients); `loss`: of (logits, labels);
-    `lookahead`: stepped after each optimizer step."""
+    `lookahead`, `ema`: stepped after each optimizer step."""
 
     def __init__(
         self,
@@ -130,9 +130,10 @@ class EagerStep:
         loss: Callable[..., torch.Tensor] = F.cross_entropy,
         lookahead=None,
         plan: StepPlan = StepPlan(StepKind.EAGER),
+        ema=None,
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.scaler, self.amp = model, optimizer, scheduler, scaler, amp
-        self.sums, self.loss, self.lookahead = sums, loss, lookahead
+        self.sums, self.loss, self.lookahead, self.ema = sums, loss, lookahead, ema
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulator = Accumulator(self.params, accumulate) if accumulate > 1 else None
         self.plan = plan
@@ -183,6 +184,8 @@ class EagerStep:
             self.scheduler.step()
         if self.lookahead is not None:
             self.lookahead.step()
+        if self.ema is not None:
+            self.ema.update()
 
     def set_grads(self, grads: list[torch.Tensor]) -> None:
         if self.params and self.params[0].grad is not grads[0]:

@@ -146,13 +146,13 @@ def train_loop(
     resumption.begin(cfg)
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
-    chooser = Chooser(cfg.train, r.evaluated_on)
+    chooser = Chooser(cfg.train, r.evaluated_on, r.multilabel)
     params, stem = sum(p.numel() for p in r.model.parameters()), describe_model(cfg.model, r.input_shape)
     say(f"model {cfg.model.name}{stem}: {params:,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
     if found is not None:
         state = restore(found, r, log, state.run_id, cfg.seed)
-        chooser.restore(found[0], r.model)
+        chooser.restore(found[0], r.evaluated)
         replanned = replan_schedule(cfg, r, state)
         source = (found[1] or {}).get("file") or req.resume  # a bare .pt given by URL has no manifest
         into = f" ({state.epoch_step} steps into epoch {state.epoch + 1})" if state.epoch_step else ""
@@ -197,7 +197,7 @@ def train_loop(
         if saved:
             save(loop)
         if loop.ray is not None:  # in Ray Train's worker: the evaluation and the checkpoint reported to Ray
-            args = state, loop.report.records, saved, loop.r.model, run_dir.url
+            args = state, loop.report.records, saved, loop.r.evaluated, run_dir.url
             loop.ray.after_epoch(*args, lambda metrics: model_json(loop, metrics))
         if state.stopped_early:
             say(state.stopped_early)
@@ -226,7 +226,8 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
         for batch in log.system.timed(loader.batches(epoch, state.epoch_step)):
             if accumulator is not None:
                 accumulator.plan(loader, state.epoch_step)
-            loop.step(batch.x, batch.y, batch.weight)
+            x, y = (batch.x, batch.y) if loop.r.mix is None else loop.r.mix(batch.x, batch.y, epoch, state.epoch_step)
+            loop.step(x, y, batch.weight)
             state.samples_since_eval += batch.samples  # the global batch's: every process's
             state.step += 1
             state.epoch_step += 1
@@ -277,7 +278,8 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     progress = {**asdict(state), "loss_sums": loss_sums, **({"places": places} if places else {})}
     progress |= loop.step.accumulator.saved(state.epoch_step) if loop.step.accumulator is not None else {}
     metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
-    payload = checkpoint.snapshot(r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead)
+    state_of = (r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead, r.ema)
+    payload = checkpoint.snapshot(*state_of)
     payload |= {"rng_ranks": rngs} if rngs else {}
     payload |= loop.chooser.saved(state)
     payload |= {"placement": r.feed.streaming_choice.saved()}
@@ -303,14 +305,19 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     return loop.attempt.over(loop.budget) if loop.budget is not None else ""
 
 
-def model_json(loop: Loop, metrics: dict) -> dict:
+def model_json(loop: Loop, metrics: dict, temperature: float | None = None) -> dict:
     r = loop.r
-    return bundle.describe(loop.cfg, r.classes, r.input_shape, r.feed.stats_cpu(), r.feed.features, metrics)
+    card = bundle.describe(loop.cfg, r.classes, r.input_shape, r.feed.stats_cpu(), r.feed.features, metrics)
+    if temperature is not None:  # the logits divided by it before the softmax: calibrated probabilities
+        card["temperature"] = temperature
+    if r.multilabel:  # a class is in an image's label set where its probability is above its threshold
+        card |= bundle.multilabel_entry(r.classes, loop.chooser.thresholds)
+    return card
 
 
-def write_results(loop: Loop, final: dict) -> None:
-    loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.model))
-    described = json.dumps(model_json(loop, final), indent=1, ensure_ascii=False)
+def write_results(loop: Loop, final: dict, temperature: float | None) -> None:
+    loop.run_dir.write("model.pt", checkpoint.weights_bytes(loop.r.evaluated))
+    described = json.dumps(model_json(loop, final, temperature), indent=1, ensure_ascii=False)
     loop.run_dir.write(bundle.MODEL_JSON, described.encode())
     loop.report.close(final, loop.attempt.settle())
     loop.attempt.end(0, metrics=final)
@@ -323,14 +330,17 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     run_dir, state, report, stop, on = loop.run_dir, loop.state, loop.report, loop.stop, loop.r.evaluated_on
     last = next((r for r in reversed(report.records) if "train_loss" in r), resumed)
     tested = final_test(loop)
-    write_reports(loop)
+    calibration = write_reports(loop)
+    temperature = calibration.pop("temperature", None)
+    metric = loop.chooser.metric_key
     final = {
-        "best_accuracy": state.best_accuracy,
+        f"best_{metric}": state.best_accuracy,
         **({f"best_{on}_loss": state.best_loss} if math.isfinite(state.best_loss) else {}),  # the chosen model's
-        "final_accuracy": last.get(f"{on}_accuracy"),
+        f"final_{metric}": last.get(f"{on}_{metric}"),
         f"final_{on}_loss": last.get(f"{on}_loss"),
     } | {k: v for k, v in tested.items() if k.startswith(("test_", "final_test_"))}
-    distributed.on_writer(lambda: write_results(loop, final))
+    final |= calibration  # each split's expected calibration error, before and after the temperature
+    distributed.on_writer(lambda: write_results(loop, final, temperature))
     if not distributed.is_writer():  # rank 0 has written the results and uploads them
         return {"rank": distributed.rank(), "epochs": state.epoch, "steps": state.step}
     if run_dir.remote:
@@ -355,8 +365,15 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         say(f"{reason} came as the run was ending: it finished, there is nothing to continue")
     for line in chosen_lines(loop.chooser, loop.r.classes, state.best_epoch):
         say(line)  # before the last line, which says where the outputs are
+    if temperature is not None and "val_ece" in final:
+        split = "test" if "test_ece" in final else "val"
+        say(
+            f"calibrated on val: temperature {temperature:.3g} (model.json); {split} expected calibration error "
+            f"{final[f'{split}_ece']:.4f} -> {final[f'{split}_ece_calibrated']:.4f} (report/{split}/reliability.png)"
+        )
     say(
-        f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; {outcome(on, final, state)}; "
+        f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; "
+        f"{outcome(on, final, state, metric)}; "
         f"{describe_cost(cost)}; outputs in {run_dir.url}"
         + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
     )

@@ -165,3 +165,17 @@ def test_bench_refuses_a_recipe_the_tutorials_loop_cannot_run(tmp_path):
     assert "\n" not in line and line.startswith("error: bench: the tutorials' loop it compares against has nothing")
     for name in ("alternate", "reflect", "lookahead_every", "label_smoothing", "test_time_augmentation", "init_from"):
         assert name in line
+
+
+def test_the_recipes_tricks_are_beyond_the_tutorials_loop():
+    from torch import nn
+
+    from job.config import load_config
+    from job.naive import beyond_the_tutorials
+
+    tricks = ["optim.warmup='5 steps'", "optim.layer_decay=0.7", "data.augment=[trivial_augment]", "train.ema=0.99"]
+    tricks += ["train.mixup=0.2", "train.finetune_stages=1"]
+    found = beyond_the_tutorials(load_config("iris", tricks), nn.Linear(4, 3))
+    names = ["optim.warmup", "optim.layer_decay", "data.augment", "train.ema", "train.mixup, train.cutmix"]
+    assert found == [*names, "train.finetune_stages"]
+    assert beyond_the_tutorials(load_config("iris", ["optim.warmup='0 steps'"]), nn.Linear(4, 3)) == []

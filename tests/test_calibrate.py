@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from PIL import Image
 from sklearn.calibration import calibration_curve
 
-from job.calibrate import BINS, expected_calibration_error, fit_temperature, reliability_png
+from job.calibrate import BINS, LOWEST, expected_calibration_error, fit_temperature, reliability_png
 
 
 def drawn(n: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +39,14 @@ def test_the_fitted_temperature_is_the_likelihoods_minimum_and_mends_an_over_sur
     after = expected_calibration_error(torch.softmax(sure / t, 1), labels)
     assert after < before / 3
     assert torch.equal((sure / t).argmax(1), sure.argmax(1))  # no prediction changes
+
+
+def test_a_perfectly_separated_val_split_gives_a_bounded_temperature_no_worse_than_none():
+    logits = torch.tensor([[8.0, 0.0, 0.0], [0.0, 9.0, 0.0], [0.0, 0.0, 7.0]]).repeat(20, 1)
+    labels = torch.tensor([0, 1, 2]).repeat(20)
+    t = fit_temperature(logits, labels)  # no finite best: sharper is always likelier
+    assert LOWEST <= t <= 1.0
+    assert F.cross_entropy(logits / t, labels) <= F.cross_entropy(logits, labels)
 
 
 def test_nothing_to_fit_is_temperature_one():

@@ -266,3 +266,57 @@ def test_overwriting_a_finished_run_from_its_own_checkpoint_writes_its_results_a
     code, err = invoke([*base, "--resume", str(kept), "--overwrite"])
     assert code == 0, err
     assert (out / "model.pt").is_file() and (out / "config.yaml").is_file() and (out / "metrics.jsonl").is_file()
+
+
+def test_a_recipe_run_killed_and_resumed_equals_uninterrupted(tmp_path):
+    """EMA, TrivialAugment with random erasing, MixUp and CutMix, label smoothing and a warm-up, killed (SIGKILL)
+    after commits and resumed: the EMA's weights in model.pt, every evaluation and the training loss are those of a
+    run that never stopped."""
+    from conftest import write_image_folder
+
+    images = write_image_folder(tmp_path / "images", size=16)
+    recipe = sets(
+        f"data.path={images}",
+        "data.kind=folder",
+        "model.name=mlp",
+        "data.batch_size=12",  # 3 steps an epoch
+        "train.ema=0.99",
+        "data.augment=[trivial_augment, random_erasing]",
+        "data.random_hflip=true",
+        "train.mixup=0.4",
+        "train.cutmix=1.0",
+        "train.label_smoothing=0.1",
+        "optim.warmup='30 steps'",
+        "optim.momentum=0.9",
+        "train.checkpoint_every_epochs=20",
+        "train.eval_every_epochs=30",
+        "train.log_every_steps=10",
+        "train.keep_last=2",
+    )
+    args = ["--device", "cpu", *recipe]
+    out = str(tmp_path / "killed")
+    rng = random.Random(45)
+    last_step, resumed_from = -1, set()
+    for _ in range(3):
+        proc = start_job("train", *args, "--set", FOREVER, "--output", out)
+        deadline = time.time() + 300
+        while committed_step(out) <= last_step and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        assert committed_step(out) > last_step, "no new commit within 300 s"
+        time.sleep(rng.uniform(0.0, 0.3))
+        assert proc.poll() is None, "the run ended by itself"
+        proc.kill()
+        _, err = proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, err[-2000:]
+        resumed_from |= {line for line in err.splitlines() if line.startswith("resuming")}
+        last_step = committed_step(out)
+    assert len(resumed_from) >= 2, resumed_from
+    end = f"train.epochs={pointer(out)['epoch'] + 25}"
+    final = run_job("train", *args, "--set", end, "--output", out)
+    assert final.returncode == 0, final.stderr[-2000:]
+    reference = run_job("train", *args, "--set", end, "--output", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert_same_run(str(tmp_path / "reference"), out)
+    with fsspec.open(f"{out}/checkpoints/{pointer(out)['file']}", "rb") as f:
+        payload = torch.load(f, weights_only=True)
+    assert payload["ema"]["updates"] == payload["progress"]["step"]  # the average went on across the kills

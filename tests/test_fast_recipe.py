@@ -18,10 +18,10 @@ from conftest import assert_same_run, invoke, metrics, pointer, run_job, scalars
 from job import recipe, schedule
 from job.config import load_config
 from job.data.augment import crop_flip
+from job.data.augment import viewed_logits as logits
 from job.data.dataset import Split
 from job.data.loader import BatchLoader
 from job.errors import ConfigError
-from job.evaluate import logits
 from job.models import CifarFast
 from job.step import EagerStep
 

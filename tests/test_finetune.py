@@ -239,7 +239,7 @@ def test_photo_views_shapes_ranges_and_centre_crop():
     batches = [(b.x, b.y) for b in train.batches(0)]
     assert [tuple(b.shape) for b, _ in batches] == [(16, 3, 32, 32)] * 4
     assert all(b.dtype == torch.float32 and b.min() >= 0 and b.max() <= 1 for b, _ in batches)
-    _, _, _, boxes = train.draws(0)
+    _, _, _, boxes, _ = train.draws(0)
     w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
     assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= 40).all() and (boxes[:, 3] <= 40).all()
     assert ((w * h / 1600) >= 0.24).all() and ((w * h / 1600) <= 1.0).all() and ((w / h - 1).abs() < 0.5).all()

@@ -500,3 +500,35 @@ def test_an_evaluation_pass_never_waits_for_the_gpu_and_counts_as_the_cpu_does(t
     finally:
         torch.use_deterministic_algorithms(False)
     assert again[2] == 180 and again[4:].sum() == 180 and abs(float(again[1] - sums[1])) <= 3
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_the_recipes_tricks_never_wait_for_the_gpu(tmp_path, placement):
+    """EMA updates, TrivialAugment and random erasing, MixUp and CutMix and a warm-up: an epoch with every one of
+    them runs without the host waiting for the device."""
+    root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=40, size=32)
+    tricks = ["train.ema=0.99", "data.augment=[trivial_augment, random_erasing]", "train.mixup=0.2"]
+    tricks += ["train.cutmix=1.0", "train.mix_switch=0.5", "optim.warmup='5 steps'", "optim.schedule=cosine"]
+    cfg = load_config(
+        "cifar10",
+        ["data.kind=folder", f"data.path={root}", "data.batch_size=16", "data.random_hflip=true"]
+        + ["data.normalize=true", f"data.placement={placement}", "optim.momentum=0.9", *tricks],
+    )
+    data = load_data(cfg.data, tmp_path / "cache", say)
+    r = recipe.build(cfg, CUDA, data)
+    state, log = Progress(), LossLog(CUDA, cfg.train.log_every_steps)
+    step = build_step(r, log.sums, plan_step(step_facts(r, "auto", 1e9)))
+    run_dir = RunDir(str(tmp_path / "run"))
+    report = Report(run_dir, {}, 2, len(r.train), 0)
+    with StopRequest(20) as stop:
+        clock, chooser = TrainClock(CUDA), Chooser(cfg.train, r.evaluated_on)
+        loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, 0.0, 0.0, Attempt(None), chooser)
+        for _ in range(2):
+            train_epoch(loop, 0)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            train_epoch(loop, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert r.ema.updates == state.step and torch.isfinite(log.sums).all()

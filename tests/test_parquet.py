@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from conftest import encode, invoke, pattern_images, sets
 from PIL import Image
 
@@ -161,17 +162,41 @@ def test_a_label_not_in_the_class_label_names_is_named(tmp_path):
     assert "row 3" in line and "7" in line and "ClassLabel" in line
 
 
-def test_a_column_of_label_lists_is_refused_for_now(tmp_path):
-    images, _ = pictures(2, 0)
+def label_lists(path: Path, labels: list[list[int]]) -> Path:
+    """A parquet file of Sequence(ClassLabel) labels, written by the `datasets` package."""
+    images, _ = pictures(len(labels), 0)
     ds = datasets.Dataset.from_dict(
-        {"image": images, "labels": [[0, 1]] * len(images)},
+        {"image": images[: len(labels)], "labels": labels},
         features=datasets.Features(
             {"image": datasets.Image(), "labels": datasets.Sequence(datasets.ClassLabel(names=NAMES))}
         ),
     )
-    ds.to_parquet(str(tmp_path / "train.parquet"))
+    ds.to_parquet(str(path))
+    return path
+
+
+def test_a_sequence_of_class_labels_is_read_as_multilabel_targets(tmp_path):
+    labels = [[0, 1], [2], [], [1, 2, 0], [1]] * 4
+    f = label_lists(tmp_path / "train.parquet", labels)
+    data = load_parquet(DataConfig(kind="parquet", path=str(f), label_column="labels", val_split=0.3), None, print)
+    assert data.classes == NAMES and data.multilabel
+    every = torch.cat([data.train.y, data.val.y])
+    assert len(every) == len(labels) and int((every.sum(1) == 0).sum()) == 4  # images with no label are kept
+    assert every.sum(0).long().tolist() == [sum(1 for row in labels if k in row) for k in range(3)]
+    d = data.inventory.to_json()["splits"]
+    assert d["train"]["images"] + d["val"]["images"] == len(labels)
+
+
+def test_a_label_list_with_an_index_not_in_the_class_label_names_is_named(tmp_path):
+    images, _ = pictures(2, 0)
+    table = pa.table({"image": [{"bytes": encode(np.asarray(i).transpose(2, 0, 1)), "path": None} for i in images],
+                      "labels": [[0], [1, 2], [], [7, 0], [0], [1]]})  # fmt: skip
+    seq = {"_type": "Sequence", "feature": {"_type": "ClassLabel", "names": NAMES}}
+    meta = {"info": {"features": {"image": {"_type": "Image"}, "labels": seq}}}
+    table = table.replace_schema_metadata({"huggingface": json.dumps(meta)})
+    pq.write_table(table, tmp_path / "train.parquet")
     line = bad(tmp_path, "data.kind=parquet", f"data.path={tmp_path / 'train.parquet'}", "data.label_column=labels")
-    assert "multi-label labels are not supported yet" in line
+    assert "row 3" in line and "7" in line and "ClassLabel" in line
 
 
 def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp_path, bucket):
@@ -208,3 +233,51 @@ def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp
     held = load_parquet(DataConfig(kind="parquet", path=str(root)), None, print)
     assert record["classes"] == NAMES
     assert {s: v["per_class"] for s, v in record["splits"].items()} == counts(held)
+
+
+def test_sequence_class_labels_stream_and_a_sigkill_resumes_exactly(tmp_path):
+    """Multi-label parquet streamed (data.placement=stream): packed with each sample's 0/1 targets, the counts of
+    the held read; a run killed after its first commit and resumed equals one that never stopped, thresholds too."""
+    import signal
+    import time
+
+    from conftest import assert_same_run, pointer, run_job, start_job
+
+    rng = np.random.default_rng(3)
+    labels = [sorted(int(k) for k in np.flatnonzero(rng.random(3) < 0.4)) for _ in range(60)]
+    f = label_lists(tmp_path / "ds" / "train.parquet", labels)
+    args = ["--device", "cpu", *sets("data.kind=parquet", f"data.path={f}", "data.placement=stream",
+            "data.label_column=labels", "data.val_split=0.3", "data.workers=0", "data.image_size=32",
+            "data.batch_size=8", "model.name=cifar_cnn", "train.checkpoint_every_epochs=1")]  # fmt: skip
+    out = tmp_path / "killed"
+    proc = start_job("train", *args, "--set", "train.epochs=100000000", "--output", str(out))
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "latest.json").is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended by itself"
+    proc.kill()
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+    assert "multilabel" in err.split("\nepoch ")[0]
+    end = f"train.epochs={pointer(str(out))['epoch'] + 2}"
+    final = run_job("train", *args, "--set", end, "--output", str(out))
+    assert final.returncode == 0 and "resuming" in final.stderr, final.stderr[-2000:]
+    reference = run_job("train", *args, "--set", end, "--output", str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert_same_run(str(tmp_path / "reference"), str(out))
+    a, b = (json.loads((tmp_path / r / "model.json").read_text()) for r in ("reference", "killed"))
+    assert a["thresholds"] == b["thresholds"] and set(a["thresholds"]) == set(NAMES)
+    record = json.loads((out / "data.json").read_text())
+    held = load_parquet(
+        DataConfig(kind="parquet", path=str(f), label_column="labels", val_split=0.3, test_split=0.2), None, print
+    )  # the default preset (iris) holds test_split 0.2 out
+    assert {s: v["per_class"] for s, v in record["splits"].items()} == held.inventory.counts
+    assert sum(v["images"] for v in record["splits"].values()) == len(labels)
+
+
+def test_data_task_multilabel_on_one_class_labels_is_one_line(tmp_path):
+    root = hub_dataset(tmp_path / "ds", {"train": 4, "test": 2})
+    over = sets("data.kind=parquet", f"data.path={root}", "data.task=multilabel")
+    code, err = invoke(["train", "--output", str(tmp_path / "run"), "--device", "cpu", *over])
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and last.startswith("error: data.task=multilabel"), err

@@ -96,7 +96,8 @@ def test_predict_decoding_on_the_device_needs_a_cuda_device_and_says_so_in_one_l
 
 
 def test_predict_gives_the_evaluations_probabilities(trained, tmp_path):
-    """predict on the run's own val files: the same probabilities as the run's evaluation pipeline gives them."""
+    """predict on the run's own val files: the same probabilities as the run's evaluation pipeline gives them, over
+    the temperature the run fitted on val (model.json)."""
     from job import recipe
     from job.config import Config
     from job.data.folder import load_folder
@@ -112,7 +113,8 @@ def test_predict_gives_the_evaluations_probabilities(trained, tmp_path):
     r.model.eval()
     loader = BatchLoader(data.val, 64, torch.device("cpu"), torch.device("cpu"), mean=r.feed.mean, std=r.feed.std)
     with torch.no_grad():
-        expected = torch.softmax(torch.cat([r.model(b.x) for b in loader.batches()]), 1)
+        t = json.loads((run / "model.json").read_text())["temperature"]
+        expected = torch.softmax(torch.cat([r.model(b.x) for b in loader.batches()]) / t, 1)
     root = Path(cfg.data.path)
     code, err = invoke(
         ["predict", "-m", str(run), *[str(root / f) for f in sorted(val_files)], "--device", "cpu", "--top-k", "3"]
@@ -194,7 +196,7 @@ def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime
         logits = program.module()(torch.from_numpy(x)).detach().numpy()
     from job.bundle import load_predictor
 
-    model = load_predictor(str(run), torch.device("cpu")).model
+    model = load_predictor(str(run), torch.device("cpu")).served(views=False)  # the logits over the temperature
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
     assert logits.shape == (5, len(card["classes"])) and np.abs(logits - want).max() < 1e-3

@@ -168,3 +168,205 @@ def channel_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mean = total / count
     std = (squares / count - mean.square()).clamp_min(1e-12).sqrt()
     return mean.float(), std.float()
+
+
+@dataclass(frozen=True)
+class Policy:
+    """data.augment's per-image policies, with torchvision.transforms.v2's operations and magnitudes: TrivialAugment
+    (TrivialAugmentWide: one operation a image, its magnitude one of 31 at random), RandAugment (its defaults: 2
+    operations a image at magnitude 9 of 31) and random erasing (RandomErasing's boxes, of `erasing` probability)."""
+
+    trivial: bool = False
+    rand: bool = False
+    erasing: float = 0.0
+
+    RAND_OPS = 2  # torchvision's RandAugment defaults
+    RAND_MAGNITUDE = 9
+    BINS = 31
+
+    def __bool__(self) -> bool:
+        return self.trivial or self.rand or self.erasing > 0
+
+    def spaces(self) -> list[tuple[dict, bool]]:
+        """(torchvision's augmentation space, magnitude drawn) of each round of operations."""
+        from torchvision.transforms import v2
+
+        if self.trivial:
+            return [(v2.TrivialAugmentWide._AUGMENTATION_SPACE, True)]
+        return [(v2.RandAugment._AUGMENTATION_SPACE, False)] * (self.RAND_OPS if self.rand else 0)
+
+
+@dataclass(frozen=True)
+class PolicyDraws:
+    """Per-image draws of a Policy: `ops` (n x rounds, on the host: the batch is grouped by operation without the
+    host reading the device), their signed magnitudes and the erased boxes (y0, x0, y1, x1; empty where none), on the
+    device."""
+
+    ops: torch.Tensor
+    magnitudes: torch.Tensor
+    erase: torch.Tensor | None
+
+    def part(self, lo: int, hi: int) -> PolicyDraws:
+        return PolicyDraws(self.ops[lo:hi], self.magnitudes[lo:hi], None if self.erase is None else self.erase[lo:hi])
+
+
+def draw_policy(
+    policy: Policy, g: torch.Generator, n: int, size: tuple[int, int], view: View | None = None
+) -> PolicyDraws | None:
+    """n images' operations, magnitudes and erased boxes, drawn from g in that order (None when the policy is off);
+    `size`: the held images' (the operations'), `view`: what makes the model's inputs of them (the boxes' size).
+    As torchvision draws them per image: an operation, a magnitude bin (TrivialAugment's at random, RandAugment's
+    fixed), a sign for signed ones; RandomErasing's probability, then up to 10 tries of area and aspect."""
+    if not policy:
+        return None
+    h, w = size
+    ops, magnitudes = [], []
+    for space, random_bins in policy.spaces():
+        names = list(space)
+        table = torch.zeros(len(names), policy.BINS)
+        signed = torch.zeros(len(names), dtype=torch.bool)
+        for k, (magnitudes_of, is_signed) in enumerate(space.values()):
+            values = magnitudes_of(policy.BINS, h, w)
+            if values is not None:
+                table[k], signed[k] = values.float(), is_signed
+        op = torch.randint(len(names), (n,), generator=g)
+        bins = torch.randint(policy.BINS, (n,), generator=g) if random_bins else torch.full((n,), policy.RAND_MAGNITUDE)
+        flip = (torch.rand(n, generator=g) <= 0.5) & signed[op]
+        ops.append(op)
+        magnitudes.append(torch.where(flip, -table[op, bins], table[op, bins]))
+    out = (view.size, view.size) if view is not None else size
+    erase = erasing_boxes(g, n, *out, policy.erasing) if policy.erasing else None
+    empty = torch.zeros(n, 0)
+    return PolicyDraws(
+        torch.stack(ops, 1) if ops else empty.long(), torch.stack(magnitudes, 1) if magnitudes else empty, erase
+    )
+
+
+def erasing_boxes(g: torch.Generator, n: int, h: int, w: int, p: float, tries: int = 10) -> torch.Tensor:
+    """RandomErasing's boxes (y0, x0, y1, x1) for n images: with probability p, the first of `tries` draws of
+    area (0.02 to 0.33 of the image) and aspect (0.3 to 3.3, log-uniform) that fits; an empty box otherwise."""
+    chosen = torch.rand(n, generator=g) < p
+    area = h * w * (0.02 + 0.31 * torch.rand(n, tries, generator=g, dtype=torch.float64))
+    logs = math.log(0.3), math.log(3.3)
+    aspect = torch.exp(logs[0] + (logs[1] - logs[0]) * torch.rand(n, tries, generator=g, dtype=torch.float64))
+    eh, ew = (area * aspect).sqrt().round(), (area / aspect).sqrt().round()
+    fits = (eh < h) & (ew < w)
+    first = fits.int().argmax(1, keepdim=True)
+    eh, ew = eh.gather(1, first)[:, 0], ew.gather(1, first)[:, 0]
+    u = torch.rand(n, 2, generator=g, dtype=torch.float64)
+    y0, x0 = (u[:, 0] * (h - eh + 1)).floor(), (u[:, 1] * (w - ew + 1)).floor()
+    boxes = torch.stack([y0, x0, y0 + eh, x0 + ew], 1).float()
+    return torch.where((chosen & fits.any(1))[:, None], boxes, torch.zeros_like(boxes))
+
+
+def placed(d: PolicyDraws | None, device: torch.device, move: Callable) -> PolicyDraws | None:
+    """The draws' magnitudes and boxes on the device (through `move`: page-locked, no host wait); ops stay."""
+    if d is None:
+        return None
+    return PolicyDraws(d.ops, move(d.magnitudes, device), None if d.erase is None else move(d.erase, device))
+
+
+def apply_policy(x: torch.Tensor, d: PolicyDraws | None, move: Callable) -> torch.Tensor:
+    """uint8 images N x C x H x W with each image's operations done, round by round. The batch is grouped by
+    operation on the host's copy of the draws, so each operation runs once on its images, with their magnitudes as a
+    tensor: a few kernels per operation, no per-image Python loop and no host sync. Out of place: `x` may be a view
+    of the held data."""
+    if d is None:
+        return x
+    names = list(Policy(trivial=True).spaces()[0][0])  # both spaces name the same operations in the same order
+    for r in range(d.ops.shape[1]):
+        column = d.ops[:, r]
+        for k in column.unique().tolist():
+            if names[k] == "Identity":
+                continue
+            idx = move(torch.nonzero(column == k)[:, 0], x.device)
+            done = operation(x.index_select(0, idx), names[k], d.magnitudes[:, r].index_select(0, idx))
+            x = x.index_copy(0, idx, done)
+    return x
+
+
+def operation(x: torch.Tensor, name: str, m: torch.Tensor) -> torch.Tensor:
+    """One of torchvision's auto-augment operations on uint8 images, each at its own magnitude `m` (as
+    v2.TrivialAugmentWide._apply_image_or_video_transform does to one image: nearest pixels, black fill)."""
+    from torchvision.transforms.v2 import functional as TF
+
+    f = (1.0 + m).view(-1, 1, 1, 1)
+    if name == "Identity":
+        return x
+    if name in ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate"):
+        return affine(x, name, m)
+    if name == "Brightness":
+        return blend(x, torch.zeros_like(x), f)
+    if name == "Color":
+        return blend(x, TF.adjust_saturation(x, 0.0), f) if x.shape[1] == 3 else x
+    if name == "Contrast":
+        gray = TF.rgb_to_grayscale(x) if x.shape[1] == 3 else x
+        return blend(x, gray.float().mean((1, 2, 3), keepdim=True).expand_as(x), f)
+    if name == "Sharpness":
+        return blend(x, TF.adjust_sharpness(x, 0.0), f)
+    if name == "Posterize":
+        bits = m.to(torch.int32).view(-1, 1, 1, 1)
+        return x & (((1 << bits) - 1) << (8 - bits)).to(torch.uint8)
+    if name == "Solarize":
+        return torch.where(x >= (255 * m).view(-1, 1, 1, 1), 255 - x, x)
+    if name == "AutoContrast":
+        return TF.autocontrast(x)
+    if name == "Equalize":
+        return TF.equalize(x)
+    raise ValueError(f"no operation {name}")
+
+
+def blend(x: torch.Tensor, degenerate: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """torchvision's _blend with a ratio per image: x * f + degenerate * (1 - f), clamped, back to uint8."""
+    return (x.float() * f + degenerate.float() * (1 - f)).clamp_(0, 255).to(torch.uint8)
+
+
+def affine(x: torch.Tensor, name: str, m: torch.Tensor) -> torch.Tensor:
+    """Shears (about the top-left corner, as torchvision's), translations (whole pixels) and rotations (about the
+    centre, in degrees), each image by its own magnitude, as one grid sample: nearest pixels, zeros outside. The
+    direction of a positive magnitude is immaterial: the policies draw the sign at random."""
+    n, _, h, w = x.shape
+    theta = torch.zeros(n, 2, 3, device=x.device)
+    theta[:, 0, 0] = theta[:, 1, 1] = 1
+    if name == "ShearX":  # x_in = x + m y in pixels, y from the top edge; in [-1, 1] coordinates:
+        theta[:, 0, 1] = theta[:, 0, 2] = m * h / w
+    elif name == "ShearY":
+        theta[:, 1, 0] = theta[:, 1, 2] = m * w / h
+    elif name == "TranslateX":
+        theta[:, 0, 2] = -2 * m.trunc() / w
+    elif name == "TranslateY":
+        theta[:, 1, 2] = -2 * m.trunc() / h
+    else:
+        a = torch.deg2rad(m)
+        theta[:, 0, 0], theta[:, 0, 1] = a.cos(), -a.sin() * h / w
+        theta[:, 1, 0], theta[:, 1, 1] = a.sin() * w / h, a.cos()
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False).to(torch.uint8)
+
+
+def erase(x: torch.Tensor, d: PolicyDraws | None) -> torch.Tensor:
+    """Float images with each one's erased box set to 0 (the mean, once normalised: torchvision's recipe erases
+    after Normalize, with value 0)."""
+    if d is None or d.erase is None:
+        return x
+    b = d.erase
+    rows = torch.arange(x.shape[2], device=x.device)
+    cols = torch.arange(x.shape[3], device=x.device)
+    inside_rows = (rows >= b[:, :1]) & (rows < b[:, 2:3])
+    inside_cols = (cols >= b[:, 1:2]) & (cols < b[:, 3:4])
+    return x.masked_fill(inside_rows[:, None, :, None] & inside_cols[:, None, None, :], 0.0)
+
+
+def viewed_logits(model, x: torch.Tensor, augmentation: str = "none") -> torch.Tensor:
+    """The model's logits for images x; with flip, the mean over each image and its mirror image; with flip_shift,
+    half that and half the same mean for the image shifted a pixel up-left and a pixel down-right (its edges
+    mirrored in)."""
+    if augmentation == "none":
+        return model(x)
+    flipped = (model(x).float() + model(x.flip(-1)).float()) / 2
+    if augmentation == "flip":
+        return flipped
+    h, w = x.shape[-2:]
+    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    shifted = [viewed_logits(model, padded[..., :h, :w], "flip"), viewed_logits(model, padded[..., 2:, 2:], "flip")]
+    return (flipped + (shifted[0] + shifted[1]) / 2) / 2

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Split:
-    """One split: x is uint8 N x C x H x W for images or float32 N x F for tables; y is int64 N."""
+    """One split: x is uint8 N x C x H x W for images or float32 N x F for tables; y is int64 N (class indexes), or
+    float32 N x classes of 0 and 1 (multi-label)."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -53,6 +54,11 @@ class Dataset:
         return "val" if self.val is not None else "test"
 
     @property
+    def multilabel(self) -> bool:
+        """Any number of classes an image (multi-hot targets), not one."""
+        return self.train.y.dim() == 2
+
+    @property
     def is_image(self) -> bool:
         return self.train.x.dtype == torch.uint8
 
@@ -63,4 +69,5 @@ class Dataset:
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.input_shape)
         held = " / ".join(f"{self.samples(s)} {s}" for s in ("train", "val", "test") if self.split(s) is not None)
-        return f"{self.source}: {held}, {len(self.classes)} classes, inputs {shape}"
+        task = "multilabel: any number of the " if self.multilabel else ""
+        return f"{self.source}: {held}, {task}{len(self.classes)} classes, inputs {shape}"

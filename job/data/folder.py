@@ -17,7 +17,7 @@ from job.data.dataset import Dataset, Split
 from job.data.files import Log, read_entries
 from job.data.image import UnreadableImage, pixels
 from job.data.preprocess import Preprocess
-from job.data.split import ROLES, SUFFIXES, Files, HoldOut, Inventory, count, kind_of, sort_files
+from job.data.split import ROLES, SUFFIXES, Files, HoldOut, Inventory, count, kind_of, label_names, sort_files
 from job.errors import ConfigError, DataError
 
 LAYOUT = f"<class>/*.{SUFFIXES} or train/<class>/*.{SUFFIXES}"
@@ -64,10 +64,10 @@ def check_files(files: Files, classes: list[str], url: str) -> None:
             "cifar10 presets set 0), or add a val/ folder"
         )
     for role in ("val", "test"):
-        unknown = sorted({c for _, c in files.roles[role]} - set(classes))
+        unknown = sorted({c for _, label in files.roles[role] for c in label_names(label)} - set(classes))
         if unknown:
             raise DataError(f"{url}: {role} classes without training images: {', '.join(unknown[:5])}")
-    if len(classes) < 2:
+    if len(classes) < 2 and not files.multilabel:  # multi-label: one class is a yes/no question
         raise DataError(f"{url}: one class ({classes[0]}): a classifier needs images of two classes or more")
 
 
@@ -97,9 +97,9 @@ def held(
     trained model is scored on, which need nothing to train on; `pre`: how they are held (default: as cfg says)."""
     pre = pre or Preprocess.of(cfg)
     skipped = [] if skipped is None else skipped
+    strict, multilabel = cfg.skip_bad_samples, files.multilabel
     splits = {
-        role: decode_split(files.roles[role], content, classes, pre, url, skipped, cfg.skip_bad_samples)
-        for role in ROLES
+        role: decode_split(files.roles[role], content, classes, pre, url, skipped, strict, multilabel) for role in ROLES
     }
     report_skipped(skipped, log)
     shapes = {role: tuple(s.x.shape[1:]) for role, s in splits.items() if len(s)}
@@ -110,8 +110,13 @@ def held(
         raise DataError(f"{url}: no training image could be decoded")
     bad = {s["path"] for s in skipped}
     held_out = {role: [n for n in names if n not in bad] for role, names in files.held_out.items()}
-    counts = {role: count(s.y.tolist(), classes) for role, s in splits.items() if len(s)}
-    inventory = Inventory(classes, counts, held_out, skipped)
+    if files.multilabel:  # an image counts once in its split, and once for each class it shows
+        counts = {role: dict(zip(classes, s.y.sum(0).long().tolist())) for role, s in splits.items() if len(s)}
+        images = {role: len(s) for role, s in splits.items() if len(s)}
+        inventory = Inventory(classes, counts, held_out, skipped, images)
+    else:
+        counts = {role: count(s.y.tolist(), classes) for role, s in splits.items() if len(s)}
+        inventory = Inventory(classes, counts, held_out, skipped)
     for line in inventory.lines():
         log(line)
     val, test = (splits[r] if len(splits[r]) else None for r in ("val", "test"))
@@ -120,6 +125,18 @@ def held(
     if len(skipped) > SHOWN and not scoring:  # only now: a run that stops at reading writes no data.json
         log(f"data: data.json lists the {len(skipped)} files skipped")
     return Dataset(splits["train"], test, classes, source, val=val, inventory=inventory)
+
+
+def targets(labels: list, classes: list[str], multilabel: bool = False) -> torch.Tensor:
+    """Labels as a model's targets: class indexes (int64 N), or multi-label tuples of names as float32 N x classes
+    of 0 and 1."""
+    index = {c: i for i, c in enumerate(classes)}
+    if not multilabel:
+        return torch.tensor([index[label] for label in labels])
+    y = torch.zeros(len(labels), len(classes))
+    for i, names in enumerate(labels):
+        y[i, [index[c] for c in names]] = 1.0
+    return y
 
 
 def report_skipped(skipped: list[dict[str, str]], log: Log) -> None:
@@ -137,9 +154,11 @@ def decode_split(
     url: str,
     skipped: list[dict[str, str]] | None = None,
     skip: bool = True,
+    multilabel: bool = False,
 ) -> Split:
     """Decode the images (name, class) to uint8 3 x H x W, in threads (Pillow's decoders release the GIL). A file
-    that cannot be decoded is appended to `skipped` (skip) or stops the reading in one line naming it."""
+    that cannot be decoded is appended to `skipped` (skip) or stops the reading in one line naming it. `multilabel`:
+    each class a tuple of names, y float32 N x classes of 0 and 1 (multi-hot)."""
 
     def one(name: str) -> torch.Tensor | UnreadableImage:
         try:
@@ -149,8 +168,9 @@ def decode_split(
                 raise DataError(f"{url}: {e} (data.skip_bad_samples is false)") from None
             return e
 
+    empty_y = torch.zeros(0, len(classes)) if multilabel else torch.empty(0, dtype=torch.int64)
     if not items:
-        return Split(torch.empty(0, 3, *(pre.size or (0, 0)), dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
+        return Split(torch.empty(0, 3, *(pre.size or (0, 0)), dtype=torch.uint8), empty_y)
     chunks = [items[i : i + 256] for i in range(0, len(items), 256)]
     pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
     try:
@@ -172,7 +192,6 @@ def decode_split(
             f"e.g. {odd}); set data.image_size"
         )
     if not good:
-        return Split(torch.empty(0, 3, *(pre.size or (0, 0)), dtype=torch.uint8), torch.empty(0, dtype=torch.int64))
-    index = {c: i for i, c in enumerate(classes)}
-    x, y = torch.stack([img for img, _, _ in good]), torch.tensor([index[cls] for _, cls, _ in good])
+        return Split(torch.empty(0, 3, *(pre.size or (0, 0)), dtype=torch.uint8), empty_y)
+    x, y = torch.stack([img for img, _, _ in good]), targets([cls for _, cls, _ in good], classes, multilabel)
     return Split(x, y, [name for _, _, name in good])

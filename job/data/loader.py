@@ -12,7 +12,19 @@ from collections.abc import Iterator
 
 import torch
 
-from job.data.augment import View, alternate_flips, crop_flip, draws, epoch_seed, to_float
+from job.data.augment import (
+    Policy,
+    View,
+    alternate_flips,
+    apply_policy,
+    crop_flip,
+    draw_policy,
+    draws,
+    epoch_seed,
+    erase,
+    placed,
+    to_float,
+)
 from job.data.batches import Batch, move
 from job.data.dataset import Split
 
@@ -40,9 +52,11 @@ class BatchLoader:
         channels_last: bool = False,
         view: View | None = None,
         resized_crops: bool = False,
+        policy: Policy = Policy(),
     ) -> None:
         self.device, self.held_on = device, held_on
         self.view, self.resized_crops = view, resized_crops  # images viewed at the model's size; random crops
+        self.policy = policy  # data.augment
         self.rank, self.world = shard  # this process takes its slice of every batch (data-parallel training)
         self.x, self.y = split.x.to(held_on), split.y.to(held_on)
         self.n = len(split)
@@ -68,7 +82,7 @@ class BatchLoader:
 
     def batches(self, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
         """The epoch's batches from step `start` on, on the training device."""
-        order, crops, flips, boxes = self.draws(epoch)
+        order, crops, flips, boxes, drawn = self.draws(epoch)
         for i in range(start, len(self)):
             lo, hi = self.slice(i)
             if order is None:
@@ -85,7 +99,9 @@ class BatchLoader:
                     flips[lo:hi] if flips is not None else None,
                     self.reflect,
                 )
-            x = self.scale(x, boxes[lo:hi] if boxes is not None else None)
+            part = drawn.part(lo, hi) if drawn is not None else None
+            x = apply_policy(x, part, move)
+            x = erase(self.scale(x, boxes[lo:hi] if boxes is not None else None), part)
             named = tuple(self.names[lo:hi]) if self.names else ()
             yield Batch(x, y, self.loss_weight(i), self.samples(i), hi - lo, named)
 
@@ -110,11 +126,11 @@ class BatchLoader:
         return (hi - lo) * self.world / self.samples(i)
 
     def draws(self, epoch: int) -> tuple[torch.Tensor | None, ...]:
-        """The epoch's order, crop offsets, flips and resized-crop boxes, drawn on the CPU from (seed, epoch),
-        placed once per epoch."""
+        """The epoch's order, crop offsets, flips, resized-crop boxes and data.augment's draws, drawn on the CPU
+        from (seed, epoch), placed once per epoch."""
         shuffle = self.shuffle and len(self) > 1  # one batch holding every sample: its order changes nothing
-        if not (shuffle or self.crop_padding or self.hflip or self.resized_crops):
-            return None, None, None, None
+        if not (shuffle or self.crop_padding or self.hflip or self.resized_crops or self.policy):
+            return None, None, None, None, None
         g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         order = torch.randperm(self.n, generator=g) if shuffle else None
 
@@ -126,8 +142,9 @@ class BatchLoader:
         crops, flips, boxes = draws(
             g, self.n, size, self.crop_padding, self.hflip, self.view, self.resized_crops, alternate
         )
-        placed = [move(t, self.device) if t is not None else None for t in (crops, flips, boxes)]
-        return move(order, self.held_on) if order is not None else None, *placed
+        drawn = placed(draw_policy(self.policy, g, self.n, size, self.view), self.device, move)
+        on_device = [move(t, self.device) if t is not None else None for t in (crops, flips, boxes)]
+        return move(order, self.held_on) if order is not None else None, *on_device, drawn
 
     def scale(self, x: torch.Tensor, boxes: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 images to float in [0, 1] (through the view), then normalised; tables pass through."""

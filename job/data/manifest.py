@@ -3,7 +3,9 @@ its images read like a folder's (job/data/folder.py: one decoding, bad files ski
 
 Columns: data.path_column (paths relative to the manifest's folder, or URLs), data.label_column (class names, or
 class indexes when every label is an integer: the classes are then ordered by number), and data.split_column when
-the file has it (train, val or valid, test; an empty cell is train). Rows with no split of their own are held out
+the file has it (train, val or valid, test; an empty cell is train). Multi-label (data.task): the label column holds
+a JSON list of class names (or text split at data.label_separator), or the CSV has, instead of a label column, one
+0/1 column a class; an empty list is an image with none of them. Rows with no split of their own are held out
 for val and test by a hash of their path as written (job/data/split.py), as a folder's files are.
 
 Images under the manifest's folder are read through the folder reader's fetch and cache (one listing, concurrent
@@ -26,8 +28,8 @@ from job.data.dataset import Dataset
 from job.data.files import FETCH_CHUNK, Log, beside, fetch_named, read_bytes, read_entries
 from job.data.folder import check_files, held
 from job.data.preprocess import Preprocess
-from job.data.split import SPLIT_FOLDERS, Files, HoldOut
-from job.errors import DataError, StorageError
+from job.data.split import SPLIT_FOLDERS, Files, HoldOut, label_names
+from job.errors import ConfigError, DataError, StorageError
 
 COLUMNS_HINT = (
     "set data.path_column, data.label_column and data.split_column (job shard: --path-column, --label-column, "
@@ -54,10 +56,11 @@ def load_manifest(
     """The manifest's images in memory, split; `classes`: a trained model's (its images are scored, not trained on:
     every row is read, with no split required)."""
     url = cfg.path
-    files, labels = manifest_files(url, read_bytes(url, cache, log), Columns.of(cfg), HoldOut.of(cfg))
+    raw = read_bytes(url, cache, log)
+    files, labels = manifest_files(url, raw, Columns.of(cfg), HoldOut.of(cfg), cfg.task, cfg.label_separator)
     scoring = classes is not None
     if classes is None:
-        classes = class_order(labels, {label for _, label in files.roles["train"]})
+        classes = class_order(labels, {c for _, label in files.roles["train"] for c in label_names(label)})
         check_files(files, classes, url)
     elif unknown := sorted(set(labels) - set(classes)):
         raise DataError(f"{url}: labels the model does not know: {', '.join(unknown[:5])}")
@@ -69,16 +72,31 @@ def load_manifest(
     return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped, scoring, pre)
 
 
-def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tuple[Files, list[str]]:
+def manifest_files(
+    url: str, raw: bytes, columns: Columns, hold: HoldOut, task: str = "auto", separator: str | None = None
+) -> tuple[Files, list[str]]:
     """The manifest's rows as (path, label) per split, rows with no split of their own held out by a hash of their
-    path as written; and every row's label."""
+    path as written; and every row's label (each of them, for multi-label rows). Multi-label (files.multilabel) when
+    `task` says so or the labels are lists (a JSON list, cells split at `separator`, or 0/1 columns): a row's label
+    is then the tuple of its class names, sorted, () for an image with none."""
     rows = read_rows(url, raw)
-    check_columns(url, rows, columns)
-    files, labels = Files(), []
+    flags = flag_columns(rows, columns) if rows and columns.label not in rows[0] and task != "multiclass" else []
+    check_columns(url, rows, columns if not flags else Columns(columns.path, columns.path, columns.split))
+    if flags:
+        values = [tuple(c for c in flags if cell(row, c) == "1") for row in rows]
+    else:
+        values = [label_value(row.get(columns.label), separator) for row in rows]
+    listed = bool(flags) or separator is not None or any(isinstance(v, tuple) for v in values)
+    multilabel = task == "multilabel" or listed
+    if multilabel and task == "multiclass":
+        n = next(n for n, v in enumerate(values, start=1) if isinstance(v, tuple))
+        raise ConfigError(f"{url} row {n}: a list of labels, and data.task is multiclass: set data.task=multilabel")
+    files, labels = Files(multilabel=multilabel), []
     role_of = hold.roles()
-    for n, row in enumerate(rows, start=1):
-        path, label = cell(row, columns.path).removeprefix("./"), cell(row, columns.label)
-        if not path or not label:
+    for n, (row, value) in enumerate(zip(rows, values), start=1):
+        path = cell(row, columns.path).removeprefix("./")
+        label = value if not multilabel or isinstance(value, tuple) else ((value,) if value else ())
+        if not path or (not multilabel and not label):
             raise DataError(f"{url} row {n}: no {columns.path if not path else columns.label}")
         written = cell(row, columns.split).lower()
         role = SPLIT_FOLDERS.get(written) if written else "train"
@@ -89,8 +107,35 @@ def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tup
             if role != "train":
                 files.held_out[role].append(path)
         files.roles[role].append((path, label))
-        labels.append(label)
+        labels.extend(label_names(label))
     return files, labels
+
+
+def label_value(value, separator: str | None) -> str | tuple[str, ...]:
+    """A manifest cell's label: its class names as a sorted tuple when it holds a list (a JSON list, in a JSONL
+    value or a CSV cell, or text split at `separator`), else its text."""
+    if isinstance(value, list):
+        return tuple(sorted({str(v).strip() for v in value} - {""}))
+    text = "" if value is None else str(value).strip()
+    if separator is not None:
+        return tuple(sorted({part.strip() for part in text.split(separator)} - {""}))
+    if text.startswith("["):
+        try:
+            listed = json.loads(text)
+        except ValueError:
+            return text
+        if isinstance(listed, list):
+            return label_value(listed, None)
+    return text
+
+
+def flag_columns(rows: list[dict], columns: Columns) -> list[str]:
+    """The columns of 0/1 cells (one a class: 1 when the image shows it), when there are two or more of them and no
+    other columns besides the path and split."""
+    others = [c for c in rows[0] if c not in (columns.path, columns.split)]
+    if len(others) < 2 or not all(cell(row, c) in ("0", "1") for row in rows for c in others):
+        return []
+    return others
 
 
 def check_columns(url: str, rows: list[dict], columns: Columns) -> None:

@@ -35,7 +35,7 @@ from job.data.image import UnreadableImage, image_size
 from job.data.manifest import Columns
 from job.data.parquet import is_parquet, parquet_listed
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
-from job.data.split import Files, HoldOut, Inventory, count, is_image_name
+from job.data.split import Files, HoldOut, Inventory, count, is_image_name, label_names
 from job.errors import ConfigError, DataError, StorageError, one_line
 
 # What a source spools: the spool, the image sizes seen, the files skipped, the files by split, and the classes.
@@ -166,12 +166,14 @@ def pack_into(
             sp, sizes, skipped, files, classes = spool_folder(src, Path(tmp), log, hold)
         at = {name: i for i, name in enumerate(sp.names)}
         rng = np.random.default_rng(seed)
-        inventory = Inventory(
-            classes,
-            {r: count([classes.index(c) for _, c in files.roles[r]], classes) for r in SPLITS if files.roles[r]},
-            files.held_out,
-            skipped,
-        )
+        present = [r for r in SPLITS if files.roles[r]]
+        if files.multilabel:  # an image counts once in its split, and once for each class it shows
+            counts = {r: {c: sum(c in label for _, label in files.roles[r]) for c in classes} for r in present}
+            images = {r: len(files.roles[r]) for r in present}
+            inventory = Inventory(classes, counts, files.held_out, skipped, images)
+        else:
+            counts = {r: count([classes.index(c) for _, c in files.roles[r]], classes) for r in present}
+            inventory = Inventory(classes, counts, files.held_out, skipped)
         index = {
             "format": "webdataset",
             "source": src,
@@ -182,9 +184,10 @@ def pack_into(
             "hold_out": {"val": hold.val, "test": hold.test, "split_seed": hold.seed},
             "inventory": inventory.to_json(),
             **({"columns": asdict(columns)} if is_manifest(src) or parquet else {}),
+            **({"multilabel": True} if files.multilabel else {}),
         }
         for split in SPLITS:
-            items = [(at[name], classes.index(c)) for name, c in files.roles[split]]
+            items = [(at[name], target(c, classes)) for name, c in files.roles[split]]
             most = min(shard_samples, -(-len(items) // min_shards)) if items else shard_samples
             index["splits"][split] = write_shards(sp, items, rng, dst, split, Path(tmp), shard_bytes, most, log)
         for rel, text in ((CLASSES, "".join(f"{c}\n" for c in classes)), (INDEX, json.dumps(index, indent=1))):
@@ -209,7 +212,7 @@ def spool_manifest(src: str, folder: Path, log: Log, hold: HoldOut, columns: Col
     from job.data.manifest import Images, class_order, manifest_files
 
     files, labels = manifest_files(src, read_bytes(src, None, log), columns, hold)
-    classes = class_order(labels, {label for _, label in files.roles["train"]})
+    classes = class_order(labels, {c for _, label in files.roles["train"] for c in label_names(label)})
     check_files(files, classes, src)
     images = Images(src, [p for role in files.roles.values() for p, _ in role], None, log)
     return spool_named(images, folder, log, src, files, classes)
@@ -277,6 +280,14 @@ def member_ext(name: str, data: bytes) -> str:
         return FORMAT_EXTS.get(img.format or "", "png")
 
 
+def target(label: str | tuple[str, ...], classes: list[str]) -> int | str:
+    """What a sample's shard member holds of its label: its class index (.cls), or multi-label one character 0 or 1
+    a class (.labels: "01001")."""
+    if isinstance(label, tuple):
+        return "".join("1" if c in label else "0" for c in classes)
+    return classes.index(label)
+
+
 def write_shards(
     sp: Spool,
     items: list[tuple[int, int]],
@@ -309,7 +320,7 @@ def write_shards(
                 spooled.seek(sp.offsets[i])
                 key = f"{split}{i:08d}" + (f"-{copy[n]}" if copy[n] else "")  # a folder's: as ever
                 add(tar, f"{key}.{sp.ext(i)}", spooled.read(sp.sizes[i]))
-                add(tar, f"{key}.cls", str(label).encode())
+                add(tar, f"{key}.{'labels' if isinstance(label, str) else 'cls'}", str(label).encode())
         entries.append({"url": name, "nsamples": len(pending), "filesize": part.stat().st_size})
         put(part, dst, name)
 

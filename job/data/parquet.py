@@ -26,11 +26,10 @@ from job.data.files import FETCH_CHUNK, Log, beside, fetch_named, local_file, re
 from job.data.folder import check_files, held
 from job.data.manifest import Columns, class_order
 from job.data.preprocess import Preprocess
-from job.data.split import SPLIT_FOLDERS, Files, HoldOut, kind_of
+from job.data.split import SPLIT_FOLDERS, Files, HoldOut, kind_of, label_names
 from job.errors import DataError, StorageError, one_line
 
 SUFFIX = ".parquet"
-MULTILABEL = "multi-label labels are not supported yet"
 
 
 def is_parquet(url: str) -> bool:
@@ -113,9 +112,9 @@ class ParquetData:
         self.opened = {rel: local_file(at, cache, log) for at, rel, _ in self.parts}
         self.first = self.open(self.parts[0][1]).schema_arrow
         self.features = huggingface_features(self.first)
-        self.image, self.label, self.names = pick_columns(url, self.first, self.features, columns)
+        self.image, self.label, self.names, multilabel = pick_columns(url, self.first, self.features, columns)
         self.table = self.image is None
-        self.files, self.classes = Files(), list(self.names or [])
+        self.files, self.classes = Files(multilabel=multilabel), list(self.names or [])
         self.rows: dict[str, dict[int, tuple[str, str | None]]] = {}  # file -> row -> (key, its image path)
         self.gone: list[dict[str, str]] = []
         if not self.table:
@@ -173,7 +172,7 @@ class ParquetData:
         lacking = hold.lacking("val" not in present, "test" not in present)
         role_of = lacking.roles() if lacking is not None else None
         struct = self.image_is_struct()
-        labels: list[str] = []
+        labels: list[str] = []  # every class name a row gives
         seen: set[str] = set()
         for at, rel, split in self.parts:
             wanted = [self.label, f"{self.image}.path" if struct else self.image]
@@ -192,19 +191,28 @@ class ParquetData:
                         self.files.held_out[role].append(key)
                 self.files.roles[role].append((key, label))
                 rows[n] = (key, path)
-                labels.append(label)
+                labels.extend(label_names(label))
         if self.names is None:
-            self.classes = class_order(labels, {label for _, label in self.files.roles["train"]})
+            trained = {c for _, label in self.files.roles["train"] for c in label_names(label)}
+            self.classes = class_order(labels, trained)
 
     def image_is_struct(self) -> bool:
         import pyarrow as pa
 
         return pa.types.is_struct(self.first.field(self.image).type)
 
-    def label_of(self, value, at: str, n: int) -> str:
-        """A row's class name: a ClassLabel's index (or name) checked against its names, or the value as text."""
+    def label_of(self, value, at: str, n: int) -> str | tuple[str, ...]:
+        """A row's class name: a ClassLabel's index (or name) checked against its names, or the value as text;
+        multi-label (a list column): the tuple of its class names, sorted (empty: an image with none)."""
+        if self.files.multilabel:
+            if value is not None and not isinstance(value, list):
+                raise DataError(f"{at} row {n}: column '{self.label}' holds {value!r}, not a list of labels")
+            return tuple(sorted({self.label_of_one(v, at, n) for v in value or []}))
         if isinstance(value, list):
-            raise DataError(f"{at} row {n}: column '{self.label}' holds a list: {MULTILABEL}")
+            raise DataError(f"{at} row {n}: column '{self.label}' holds a list: set data.task=multilabel")
+        return self.label_of_one(value, at, n)
+
+    def label_of_one(self, value, at: str, n: int) -> str:
         if value is None or value == "":
             raise DataError(f"{at} row {n}: no {self.label}")
         if self.names is None:
@@ -292,8 +300,9 @@ def huggingface_features(schema) -> dict:
     return features if isinstance(features, dict) else {}
 
 
-def pick_columns(url: str, schema, features: dict, columns: Columns) -> tuple[str | None, str, list[str] | None]:
-    """The image column (None: a table of features), the label column and its ClassLabel names (None: plain)."""
+def pick_columns(url: str, schema, features: dict, columns: Columns) -> tuple[str | None, str, list[str] | None, bool]:
+    """The image column (None: a table of features), the label column, its ClassLabel names (None: plain), and
+    whether it holds lists of labels (a Sequence of ClassLabel, or of names: multi-label)."""
     import pyarrow as pa
 
     names = schema.names
@@ -306,7 +315,7 @@ def pick_columns(url: str, schema, features: dict, columns: Columns) -> tuple[st
     if len(images) > 1:
         raise DataError(f"{url}: {len(images)} image columns ({', '.join(images)}): set data.path_column to one")
     if not images:
-        return None, columns.label, None  # a table of features: data.target names its label column, as a CSV's
+        return None, columns.label, None, False  # a table of features: data.target names its label column, as a CSV's
     image = images[0]
     labelled = [n for n in names if typed.get(n) == "ClassLabel"]
     lists = [n for n in names if isinstance(features.get(n), (list, dict)) and typed.get(n) in ("Sequence", "List")]
@@ -319,11 +328,16 @@ def pick_columns(url: str, schema, features: dict, columns: Columns) -> tuple[st
         raise DataError(f"{url}: no column '{columns.label}' (columns: {', '.join(names)}; ClassLabel columns: "
                         f"{found}); set data.label_column")  # fmt: skip
     kind = schema.field(label).type
-    if label in lists or pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        raise DataError(f"{url}: column '{label}' holds lists of labels: {MULTILABEL}")
+    listed = label in lists or pa.types.is_list(kind) or pa.types.is_large_list(kind)
     spec = features.get(label)
-    class_names = spec.get("names") if isinstance(spec, dict) and typed.get(label) == "ClassLabel" else None
-    return image, label, list(class_names) if class_names else None
+    if listed:  # Sequence(ClassLabel): {"_type": "Sequence", "feature": {"_type": "ClassLabel", "names": [...]}}
+        inner = (
+            spec.get("feature") if isinstance(spec, dict) else (spec[0] if isinstance(spec, list) and spec else None)
+        )
+        class_names = inner.get("names") if isinstance(inner, dict) and inner.get("_type") == "ClassLabel" else None
+    else:
+        class_names = spec.get("names") if isinstance(spec, dict) and typed.get(label) == "ClassLabel" else None
+    return image, label, list(class_names) if class_names else None, listed
 
 
 def load_parquet(
@@ -338,7 +352,9 @@ def load_parquet(
     scoring = classes is not None
     if not scoring:
         check_files(data.files, data.classes, url)
-    elif unknown := sorted({c for r in data.files.roles.values() for _, c in r} - set(classes)):
+    elif unknown := sorted(
+        {c for r in data.files.roles.values() for _, lb in r for c in label_names(lb)} - set(classes)
+    ):
         raise DataError(f"{url}: labels the model does not know: {', '.join(unknown[:5])}")
     content = dict(data)
     skipped = data.missing()

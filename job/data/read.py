@@ -30,6 +30,11 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
             choice = parquet_streaming(cfg, log, started)
         else:
             choice = manifest_streaming(cfg, log, started)
+        if choice.streamed and cfg.label_separator is not None:
+            raise ConfigError(
+                "data.label_separator: a manifest of labels split at a separator is held in memory "
+                "(data.placement=memory); to stream, write each image's labels as a JSON list"
+            )
         if choice.streamed:
             from job.data.manifest import Columns
             from job.data.pack import packed_for_streaming
@@ -65,6 +70,7 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
             data.source = f"{given.kind} {given.path} (packed in {cfg.path})"
         if data.streamed:
             data.streaming = choice
+            check_task(given, data)
             return data  # nothing read yet (open_shards has checked both splits have shards)
     else:
         from job.data.folder import load_folder
@@ -74,7 +80,19 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
         if data.split(name) is not None and data.samples(name) == 0:
             raise DataError(f"{data.source}: the {name} split is empty")
     data.streaming = choice
+    check_task(given, data)
     return data
+
+
+def check_task(cfg, data) -> None:
+    """data.task, when set, is what the labels are: lists (multilabel) or one class a sample (multiclass)."""
+    if cfg.task == "multilabel" and not data.multilabel:
+        raise ConfigError(
+            f"data.task=multilabel: {data.source} gives one class a sample; multi-label labels are lists (a JSON list "
+            "in data.label_column, data.label_separator, 0/1 columns, or parquet's Sequence(ClassLabel))"
+        )
+    if cfg.task == "multiclass" and data.multilabel:
+        raise ConfigError(f"data.task=multiclass: {data.source} gives lists of labels: set data.task=multilabel")
 
 
 def folder_streaming(cfg, log: Callable[[str], None], started: Streaming | None) -> Streaming:

@@ -81,7 +81,12 @@ class Sample:
                 return ext, self.members[ext]
         raise DataError(f"sample {self.key}: no image (.{'|.'.join(IMAGE_EXTS)}) among .{', .'.join(self.members)}")
 
-    def label(self) -> int:
+    def label(self) -> int | list[float]:
+        """The sample's class index (its .cls member); multi-label, its 0/1 target per class (a .labels member of
+        one character 0 or 1 a class, in class order)."""
+        hot = self.members.get("labels")
+        if hot is not None:
+            return [float(c == 49) for c in hot.strip()]  # 49: b"1"
         raw = self.members.get("cls")
         try:
             return int(raw.decode().strip())
@@ -297,6 +302,7 @@ class ShardSet:
     classes: list[str]
     image_sizes: list[tuple[int, int]]  # the (width, height) seen when packing; empty when unknown
     inventory: dict | None = None  # `job shard`'s record of the split (data.json's content), when it packed them
+    multilabel: bool = False  # each sample's .labels member: any number of the classes (job shard's index says)
 
     def samples(self, split: str) -> int:
         return sum(s.samples for s in self.splits.get(split, []))
@@ -362,7 +368,7 @@ def open_shards(url: str, cache: Path | None, log: Log, hold: HoldOut | None = N
                     f"samples held out for {role} (data.{role}_split {share:g}, by a hash of each sample's key and "
                     "data.split_seed)"
                 )
-    return ShardSet(url, splits, classes, sizes, inventory)
+    return ShardSet(url, splits, classes, sizes, inventory, bool(index and index.get("multilabel")))
 
 
 def carving(splits: dict[str, list], inventory: dict | None, hold: HoldOut | None) -> HoldOut | None:

@@ -102,12 +102,18 @@ class Files:
     held_out: dict[str, list[str]] = field(default_factory=lambda: {"val": [], "test": []})
     outside: list[str] = field(default_factory=list)  # images in no class folder
     folders: tuple[str, ...] = ()  # the split folders the data has (empty: class folders at the top)
+    multilabel: bool = False  # each file's label a tuple of class names (any number, none included)
 
     def classes(self) -> list[str]:
         """The classes, sorted: those with training images (a split folder layout), or all (class folders)."""
         if self.folders:
             return sorted({c for _, c in self.roles["train"]})
         return sorted({c for role in ROLES for _, c in self.roles[role]})
+
+
+def label_names(label: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The class names of a file's label: its one class, or a multi-label file's tuple of them."""
+    return label if isinstance(label, tuple) else (label,)
 
 
 def sort_files(names: list[str], hold: HoldOut) -> Files:
@@ -176,10 +182,15 @@ class Inventory:
     counts: dict[str, dict[str, int]]  # role -> class -> images (roles with none left out)
     held_out: dict[str, list[str]]
     skipped: list[dict[str, str]]
+    images: dict[str, int] | None = None  # role -> images, where not the sum of the classes' (multi-label)
+
+    def total(self, role: str) -> int:
+        """The split's images (a multi-label image counts once, however many classes it shows, or none)."""
+        return self.images[role] if self.images is not None else sum(self.counts[role].values())
 
     def to_json(self) -> dict:
         splits = {
-            role: {"images": sum(per.values()), "per_class": {c: per.get(c, 0) for c in self.classes}}
+            role: {"images": self.total(role), "per_class": {c: per.get(c, 0) for c in self.classes}}
             for role, per in self.counts.items()
         }
         return {"classes": self.classes, "splits": splits, "held_out": self.held_out, "skipped": self.skipped}
@@ -188,7 +199,9 @@ class Inventory:
     def from_json(cls, d: dict) -> Inventory:
         """What to_json wrote (a shard index keeps it)."""
         counts = {role: dict(s["per_class"]) for role, s in d["splits"].items()}
-        return cls(list(d["classes"]), counts, dict(d["held_out"]), list(d["skipped"]))
+        images = {role: int(s["images"]) for role, s in d["splits"].items()}
+        multilabel = any(images[role] != sum(counts[role].values()) for role in counts)
+        return cls(list(d["classes"]), counts, dict(d["held_out"]), list(d["skipped"]), images if multilabel else None)
 
     def digest(self) -> str:
         """A fingerprint of the split (which files are held out, and each split's counts): a resumed run checks it."""
@@ -201,7 +214,7 @@ class Inventory:
         for role, per in self.counts.items():
             shown = ", ".join(f"{c} {per.get(c, 0)}" for c in self.classes[:8])
             more = f", ... ({len(self.classes)} classes)" if len(self.classes) > 8 else ""
-            out.append(f"data: {role} {sum(per.values())} images: {shown}{more}")
+            out.append(f"data: {role} {self.total(role)} images: {shown}{more}")
         train = self.counts.get("train", {})
         sizes = [train.get(c, 0) for c in self.classes]
         if sizes and min(sizes) * IMBALANCE <= max(sizes):

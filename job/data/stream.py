@@ -35,7 +35,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from job.data.augment import View, crop_flip, draws, epoch_seed, to_float
+from job.data.augment import (
+    Policy,
+    PolicyDraws,
+    View,
+    apply_policy,
+    crop_flip,
+    draw_policy,
+    draws,
+    epoch_seed,
+    erase,
+    placed,
+    to_float,
+)
 from job.data.batches import Batch, move
 from job.data.dataset import Dataset, Split
 from job.data.decode import IGNORED, Decoder, DeviceDecoder, decode, decoded, decoder_for
@@ -79,6 +91,7 @@ class StreamData:
     source: str
     streaming: Streaming
     is_image: bool = True
+    multilabel: bool = False  # any number of classes a sample, as multi-hot targets
     streamed = True
     features = None  # images
 
@@ -95,7 +108,8 @@ class StreamData:
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.input_shape)
         held = " / ".join(f"{self.samples(s)} {s}" for s in ("train", "val", "test") if self.samples(s))
-        return f"{self.source}: {held}, {len(self.classes)} classes, inputs {shape}"
+        task = "multilabel: any number of the " if self.multilabel else ""
+        return f"{self.source}: {held}, {task}{len(self.classes)} classes, inputs {shape}"
 
 
 class StreamLoader:
@@ -124,6 +138,7 @@ class StreamLoader:
         ahead: int = 4,
         view: View | None = None,
         resized_crops: bool = False,
+        policy: Policy = Policy(),
         keep_bytes: int = 0,
         log: Callable[[str], None] | None = None,
     ) -> None:
@@ -131,12 +146,12 @@ class StreamLoader:
         self.skipped = Skipped(log)  # samples that could not be decoded: their label IGNORED, named once each
         # A split read the same way every pass (no shuffle, no augmentation: the test split) whose decoded images
         # take at most keep_bytes is kept decoded after its first whole pass, and replayed from memory.
-        self.keep_bytes = keep_bytes if not (shuffle or crop_padding or hflip or resized_crops) else 0
+        self.keep_bytes = keep_bytes if not (shuffle or crop_padding or hflip or resized_crops or policy) else 0
         self.kept: list[tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]] | None = None
         self.view, self.resized_crops = view, resized_crops
         self.seed, self.shuffle, self.buffer, self.drop_last = seed, shuffle, buffer if shuffle else 0, drop_last
         self.crop_padding, self.hflip, self.rank, self.world = crop_padding, hflip, rank, world
-        self.reflect = reflect
+        self.reflect, self.policy = reflect, policy
         shards = [s for s in shards if s.samples]  # an empty shard holds nothing to deal
         self.n = sum(s.samples for s in shards)
         if self.n < world:
@@ -278,8 +293,8 @@ class StreamLoader:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded images of step i as the model takes them: on the device, augmented, float."""
         x, y = move(images, self.device), move(labels, self.device)
-        x, boxes = self.augment(x, epoch, i, group)
-        return to_float(x, self.layout, self.mean, self.std, self.view, boxes), y
+        x, boxes, drawn = self.augment(x, epoch, i, group)
+        return erase(to_float(x, self.layout, self.mean, self.std, self.view, boxes), drawn), y
 
     def replayed(self, urls: list[str], epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The last batch this process read, made again from its samples' bytes as it was made at its step."""
@@ -294,12 +309,12 @@ class StreamLoader:
 
     def augment(
         self, x: torch.Tensor, epoch: int, i: int, group: list[Sample]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Batch i's crops and flips done, and its resized-crop boxes drawn (the view applies them), from (seed,
-        epoch, rank, i). Alternate flips: a sample's side in even epochs is a function of the seed and its key, so
-        the same in every epoch however the stream is shuffled."""
-        if not (self.crop_padding or self.hflip or self.resized_crops):
-            return x, None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PolicyDraws | None]:
+        """Batch i's crops, flips and data.augment's operations done, and its resized-crop boxes and erased boxes
+        drawn (the view and erase apply them), from (seed, epoch, rank, i). Alternate flips: a sample's side in even
+        epochs is a function of the seed and its key, so the same in every epoch however the stream is shuffled."""
+        if not (self.crop_padding or self.hflip or self.resized_crops or self.policy):
+            return x, None, None
         g = torch.Generator().manual_seed(mix(epoch_seed(self.seed, epoch), self.rank, i) >> 1)
 
         def alternate() -> torch.Tensor:
@@ -308,11 +323,13 @@ class StreamLoader:
 
         how = (self.crop_padding, self.hflip, self.view, self.resized_crops, alternate)
         crops, flips, boxes = draws(g, x.shape[0], tuple(x.shape[-2:]), *how)
+        drawn = draw_policy(self.policy, g, x.shape[0], tuple(x.shape[-2:]), self.view)
         # Drawn on the host, copied through page-locked memory: a pageable copy would make the host wait every step.
         crops, flips, boxes = (move(t, self.device) if t is not None else None for t in (crops, flips, boxes))
+        drawn = placed(drawn, self.device, move)
         if crops is not None or flips is not None:
             x = crop_flip(x, self.crop_padding, crops, flips, self.reflect)
-        return x, boxes
+        return apply_policy(x, drawn, move), boxes, drawn
 
 
 def host_copy(images: torch.Tensor) -> torch.Tensor:
@@ -398,7 +415,7 @@ def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData
     for line in inventory.lines() if inventory is not None else ():
         log(line)
     if choice.streamed:
-        return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice)
+        return StreamData(shards, shards.classes, shape, f"shards {cfg.path}", choice, multilabel=shards.multilabel)
     train, val, test = read_splits(shards, held_decoder(cfg))
     return Dataset(train, test, shards.classes, f"shards {cfg.path}", choice, val=val, inventory=inventory)
 
@@ -454,7 +471,7 @@ def read_all(shards: list[Shard], decoder: Decoder, batch: int = 256) -> Split:
         every += names
     y = torch.tensor(labels)
     x = torch.cat([decoded(f, names, y[i * batch : (i + 1) * batch]) for i, (f, names) in enumerate(futures)])
-    good = y != IGNORED  # held in memory: a sample that cannot be decoded is left out, as a folder's file is
+    good = (y != IGNORED).reshape(len(y), -1).all(1)  # held in memory: one that cannot be decoded is left out
     return Split(x[good], y[good], [name for name, g in zip(every, good.tolist()) if g])
 
 
