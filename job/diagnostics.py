@@ -54,7 +54,7 @@ def write_splits(
     for split in r.held_out:
         loader = r.feed.test(r.feed.batch_size, rank, world, split)
         if r.multilabel:
-            part = multilabel_part(r.evaluated, loader, r.amp, len(r.classes))
+            part = multilabel_part(r.evaluated, loader, r.amp, len(r.classes), augmentation)
             write_multilabel(lambda name, data, split=split: put(split, name, data), part, r.classes, split, thresholds)
             continue
         part = per_sample(r.evaluated, loader, r.amp, stats, augmentation)
@@ -182,12 +182,13 @@ def write(put: Callable[[str, bytes], None], s: Passed, split: str, classes: lis
     return confusion
 
 
-def multilabel_part(model, loader, amp, classes: int) -> list:
-    """A multi-label model's (probabilities, targets) on a split, every process's part (on the host), by rank."""
+def multilabel_part(model, loader, amp, classes: int, augmentation: str = "none") -> list:
+    """A multi-label model's (probabilities, targets) on a split, with the run's test-time views, every process's
+    part (on the host), by rank."""
     from job import distributed
-    from job.evaluate import multilabel_outputs
+    from job.multilabel import multilabel_outputs
 
-    _, probs, ys = multilabel_outputs(model, loader, amp, classes)
+    _, probs, ys = multilabel_outputs(model, loader, amp, classes, augmentation)
     return distributed.gather_objects((probs.cpu().numpy(), ys.cpu().numpy()))
 
 

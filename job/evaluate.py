@@ -21,7 +21,7 @@ from job.data.placement import restored
 from job.env import pick_device
 from job.errors import CheckpointError, DataError
 from job.memory import memory_guard
-from job.multilabel import MultiScored
+from job.multilabel import MultiScored, multilabel_outputs
 from job.sync import send
 
 
@@ -49,33 +49,6 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
             confusion_add(sums[4:], batch.y.clamp(min=0) * classes + predicted, counted)
     model.train()
     return sums
-
-
-@torch.no_grad()
-def multilabel_outputs(
-    model, loader: Loader, amp, classes: int, augmentation: str = "none"
-) -> tuple[torch.Tensor, ...]:
-    """Multi-label: [summed loss, samples counted] over this process's samples of the split, and every sample's class
-    probabilities (sigmoids) and targets, all left on the device: rows are kept whether they count or not (a mask
-    would make the host wait for their number) and the uncounted (targets below 0) are dropped on the host."""
-    model.eval()
-    sums = torch.zeros(2, device=loader.device)
-    probs, ys = [], []
-    for batch in loader.batches():
-        if not batch.own:
-            continue
-        with amp():
-            out = viewed_logits(model, batch.x, augmentation).float()
-        counted = (batch.y >= 0).all(1)
-        losses = F.binary_cross_entropy_with_logits(out, batch.y.clamp(min=0), reduction="none").mean(1)
-        sums[0] += (losses * counted).sum()
-        sums[1] += counted.sum()
-        probs.append(torch.sigmoid(out))
-        ys.append(batch.y)
-    model.train()
-    if not probs:
-        return sums, torch.zeros(0, classes), torch.zeros(0, classes)
-    return sums, torch.cat(probs), torch.cat(ys)
 
 
 def confusion_add(cells: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) -> None:
@@ -251,7 +224,7 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
         found = len(data.inventory.skipped) if data.inventory is not None else 0
         skipped = lambda: found  # noqa: E731 (read after the pass, as a stream's count is)
     if p.thresholds is not None:  # multi-label: at the model's thresholds
-        sums, probs, ys = multilabel_outputs(p.model, loader, contextlib.nullcontext, len(p.classes))
+        sums, probs, ys = multilabel_outputs(p.served(), loader, contextlib.nullcontext, len(p.classes))
         s = multilabel_scored(sums, probs, ys, None, p.thresholds)
         if report:
             from job import diagnostics

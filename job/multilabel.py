@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+
+from job.data.augment import viewed_logits
+from job.data.batches import Loader
 
 
 def ranked(y: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -132,3 +137,30 @@ def curves(y: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not len(tps) or tps[-1] == 0:
         return np.zeros(1), np.ones(1)
     return np.r_[0.0, tps / tps[-1]], np.r_[1.0, tps / (tps + fps)]
+
+
+@torch.no_grad()
+def multilabel_outputs(
+    model, loader: Loader, amp, classes: int, augmentation: str = "none"
+) -> tuple[torch.Tensor, ...]:
+    """Multi-label: [summed loss, samples counted] over this process's samples of the split, and every sample's class
+    probabilities (sigmoids) and targets, all left on the device: rows are kept whether they count or not (a mask
+    would make the host wait for their number) and the uncounted (targets below 0) are dropped on the host."""
+    model.eval()
+    sums = torch.zeros(2, device=loader.device)
+    probs, ys = [], []
+    for batch in loader.batches():
+        if not batch.own:
+            continue
+        with amp():
+            out = viewed_logits(model, batch.x, augmentation).float()
+        counted = (batch.y >= 0).all(1)
+        losses = F.binary_cross_entropy_with_logits(out, batch.y.clamp(min=0), reduction="none").mean(1)
+        sums[0] += (losses * counted).sum()
+        sums[1] += counted.sum()
+        probs.append(torch.sigmoid(out))
+        ys.append(batch.y)
+    model.train()
+    if not probs:
+        return sums, torch.zeros(0, classes), torch.zeros(0, classes)
+    return sums, torch.cat(probs), torch.cat(ys)
