@@ -210,3 +210,33 @@ def test_a_multilabel_run_chooses_on_val_map_writes_thresholds_and_predict_and_e
     assert (tmp_path / "rep" / "test" / "classes.csv").read_text().startswith("class,ap,")
     code, err = invoke(["evaluate", "--model", str(out), "--data", str(data / "labels.jsonl"), "--device", "cpu"])
     assert code == 0, err
+
+
+def test_balanced_class_weights_weigh_each_class_positives_by_its_negatives(tmp_path):
+    from job.data.manifest import load_manifest
+    from job.recipe import MultiLabelLoss, positive_weights
+
+    rows = mosaic_images(tmp_path, 60)
+    path = manifests(tmp_path, rows)["jsonl"]
+    data = load_manifest(DataConfig(kind="manifest", path=str(path), label_column="labels"), None, lambda _: None)
+    y = data.train.y
+    want = (len(y) - y.sum(0)) / y.sum(0)
+    assert torch.allclose(positive_weights(data), want)
+    logits = torch.randn(len(y), 3)
+    plain = torch.nn.BCEWithLogitsLoss(pos_weight=want)(logits, y)
+    assert torch.allclose(MultiLabelLoss(want)(logits, y), plain)
+    ignored = torch.cat([y, torch.full((2, 3), -100.0)])  # a streamed sample that could not be decoded: left out
+    assert torch.allclose(MultiLabelLoss(want)(torch.cat([logits, torch.randn(2, 3)]), ignored), plain)
+
+
+def test_a_manifest_of_json_lists_streams_with_its_counts(tmp_path):
+    out = tmp_path / "run"
+    code, err, data = multilabel_run(tmp_path, out, "data.placement=stream", "train.epochs=1")
+    assert code == 0, err
+    assert "multilabel" in err.split("\nepoch ")[0] and "packing it into shards" in err
+    d = json.loads((out / "data.json").read_text())
+    rows = [json.loads(x) for x in (data / "labels.jsonl").read_text().splitlines()]
+    assert sum(s["images"] for s in d["splits"].values()) == len(rows)
+    per = {c: sum(s["per_class"][c] for s in d["splits"].values()) for c in COLOURS}
+    assert per == {c: sum(c in r["labels"] for r in rows) for c in COLOURS}
+    assert set(json.loads((out / "model.json").read_text())["thresholds"]) == set(COLOURS)

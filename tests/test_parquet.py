@@ -199,19 +199,14 @@ def test_a_label_list_with_an_index_not_in_the_class_label_names_is_named(tmp_pa
     assert "row 3" in line and "7" in line and "ClassLabel" in line
 
 
-def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp_path, bucket):
-    """data.placement=stream: the rows packed into shards a row group at a time, with the classes and counts the
-    held read gives; a run killed after its first commit and resumed equals one that never stopped."""
+def killed_and_resumed(tmp_path: Path, args: list[str]) -> str:
+    """A run of `args` SIGKILLed after its first commit (tmp_path/killed), resumed to two epochs past it, and the
+    same run never stopped (tmp_path/reference): the same run. The killed attempt's console."""
     import signal
     import time
 
     from conftest import assert_same_run, pointer, run_job, start_job
 
-    root = hub_dataset(tmp_path / "ds", {"train": 20, "validation": 3, "test": 4})
-    bucket.put_tree(root, "ds")
-    args = ["--device", "cpu", *sets("data.kind=parquet", f"data.path={bucket.url('ds')}", "data.placement=stream",
-            "data.workers=0", "data.image_size=32", "data.batch_size=8", "model.name=cifar_cnn",
-            "train.checkpoint_every_epochs=1")]  # fmt: skip
     out = tmp_path / "killed"
     proc = start_job("train", *args, "--set", "train.epochs=100000000", "--output", str(out))
     deadline = time.time() + 300
@@ -221,14 +216,25 @@ def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp
     proc.kill()
     _, err = proc.communicate()
     assert proc.returncode == -signal.SIGKILL, err[-2000:]
-    assert "packing it into shards" in err
     end = f"train.epochs={pointer(str(out))['epoch'] + 2}"
     final = run_job("train", *args, "--set", end, "--output", str(out))
-    assert final.returncode == 0, final.stderr[-2000:]
-    assert "resuming" in final.stderr
+    assert final.returncode == 0 and "resuming" in final.stderr, final.stderr[-2000:]
     reference = run_job("train", *args, "--set", end, "--output", str(tmp_path / "reference"))
     assert reference.returncode == 0, reference.stderr[-2000:]
     assert_same_run(str(tmp_path / "reference"), str(out))
+    return err
+
+
+def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp_path, bucket):
+    """data.placement=stream: the rows packed into shards a row group at a time, with the classes and counts the
+    held read gives; a run killed after its first commit and resumed equals one that never stopped."""
+    root = hub_dataset(tmp_path / "ds", {"train": 20, "validation": 3, "test": 4})
+    bucket.put_tree(root, "ds")
+    args = ["--device", "cpu", *sets("data.kind=parquet", f"data.path={bucket.url('ds')}", "data.placement=stream",
+            "data.workers=0", "data.image_size=32", "data.batch_size=8", "model.name=cifar_cnn",
+            "train.checkpoint_every_epochs=1")]  # fmt: skip
+    out = tmp_path / "killed"
+    assert "packing it into shards" in killed_and_resumed(tmp_path, args)
     record = json.loads((out / "data.json").read_text())
     held = load_parquet(DataConfig(kind="parquet", path=str(root)), None, print)
     assert record["classes"] == NAMES
@@ -238,11 +244,6 @@ def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp
 def test_sequence_class_labels_stream_and_a_sigkill_resumes_exactly(tmp_path):
     """Multi-label parquet streamed (data.placement=stream): packed with each sample's 0/1 targets, the counts of
     the held read; a run killed after its first commit and resumed equals one that never stopped, thresholds too."""
-    import signal
-    import time
-
-    from conftest import assert_same_run, pointer, run_job, start_job
-
     rng = np.random.default_rng(3)
     labels = [sorted(int(k) for k in np.flatnonzero(rng.random(3) < 0.4)) for _ in range(60)]
     f = label_lists(tmp_path / "ds" / "train.parquet", labels)
@@ -250,21 +251,7 @@ def test_sequence_class_labels_stream_and_a_sigkill_resumes_exactly(tmp_path):
             "data.label_column=labels", "data.val_split=0.3", "data.workers=0", "data.image_size=32",
             "data.batch_size=8", "model.name=cifar_cnn", "train.checkpoint_every_epochs=1")]  # fmt: skip
     out = tmp_path / "killed"
-    proc = start_job("train", *args, "--set", "train.epochs=100000000", "--output", str(out))
-    deadline = time.time() + 300
-    while not (out / "checkpoints" / "latest.json").is_file() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended by itself"
-    proc.kill()
-    _, err = proc.communicate()
-    assert proc.returncode == -signal.SIGKILL, err[-2000:]
-    assert "multilabel" in err.split("\nepoch ")[0]
-    end = f"train.epochs={pointer(str(out))['epoch'] + 2}"
-    final = run_job("train", *args, "--set", end, "--output", str(out))
-    assert final.returncode == 0 and "resuming" in final.stderr, final.stderr[-2000:]
-    reference = run_job("train", *args, "--set", end, "--output", str(tmp_path / "reference"))
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    assert_same_run(str(tmp_path / "reference"), str(out))
+    assert "multilabel" in killed_and_resumed(tmp_path, args).split("\nepoch ")[0]
     a, b = (json.loads((tmp_path / r / "model.json").read_text()) for r in ("reference", "killed"))
     assert a["thresholds"] == b["thresholds"] and set(a["thresholds"]) == set(NAMES)
     record = json.loads((out / "data.json").read_text())
