@@ -5,16 +5,16 @@ machine in the same run, interleaved, as whole processes and per training epoch.
         [--cifar-python DIR --cifar-pt DIR] [--cifar-epochs 1]
 
 Iris: the iris preset (20,000 full-batch epochs) against `seed_iris.py DEVICE every200`, wall time of each whole
-process. CIFAR-10 (when both data folders are given: CIFAR-10's python-version folder for the job, the folder
-prep_cifar.py writes for the seed script): the cifar10 preset against `seed_cifar.py`, seconds per training
-epoch (the job's from its own clock, which leaves out evaluation and checkpoints; the seed's from its output)
-and whole processes, and both programs' final test accuracy. Prints medians and ratios job/seed (lower is better),
-and the accuracy difference in points.
+process and its CPU seconds (user + system, which a busy machine's waiting does not swell). CIFAR-10 (when both data
+folders are given: CIFAR-10's python-version folder for the job, the folder prep_cifar.py writes for the seed
+script): the cifar10 preset against `seed_cifar.py`, seconds per training epoch (the job's from its own clock, which
+leaves out evaluation and checkpoints; the seed's from its output) and whole processes (wall and CPU), and both
+programs' final test accuracy. Prints medians and ratios job/seed (lower is better), and the accuracy difference in
+points.
 
-Start-up: the CPU seconds (user + system, so that a busy machine's waiting does not count) of a 1-epoch Iris run over
-those of `python -c "import torch"`, the issue's measure, and over `import torch` plus making an SGD optimizer, which
-every training script pays (torch.optim imports torch._dynamo on first use: over a second of CPU). The last line puts
-the ratios and the start-up overhead together.
+Start-up (with --device cpu): the CPU seconds of a 1-epoch Iris run over those of `python -c "import torch"`, and
+over `import torch` plus making an SGD optimizer, which every training script pays (torch.optim imports torch._dynamo
+on first use: over a second of CPU). The last line puts the ratios and the start-up overhead together.
 """
 
 from __future__ import annotations
@@ -40,11 +40,6 @@ JOB = (
 
 TORCH_ALONE = "import torch"
 TORCH_AND_OPTIMIZER = "import torch; torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)"
-
-
-def timed(cmd: list[str]) -> tuple[float, str]:
-    seconds, _, line = measured(cmd)
-    return seconds, line
 
 
 def measured(cmd: list[str]) -> tuple[float, float, str]:
@@ -93,27 +88,32 @@ def main() -> None:
             seconds.append(wall)
             cpu.append(used)
     rows.append(("iris, whole process", job_s, seed_s))
-    rows.append(("iris, whole process, CPU seconds", job_cpu, seed_cpu))
-    over_torch, over_optimizer = startup(py, out, args.repeats)
+    rows.append(("iris, whole process, CPU s", job_cpu, seed_cpu))
+    # On the CPU only: a GPU session's minutes are scarce (bench/gpu_check.sh), and start-up is the same there.
+    over = startup(py, out, args.repeats) if args.device == "cpu" else None
 
     if args.cifar_python and args.cifar_pt:
         epochs = args.cifar_epochs
         job_epoch, seed_epoch, job_s, seed_s, job_acc, seed_acc = [], [], [], [], [], []
+        job_cpu, seed_cpu = [], []
         for i in range(args.repeats if args.device != "cpu" else 1):
             sets = [f"data.path={args.cifar_python}", f"train.epochs={epochs}"]
-            s, line = timed([py, "-c", JOB, "cifar10", str(out / f"cifar{i}"), args.device, *sets])
+            s, cpu, line = measured([py, "-c", JOB, "cifar10", str(out / f"cifar{i}"), args.device, *sets])
             summary = json.loads(line)
             job_s.append(s)
+            job_cpu.append(cpu)
             job_epoch.append(summary["train_seconds"] / summary["epochs_run"])
             job_acc.append(summary["final_accuracy"])
-            s, line = timed(
+            s, cpu, line = measured(
                 [py, str(args.baselines / "seed_cifar.py"), str(args.cifar_pt), str(epochs), args.device, str(out)]
             )
             seed_s.append(s)
+            seed_cpu.append(cpu)
             seed_epoch.append(statistics.median(json.loads(line)["train_epoch_s"]))
             seed_acc.append(json.loads(line)["test_acc"][-1])
         rows.append(("cifar10, seconds per training epoch", job_epoch, seed_epoch))
         rows.append((f"cifar10 {epochs} epoch(s), whole process", job_s, seed_s))
+        rows.append((f"cifar10 {epochs} epoch(s), whole process, CPU s", job_cpu, seed_cpu))
         accuracy = (f"cifar10 test accuracy after {epochs} epoch(s)", job_acc, seed_acc)
 
     import torch
@@ -135,8 +135,12 @@ def main() -> None:
     print(
         f"iris job/seed {ratio['iris, whole process']:.2f}"
         + (f"; cifar10 epoch job/seed {cifar:.2f}" if cifar is not None else "")
-        + f"; start-up of a 1-epoch Iris run over `import torch` {over_torch:.2f} s CPU"
-        f" (over `import torch` and an optimizer {over_optimizer:.2f} s)"
+        + (
+            f"; start-up of a 1-epoch Iris run over `import torch` {over[0]:.2f} s CPU"
+            f" (over `import torch` and an optimizer {over[1]:.2f} s)"
+            if over is not None
+            else ""
+        )
     )
 
 
