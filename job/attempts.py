@@ -28,7 +28,7 @@ import torch
 from job import platforms
 from job.cloud import read_url, write_url
 from job.cost import Budget, Price, in_budget_unit, parse_budget, price_of, spent_of, totals
-from job.env import cpus
+from job.env import cpus, torchvision_version
 from job.errors import ConfigError
 from job.storage import PULSE, RunDir
 
@@ -323,8 +323,6 @@ def write_note(run: str, why: str) -> None:
 
 
 def versions() -> dict[str, str | None]:
-    import torchvision
-
     import job
 
     return {
@@ -332,7 +330,7 @@ def versions() -> dict[str, str | None]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": str(torch.backends.cudnn.version()) if torch.cuda.is_available() else None,
-        "torchvision": torchvision.__version__,
+        "torchvision": torchvision_version(),
         "job": job.__version__,
         "git_commit": git_commit(Path(job.__file__).resolve().parents[1]),
     }

@@ -89,8 +89,9 @@ def recipe_input(pre: dict, data: bytes) -> np.ndarray:
     does, and what export's check compares with the job's own preprocessing."""
     from PIL import Image, ImageOps
 
-    from job.data.image import to_rgb
+    from job.data.image import heif_readable, to_rgb
 
+    heif_readable()
     with Image.open(io.BytesIO(data)) as img:
         if pre.get("draft") and img.format == "JPEG":
             img.draft("RGB", tuple(pre["draft"]))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import platform
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -189,20 +191,23 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 
 def torchvision_problem() -> str:
-    """'' when torchvision imports and is the release made for this torch; else one line naming what to install.
+    """'' when torchvision is installed and is the release made for this torch; else one line naming what to install.
     torchvision 0.N+15 is built for torch 2.N (0.19 for 2.4, 0.29 for 2.14); another release fails at import
-    ("operator torchvision::nms does not exist") or in the middle of a run."""
+    ("operator torchvision::nms does not exist") or in the middle of a run. Read from torchvision's version file where
+    it has one, not imported: a run of the job's own models has no use for its hundred-odd model modules."""
     made = torch.__version__.split("+")[0]
     major, minor = (int(p) for p in made.split(".")[:2])
     wanted = f"0.{minor + 15}" if major == 2 else ""
     fix = f": pip install torchvision=={wanted}.* (the release for torch {made})" if wanted else ""
-    try:
-        import torchvision
-    except ModuleNotFoundError:
+    if importlib.util.find_spec("torchvision") is None:
         return f"torchvision is not installed{fix}"
-    except Exception as e:  # a build for another torch fails in its native operators' registration
-        return f"torchvision does not load beside torch {made} ({one_line(e)}){fix}"
-    found = str(getattr(torchvision, "__version__", "")).split("+")[0]
+    if (found := written_torchvision_version()) is None:
+        try:
+            import torchvision
+        except Exception as e:  # a build for another torch fails in its native operators' registration
+            return f"torchvision does not load beside torch {made} ({one_line(e)}){fix}"
+        found = getattr(torchvision, "__version__", "")
+    found = str(found).split("+")[0]
     if wanted and not found.startswith(f"{wanted}."):
         return f"torchvision {found or '(no version)'} is not the release for torch {made}{fix}"
     return ""
@@ -265,11 +270,28 @@ def platform_report() -> dict[str, Any]:
 
 
 def torchvision_version() -> str | None:
+    """The installed torchvision's __version__ (0.29.1+cu130); None when it is not installed or does not load."""
+    if (found := written_torchvision_version()) is not None:
+        return found
     try:
         import torchvision
     except Exception:  # torchvision_problem() says why
         return None
     return getattr(torchvision, "__version__", None)
+
+
+def written_torchvision_version() -> str | None:
+    """torchvision's __version__ as the version.py of its releases states it, beside the package Python would import,
+    read without importing it; None where there is no such file (not installed, or a build without one)."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        text = (Path(spec.submodule_search_locations[0]) / "version.py").read_text()
+    except OSError:
+        return None
+    found = re.search(r"^__version__ = ['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found else None
 
 
 def format_info(report: dict[str, Any]) -> str:

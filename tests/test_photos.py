@@ -7,13 +7,15 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pillow_heif
 import pytest
 import torch
-from conftest import assert_same_run, invoke, metrics, sets, weights, write_image_folder
+from conftest import assert_same_run, invoke, job_env, metrics, sets, weights, write_image_folder
 from PIL import Image
 
 from job.config import DataConfig
@@ -804,3 +806,21 @@ def test_a_phone_photo_is_the_same_input_on_the_host_the_device_and_by_model_jso
     assert host.shape == device.shape == theirs.shape == (3, size, size)
     assert np.abs(theirs - host).max() < 1e-3  # model.json's recipe is the host's, pixel for pixel
     assert np.abs(device - host).mean() < (3 if reduced else 1), np.abs(device - host).mean()
+
+
+def test_heic_is_read_in_a_process_that_registered_nothing(tmp_path):
+    """pillow-heif's opener is registered when the job first opens an image, not when its modules are imported: a
+    fresh process reads a HEIC photo's pixels, a folder's first HEIC's size, and model.json's recipe input."""
+    data = saved(arrow(), "HEIF", quality=95)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "IMG_0001.HEIC").write_bytes(data)
+    code = (
+        "import sys; from pathlib import Path; from job.data.image import pixels; "
+        "from job.data.placement import decoded_size; "
+        "data = Path(sys.argv[1], 'a', 'IMG_0001.HEIC').read_bytes(); "
+        "assert 'pillow_heif' not in sys.modules; "
+        "print(pixels(data, 'IMG_0001.HEIC').shape, decoded_size(sys.argv[1], None))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=job_env())
+    h, w = np.asarray(arrow()).shape[:2]
+    assert done.returncode == 0 and done.stdout.split("\n")[0] == f"({h}, {w}, 3) {3 * h * w}", done.stderr[-2000:]

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from job.cloud import describe_storage_error, filesystem
 from job.data.files import VERSION_KEYS, Log, beside, images_listed, is_manifest, read_bytes, read_entries, resolve
 from job.data.folder import Listing, check_files, report_skipped, sorted_files
-from job.data.image import UnreadableImage, image_size
+from job.data.image import UnreadableImage, heif_readable, image_size
 from job.data.manifest import Columns
 from job.data.parquet import is_parquet, parquet_listed
 from job.data.shards import CLASSES, INDEX, SPLITS, read_json
@@ -276,6 +276,7 @@ def member_ext(name: str, data: bytes) -> str:
     """The extension an image is stored under in a shard: its own, else that of its format."""
     if is_image_name(name):
         return name.rsplit(".", 1)[-1].lower()
+    heif_readable()
     with Image.open(io.BytesIO(data)) as img:
         return FORMAT_EXTS.get(img.format or "", "png")
 

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from PIL import Image
 
 from job.data.files import images_listed, is_archive, resolve
 
@@ -86,7 +85,12 @@ def decoded_size(src: str, held: int | None) -> int:
     if not infos:
         return 0
     if held is None:
+        from PIL import Image  # here: a run on a table never opens an image
+
+        from job.data.image import heif_readable
+
         first = min(infos)
+        heif_readable()
         try:
             with fs.open(first, "rb") as f, Image.open(f) as img:
                 held_w, held_h = img.size
