@@ -77,7 +77,9 @@ def gone(held: dict, now: float) -> str:
         return "an unreadable lease"
     if held["machine"] == machine():
         try:
-            alive = abs(psutil.Process(held["pid"]).create_time() - held["pid_started"]) < 1
+            p = psutil.Process(held["pid"])
+            # A killed holder its parent has not yet reaped (a zombie) still answers with its pid and start time.
+            alive = abs(p.create_time() - held["pid_started"]) < 1 and p.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             alive = False
         return "" if alive else f"its process (pid {held['pid']}) has ended"

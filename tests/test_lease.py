@@ -129,3 +129,22 @@ def test_a_holder_elsewhere_whose_heartbeat_is_overdue_is_waited_out_then_taken_
     left_by(run, machine="another-container", heartbeat=time.time() - 0.2, every=30.0)  # live: refused at once
     with pytest.raises(StorageError, match="being written by another run"):
         Lease(str(run)).take()
+
+
+def test_a_holder_killed_and_not_yet_reaped_is_gone(tmp_path):
+    """A SIGKILLed holder whose parent has not reaped it (a zombie: its pid and start time still answer) has ended:
+    the same command takes the folder over at once."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(proc.pid).create_time()
+        proc.kill()
+        while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:  # dead, not yet waited for
+            time.sleep(0.01)
+        run = tmp_path / "run"
+        left_by(run, pid=proc.pid, pid_started=started)
+        held = RunDir(str(run))
+        held.prepare()
+        assert held.lease is not None and f"its process (pid {proc.pid}) has ended" in held.lease.taken_from
+        held.finish()
+    finally:
+        proc.wait()
