@@ -155,8 +155,8 @@ def merged(parts: list[Passed]) -> Passed:
     if len(parts) == 1:
         return parts[0]
     offsets = torch.tensor([0] + [len(p.losses) for p in parts[:-1]]).cumsum(0).tolist()
-    fields = ("losses", "predicted", "probability", "labels", "logits")
-    joined = [torch.cat([getattr(p, f) for p in parts]) for f in fields]
+    joined = [torch.cat([getattr(p, f) for p in parts]) for f in ("losses", "predicted", "probability", "labels")]
+    joined.append(torch.cat([p.logits for p in parts if len(p.logits)] or [parts[0].logits]))  # (0, 0): no class count
     worst = torch.cat([p.worst + off for p, off in zip(parts, offsets)])
     drawn = [p.pictures for p in parts if p.pictures is not None]
     order = joined[0][worst].argsort(descending=True, stable=True)[:WORST]
