@@ -210,12 +210,10 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
         d = d.model_copy(update={"task": "multilabel"})
     lines: list[str] = []
     if is_shards(data_path):  # streamed: its held-out split alone is read, a few batches in memory at a time
-        loader, split, skipped = streamed_split(d, data_path, device, p, lines.append)
+        loader, split, skipped = streamed_split(d, data_path, device, p, lines.append, model_url)
     else:
         data = labelled(d, data_path, p, lines.append)
-        if (p.thresholds is not None) != data.multilabel:
-            want = "lists of labels (multi-label)" if p.thresholds is not None else "one class an image"
-            raise DataError(f"{data_path}: the model {model_url} was trained on {want}, and these labels are not")
+        check_task(p, data.multilabel, data_path, model_url)
         split = next(s for s in ("test", "val", "train") if data.split(s) is not None and data.samples(s))
         from job.data.loader import BatchLoader
 
@@ -256,7 +254,14 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     }
 
 
-def streamed_split(d, url: str, device: torch.device, p, log) -> tuple[Loader, str, Callable[[], int]]:
+def check_task(p, multilabel: bool, data_url: str, model_url: str) -> None:
+    """A DataError where the labels are of the other kind than the model's (lists against one class an image)."""
+    if (p.thresholds is not None) != multilabel:
+        want = "lists of labels (multi-label)" if p.thresholds is not None else "one class an image"
+        raise DataError(f"{data_url}: the model {model_url} was trained on {want}, and these labels are not")
+
+
+def streamed_split(d, url: str, device: torch.device, p, log, model_url: str) -> tuple[Loader, str, Callable[[], int]]:
     """The loader of a shard folder's test split (else its val) as the model's evaluation read it, the split's
     name, and how many of its samples were skipped (packing's, and those found undecodable as it is read)."""
     from job.data.shards import open_shards
@@ -268,6 +273,7 @@ def streamed_split(d, url: str, device: torch.device, p, log) -> tuple[Loader, s
     shards = open_shards(url, cache_dir("data"), log)  # other tools' shards: counted once, as a run counts them
     if shards.classes != p.classes:
         raise DataError(f"{url}: its classes {shards.classes[:5]} are not the model's {p.classes[:5]}")
+    check_task(p, shards.multilabel, url, model_url)
     split = "test" if shards.samples("test") else "val"
     decoder = held_decoder(d, device, p.pre)
     loader = StreamLoader(shards.splits[split], 256, device, decoder, mean=p.mean, std=p.std, view=p.view, log=log)

@@ -210,6 +210,16 @@ def test_a_multilabel_run_chooses_on_val_map_writes_thresholds_and_predict_and_e
     assert (tmp_path / "rep" / "test" / "classes.csv").read_text().startswith("class,ap,")
     code, err = invoke(["evaluate", "--model", str(out), "--data", str(data / "labels.jsonl"), "--device", "cpu"])
     assert code == 0, err
+    # shards of one class an image, the same classes: the other kind of labels, in one line
+    rows = [json.loads(x) for x in (data / "labels.jsonl").read_text().splitlines()]
+    single = data / "single.jsonl"
+    single.write_text(
+        "".join(json.dumps({"path": r["path"], "label": r["labels"][0]}) + "\n" for r in rows if r["labels"])
+    )
+    code, err = invoke(["shard", str(single), str(tmp_path / "single-shards")])
+    assert code == 0, err
+    code, err = invoke(["evaluate", "--model", str(out), "--data", str(tmp_path / "single-shards"), "--device", "cpu"])
+    assert code == 3 and "was trained on lists of labels (multi-label)" in err and "Traceback" not in err, err
 
 
 def test_balanced_class_weights_weigh_each_class_positives_by_its_negatives(tmp_path):
