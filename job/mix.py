@@ -33,7 +33,8 @@ class Mix:
     switch: float = 0.5
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Images and their targets as probabilities (N x classes; a sample whose label is IGNORED: zeros). Multi-label
+        """Images and their targets as probabilities (N x classes; a sample whose label is IGNORED, and its partner in a
+        mix: zeros, which the loss does not count). Multi-label
         targets (N x classes, 0/1; below 0: a sample that could not be decoded) are mixed alike, each class's weight
         the share of the image that shows it; a mix with an undecoded sample counts for nothing (below 0)."""
         rng = np.random.default_rng([epoch_seed(self.seed, epoch), step, 0x4D4958])  # "MIX": apart from the data's
@@ -45,7 +46,11 @@ class Mix:
             return mixed, out.masked_fill((lost | lost.flip(0))[:, None], -1.0) if lam < 1 else targets
         targets = F.one_hot(y.clamp(min=0), self.classes).to(torch.float32) * (y != IGNORED)[:, None]
         mixed, lam = self.mix(x, rng)
-        return mixed, targets * lam + targets.flip(0) * (1 - lam) if lam < 1 else targets
+        if lam == 1:
+            return mixed, targets
+        lost = y == IGNORED  # a mix with an undecoded sample (zeros for an image) counts for nothing, as multi-label's
+        out = targets * lam + targets.flip(0) * (1 - lam)
+        return mixed, out.masked_fill((lost | lost.flip(0))[:, None], 0.0)
 
     def mix(self, x: torch.Tensor, rng: np.random.Generator) -> tuple[torch.Tensor, float]:
         """The batch mixed with its reverse, and the share of each image that is still its own (1: not mixed)."""

@@ -88,3 +88,11 @@ def test_multi_label_targets_mix_by_the_same_share_and_an_undecoded_partner_coun
     assert (targets[[0, 1, 2, 5, 6, 7]] >= 0).all()
     _, unmixed = Mix(4, seed=1, mixup=0.4, probability=0.0)(x, y, epoch=2, step=5)
     assert torch.equal(unmixed, y)  # not mixed: the targets as they were, the undecoded one alone below 0
+
+
+def test_a_mix_with_an_undecoded_sample_counts_for_nothing_in_the_loss():
+    x, y = batch()
+    y[3] = IGNORED  # a streamed sample that could not be decoded: its image is zeros
+    _, targets = Mix(4, seed=1, mixup=0.4)(x, y, epoch=2, step=5)
+    assert (targets[3] == 0).all() and (targets[4] == 0).all()  # 3 and its partner 7 - 3 = 4: counted by neither
+    assert torch.allclose(targets[[0, 1, 2, 5, 6, 7]].sum(1), torch.ones(6))
