@@ -87,6 +87,11 @@ def check_tutorial_recipe(cfg: Config, data) -> None:
             f"bench: the tutorials' loop holds its data in memory, and {cfg.data.path} is streamed from shards; bench "
             "with data.placement=host, or time this run with `python -m job train` (summary: train_seconds)"
         )
+    if data.multilabel:
+        raise ConfigError(
+            "bench: the tutorials' loop learns one class an image, and this data is multi-label (lists of labels); "
+            "time this run with `python -m job train` (summary: train_seconds)"
+        )
     model = build_model(cfg.model, data.input_shape, len(data.classes))
     if beyond := beyond_the_tutorials(cfg, model):
         raise ConfigError(

@@ -179,3 +179,17 @@ def test_the_recipes_tricks_are_beyond_the_tutorials_loop():
     names = ["optim.warmup", "optim.layer_decay", "data.augment", "train.ema", "train.mixup, train.cutmix"]
     assert found == [*names, "train.finetune_stages"]
     assert beyond_the_tutorials(load_config("iris", ["optim.warmup='0 steps'"]), nn.Linear(4, 3)) == []
+
+
+def test_bench_refuses_multi_label_data_in_one_line(tmp_path):
+    from test_multilabel import manifests, mosaic_images
+
+    data = tmp_path / "mosaics"
+    paths = manifests(data, mosaic_images(data, 24))
+    over = ["--set", "data.kind=manifest", "--set", f"data.path={paths['jsonl']}", "--set", "data.label_column=labels"]
+    over += ["--set", "data.image_size=32", "--set", "data.val_split=0.25"]
+    result = run_job("bench", "--config", "cifar10", *over, "--epochs", "1", timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: bench: the tutorials' loop learns one class an image"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
