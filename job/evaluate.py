@@ -115,7 +115,7 @@ def evaluate_checkpoint(
 
         thresholds = thresholds_of(payload.get("model_json") or {})
         if report:
-            write_report(r, report, thresholds)
+            write_report(r, report, cfg.train.test_time_augmentation, thresholds)
         sums, probs, ys = multilabel_outputs(
             r.evaluated, loader, r.amp, len(r.classes), cfg.train.test_time_augmentation
         )
@@ -123,7 +123,7 @@ def evaluate_checkpoint(
         head = {"checkpoint": url, "epoch": progress.get("epoch"), "step": progress.get("step"), "split": split}
         return head | s.record(split) | {"samples": len(probs), "device": str(device)} | run_record(url)
     if report:
-        write_report(r, report)
+        write_report(r, report, cfg.train.test_time_augmentation)
     loss_sum, correct, counted = test_sums(r.evaluated, loader, r.amp, cfg.train.test_time_augmentation).tolist()
     return {
         "checkpoint": url,
@@ -161,12 +161,13 @@ def is_shards(url: str) -> bool:
         return False
 
 
-def write_report(r, folder: str, thresholds: list[float] | None = None) -> None:
-    """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL; multi-label at `thresholds`."""
+def write_report(r, folder: str, augmentation: str, thresholds: list[float] | None = None) -> None:
+    """DIR/<split>/ for each held-out split (job/diagnostics.py), at any URL, scored with the run's test-time views
+    (`augmentation`) as its metrics are; multi-label at `thresholds`."""
     from job import diagnostics
 
     put = lambda split, name, data: put_file(f"{folder.rstrip('/')}/{split}/{name}", data)  # noqa: E731
-    diagnostics.write_splits(r, put, thresholds=thresholds)
+    diagnostics.write_splits(r, put, thresholds=thresholds, augmentation=augmentation)
 
 
 def put_file(url: str, data: bytes) -> None:

@@ -4,6 +4,7 @@ its labels on the test split give the run's test accuracy; the exports hold the 
 
 from __future__ import annotations
 
+import csv
 import json
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import invoke, metrics, sets
+from conftest import invoke, metrics, run_job, sets
 from PIL import Image
 
 from job.bundle import Served, load_predictor, recipe_input
@@ -119,3 +120,15 @@ def test_the_onnx_export_holds_the_temperature(run, tmp_path):
     with torch.no_grad():
         want = p.model(torch.from_numpy(x)) / card["temperature"]  # one view: the test-time views are predict's
     assert np.allclose(got, want.numpy(), atol=1e-4)
+
+
+def test_evaluate_of_a_checkpoint_reports_with_the_runs_test_time_views_as_its_metrics(run, tmp_path):
+    folder, _, _ = run
+    args = ["evaluate", "--checkpoint", str(folder), "--report", str(tmp_path / "rep"), "--device", "cpu", "--json"]
+    done = run_job(*args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = json.loads(done.stdout)
+    with open(tmp_path / "rep" / "test" / "classes.csv") as f:
+        rows = list(csv.DictReader(f))
+    right = sum(round(float(r["recall"]) * int(r["support"])) for r in rows)
+    assert right / sum(int(r["support"]) for r in rows) == pytest.approx(said["test_accuracy"], abs=1e-9)
