@@ -167,9 +167,10 @@ class Predictor:
     temperature: float = 1.0  # model.json's: the logits divided by it before the softmax (job/calibrate.py)
     augmentation: str = "none"  # the run's train.test_time_augmentation: the views its evaluations averaged
 
-    def served(self, views: bool = True) -> torch.nn.Module:
-        """The model as predict serves it: the logits of the run's test-time views (`views`), over the temperature."""
-        return Served(self.model, self.augmentation if views else "none", self.temperature).eval()
+    def served(self) -> torch.nn.Module:
+        """The model as predict, evaluate and the exports serve it: the logits of the run's test-time views, averaged,
+        over the temperature."""
+        return Served(self.model, self.augmentation, self.temperature).eval()
 
     @torch.no_grad()
     def table_probabilities(self, x: torch.Tensor) -> torch.Tensor:

@@ -58,9 +58,9 @@ def export(model_url: str, fmt: str, output: str | None, check_inputs: list[str]
     # A model.json of an earlier version has no exact recipe (input_size, held) to follow: its check is the job's.
     exact = "input_size" in card["preprocessing"]
     theirs = torch.from_numpy(np.stack([recipe_input(card["preprocessing"], data) for data in files])) if exact else x
-    # Multi-label: probabilities out; else the logits over the temperature, as predict's softmax takes them (the
-    # test-time views are predict's alone: an export is one pass).
-    model = p.served(views=False) if p.thresholds is None else WithSigmoid(p.model).eval()
+    # What predict serves: the run's test-time views averaged (the temperature and thresholds were fitted on them),
+    # the logits over the temperature (its softmax is predict's), a multi-label model's probabilities.
+    model = p.served() if p.thresholds is None else WithSigmoid(p.served()).eval()
     with torch.no_grad():
         want = model(x).float()
     bound = TOLERANCE * max(1.0, float(want.abs().max()))

@@ -196,7 +196,7 @@ def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime
         logits = program.module()(torch.from_numpy(x)).detach().numpy()
     from job.bundle import load_predictor
 
-    model = load_predictor(str(run), torch.device("cpu")).served(views=False)  # the logits over the temperature
+    model = load_predictor(str(run), torch.device("cpu")).served()  # the logits over the temperature
     with torch.no_grad():
         want = model(torch.from_numpy(x)).numpy()
     assert logits.shape == (5, len(card["classes"])) and np.abs(logits - want).max() < 1e-3
