@@ -91,3 +91,15 @@ def reliability_png(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def describe(temperature: float | None, metrics: dict) -> str:
+    """The run's last word on its calibration (empty without a val split to fit on)."""
+    if temperature is None or "val_ece" not in metrics:
+        return ""
+    split = "test" if "test_ece" in metrics else "val"
+    before, after = metrics[f"{split}_ece"], metrics[f"{split}_ece_calibrated"]
+    return (
+        f"calibrated on val: temperature {temperature:.3g} (model.json); {split} expected calibration error "
+        f"{before:.4f} -> {after:.4f} (report/{split}/reliability.png)"
+    )

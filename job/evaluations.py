@@ -117,10 +117,10 @@ def final_test(loop: Loop) -> dict:
     return record
 
 
-def write_reports(loop: Loop) -> dict[str, float]:
+def write_reports(loop: Loop) -> tuple[float | None, dict[str, float]]:
     """report/<split>/ in the run folder for each held-out split, of the model the run ends with (job/diagnostics.py):
     every process scores its part, rank 0 writes the files. Returns, on rank 0, the temperature fitted on val and
-    the expected calibration errors (diagnostics.calibrated; empty for multi-label and on the other ranks)."""
+    the expected calibration errors (diagnostics.calibrated; None and none for multi-label and on the other ranks)."""
 
     def put(split: str, name: str, data: bytes) -> None:
         loop.run_dir.write(f"report/{split}/{name}", data)
@@ -128,4 +128,5 @@ def write_reports(loop: Loop) -> dict[str, float]:
     group = (distributed.rank(), distributed.world())
     views = loop.cfg.train.test_time_augmentation
     chosen = loop.chooser.thresholds
-    return diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer, chosen, views) or {}
+    calibration = diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer, chosen, views) or {}
+    return calibration.pop("temperature", None), calibration

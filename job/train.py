@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from job import bundle, checkpoint, distributed, hypertune, platforms, recipe, track
+from job import bundle, calibrate, checkpoint, distributed, hypertune, platforms, recipe, track
 from job.attempts import Attempt, budget_spent
 from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
@@ -308,11 +308,9 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
 def model_json(loop: Loop, metrics: dict, temperature: float | None = None) -> dict:
     r = loop.r
     card = bundle.describe(loop.cfg, r.classes, r.input_shape, r.feed.stats_cpu(), r.feed.features, metrics)
-    if temperature is not None:  # the logits divided by it before the softmax: calibrated probabilities
-        card["temperature"] = temperature
-    if r.multilabel:  # a class is in an image's label set where its probability is above its threshold
-        card |= bundle.multilabel_entry(r.classes, loop.chooser.thresholds)
-    return card
+    card |= {"temperature": temperature} if temperature is not None else {}  # calibrated probabilities (calibrate.py)
+    # Multi-label: a class is in an image's label set where its probability is above its threshold.
+    return card | (bundle.multilabel_entry(r.classes, loop.chooser.thresholds) if r.multilabel else {})
 
 
 def write_results(loop: Loop, final: dict, temperature: float | None) -> None:
@@ -330,8 +328,7 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
     run_dir, state, report, stop, on = loop.run_dir, loop.state, loop.report, loop.stop, loop.r.evaluated_on
     last = next((r for r in reversed(report.records) if "train_loss" in r), resumed)
     tested = final_test(loop)
-    calibration = write_reports(loop)
-    temperature = calibration.pop("temperature", None)
+    temperature, calibration = write_reports(loop)
     metric = loop.chooser.metric_key
     final = {
         f"best_{metric}": state.best_accuracy,
@@ -365,12 +362,8 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         say(f"{reason} came as the run was ending: it finished, there is nothing to continue")
     for line in chosen_lines(loop.chooser, loop.r.classes, state.best_epoch):
         say(line)  # before the last line, which says where the outputs are
-    if temperature is not None and "val_ece" in final:
-        split = "test" if "test_ece" in final else "val"
-        say(
-            f"calibrated on val: temperature {temperature:.3g} (model.json); {split} expected calibration error "
-            f"{final[f'{split}_ece']:.4f} -> {final[f'{split}_ece_calibrated']:.4f} (report/{split}/reliability.png)"
-        )
+    if said := calibrate.describe(temperature, final):
+        say(said)
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; "
         f"{outcome(on, final, state, metric)}; "
