@@ -148,6 +148,13 @@ def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return ddp
 
 
+def same_buffers(module: torch.nn.Module) -> None:
+    """Every process's buffers of `module` (batch-norm statistics) made rank 0's."""
+    if active() and world() > 1:
+        for b in module.buffers():
+            peer_call(dist.broadcast, b, src=0)
+
+
 def rank_ordered_mean(_, bucket):  # no return annotation: DDP checks it, and a string (postponed) fails
     """A DDP communication hook: a gradient bucket's mean over the processes, summed in rank order. gloo's ring
     all-reduce sums each element in an order set by its offset in the bucket, and DDP lays its buckets out anew

@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 def test_and_report(loop: Loop) -> str:
     """Evaluate the model on val (test when there is none) and report it with the training loss and throughput since
     the previous evaluation; the reason to stop early, or ''."""
-    loop.clock.stop()
-    loop.log.system.pause()
+    loop.pause()
     r, state, log, on = loop.r, loop.state, loop.log, loop.r.evaluated_on
     if state.step % log.every and state.steps_since_eval:  # the open window is logged: every evaluated epoch has one
         log.close_window(

@@ -40,3 +40,14 @@ class Loop:
     budget: Budget | None = None  # train.budget, read
     over_budget: str = ""  # why the run stops at the checkpoint just committed, to keep within train.budget
     ray: RayReport | None = None  # in a Ray Train worker: what reports to Ray
+
+    def pause(self) -> None:
+        """The training clock stopped for an evaluation or a checkpoint, and every process given rank 0's averaged
+        batch-norm statistics (train.ema): where batch norm is not synchronised (CPU groups), each process's average
+        follows its own batches' statistics between two of them, while the checkpoint and model.pt hold rank 0's."""
+        self.clock.stop()
+        self.log.system.pause()
+        if self.r.ema is not None:
+            from job import distributed
+
+            distributed.same_buffers(self.r.ema.module)

@@ -254,8 +254,7 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
 def save(loop: Loop) -> None:
     """Commit a checkpoint of the state as it stands, with each process's own loss sums, so that every one of them
     resumes with exactly what it had. Rank 0 flushes the logs and writes it."""
-    loop.clock.stop()
-    loop.log.system.pause()
+    loop.pause()
     sums = distributed.gather(loop.log.sums).tolist()  # one row per process
     places = distributed.gather_objects(loop.r.train.position()) if loop.state.epoch_step else None
     rngs = distributed.gather_objects(checkpoint.rng_state()) if distributed.world() > 1 else []

@@ -374,3 +374,32 @@ def test_a_frozen_backbone_keeps_its_batch_norm_statistics_through_sync_batchnor
     synced.train()
     synced(torch.randn(8, 3, 8, 8))
     assert torch.equal(synced[1].running_mean, before) and int(synced[1].num_batches_tracked) == 0
+
+
+BN_NET = """
+from torch import nn
+
+
+class BnNet(nn.Sequential):
+    def __init__(self, num_classes: int = 3) -> None:
+        super().__init__(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, num_classes))
+"""
+
+
+def test_train_ema_of_batch_norm_on_two_cpu_processes_resumes_exactly(tmp_path):
+    """Batch norm on CPU processes is not synchronised: each process's statistics follow its own batches. The
+    average of train.ema evaluated, checkpointed and resumed is rank 0's on every process, so a run continued from
+    its checkpoint ends as one that never stopped."""
+    (tmp_path / "bnnet.py").write_text(BN_NET)
+    env = {"PYTHONPATH": str(tmp_path)}
+    args = [*IRIS, *sets("model.name=bnnet:BnNet", "train.ema=0.9", "data.batch_size=20", "data.val_split=0.2")]
+    args += sets("train.eval_every_epochs=2", "train.checkpoint_every_epochs=2")
+    whole = torchrun("train", *args, "--set", "train.epochs=6", "--output", str(tmp_path / "whole"), env=env)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    part = torchrun("train", *args, "--set", "train.epochs=2", "--output", str(tmp_path / "parts"), env=env)
+    assert part.returncode == 0, part.stderr[-3000:]
+    rest = torchrun("train", *args, "--set", "train.epochs=6", "--output", str(tmp_path / "parts"), env=env)
+    assert rest.returncode == 0 and "resuming iris from epoch 2" in rest.stderr, rest.stderr[-3000:]
+    wa, wb = weights(tmp_path / "whole"), weights(tmp_path / "parts")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert metrics(tmp_path / "whole") == metrics(tmp_path / "parts")
