@@ -33,9 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PHOTO = (400, 350)  # width, height of the upscaled "photos"
 
 
-def make_photos(archive: Path, dst: Path, per_class: int) -> int:
-    """dst/train/<class>/*.jpg and dst/test/<class>/*.jpg, upscaled from the archive's first images of each class."""
-    want = {"train": per_class, "test": max(per_class // 2, 1)}
+def first_of_each_class(archive: Path, want: dict[str, int]):
+    """(split, class, file name, bytes) of the archive's first want[split] images of each class of each split."""
     taken: dict[tuple[str, str], int] = defaultdict(int)
     with tarfile.open(archive) as tar:
         for member in tar:
@@ -46,11 +45,18 @@ def make_photos(archive: Path, dst: Path, per_class: int) -> int:
             if taken[split, cls] >= want[split]:
                 continue
             taken[split, cls] += 1
-            img = Image.open(io.BytesIO(tar.extractfile(member).read())).convert("RGB")
-            out = dst / split / cls / parts[-1]
-            out.parent.mkdir(parents=True, exist_ok=True)
-            img.resize(PHOTO, Image.BICUBIC).save(out, quality=90)
-    return sum(taken.values())
+            yield split, cls, parts[-1], tar.extractfile(member).read()
+
+
+def make_photos(archive: Path, dst: Path, per_class: int) -> int:
+    """dst/train/<class>/*.jpg and dst/test/<class>/*.jpg, upscaled from the archive's first images of each class."""
+    n = 0
+    for split, cls, name, data in first_of_each_class(archive, {"train": per_class, "test": max(per_class // 2, 1)}):
+        out = dst / split / cls / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        Image.open(io.BytesIO(data)).convert("RGB").resize(PHOTO, Image.BICUBIC).save(out, quality=90)
+        n += 1
+    return n
 
 
 def finetune(photos: Path, out: Path, a: argparse.Namespace, *overrides: str) -> dict:

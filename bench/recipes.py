@@ -17,13 +17,13 @@ import json
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from finetune import first_of_each_class  # noqa: E402  (the same subset, as stored rather than upscaled)
 
 PLAIN = (
     "data.kind=folder",
@@ -59,21 +59,13 @@ ALL = (
 
 def make_subset(archive: Path, dst: Path, per_class: int, test_per_class: int) -> int:
     """dst/train/<class>/*.jpg and dst/test/<class>/*.jpg: the archive's first images of each class, as stored."""
-    want = {"train": per_class, "test": test_per_class}
-    taken: dict[tuple[str, str], int] = defaultdict(int)
-    with tarfile.open(archive) as tar:
-        for member in tar:
-            parts = Path(member.name).parts
-            if not member.isfile() or len(parts) < 4 or parts[-3] not in want:
-                continue
-            split, cls = parts[-3], parts[-2]
-            if taken[split, cls] >= want[split]:
-                continue
-            taken[split, cls] += 1
-            out = dst / split / cls / parts[-1]
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_bytes(tar.extractfile(member).read())
-    return sum(taken.values())
+    n = 0
+    for split, cls, name, data in first_of_each_class(archive, {"train": per_class, "test": test_per_class}):
+        out = dst / split / cls / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+        n += 1
+    return n
 
 
 def train(data: Path, out: Path, a: argparse.Namespace, seed: int, extra: tuple[str, ...]) -> float:
