@@ -40,6 +40,7 @@ def write_splits(
     gather=None,
     thresholds: list[float] | None = None,
     augmentation: str = "none",
+    kept: dict[str, Passed] | None = None,
 ) -> dict[str, float] | None:
     """Each held-out split's report files of the recipe's model through `put(split, name, bytes)`. In a group of
     processes (`group`: rank, world) each scores its part of the split and `gather` brings the parts to the writer
@@ -47,7 +48,8 @@ def write_splits(
     drawn at each evaluation instead (confusion_picture). Multi-label: classes.csv and pr_curves.png
     (write_multilabel), at `thresholds`. One class an image: scored with the run's test-time views
     (`augmentation`), a temperature fitted on val (job/calibrate.py) and each split's calibration before and after
-    it (reliability.png); returns, on the writer, the temperature and the expected calibration errors (calibrated())."""
+    it (reliability.png); returns, on the writer, the temperature and the expected calibration errors (calibrated()).
+    `kept`: this process's passes already made over splits on the same weights (the run's last ones), not made again."""
     rank, world = group
     stats = r.feed.stats_cpu() if r.feed.is_image else None
     passes: dict[str, Passed] = {}
@@ -57,7 +59,7 @@ def write_splits(
             part = multilabel_part(r.evaluated, loader, r.amp, len(r.classes), augmentation)
             write_multilabel(lambda name, data, split=split: put(split, name, data), part, r.classes, split, thresholds)
             continue
-        part = per_sample(r.evaluated, loader, r.amp, stats, augmentation)
+        part = (kept or {}).get(split) or per_sample(r.evaluated, loader, r.amp, stats, augmentation)
         parts = gather(part) if gather is not None else [part]
         if parts is not None:
             passes[split] = merged(parts)
@@ -100,6 +102,7 @@ class Passed:
     names: list[str]
     worst: torch.Tensor  # places of the WORST highest losses among the counted samples, highest first
     pictures: torch.Tensor | None  # the inputs at those places (None: a table, or no sample counted)
+    sums: torch.Tensor  # the pass as evaluate.test_sums counts it, with top-5 and the confusion (scores.count)
 
     def totals(self) -> tuple[float, int, int]:
         """The sum of the counted samples' losses, how many were right, and how many were counted (test_sums'
@@ -117,13 +120,16 @@ def per_sample(model, loader, amp, stats=None, augmentation: str = "none") -> Pa
     per channel, to draw them (None: a table; (None, None): not normalised)."""
     model.eval()
     losses, predicted, probability, labels, outs, names = [], [], [], [], [], []
-    top_loss = top_at = top_x = None
+    top_loss = top_at = top_x = sums = None
     seen = 0
     for batch in loader.batches():
         if not batch.own:  # padding: this process's samples have run out
             continue
         with amp():
             out = viewed_logits(model, batch.x, augmentation).float()
+        if sums is None:
+            sums = torch.zeros(4 + out.shape[1] ** 2, device=out.device)
+        scores.count(sums, out, batch.y, out.shape[1])
         p = torch.softmax(out, 1)
         loss = F.cross_entropy(out, batch.y, reduction="none", ignore_index=IGNORED)
         ranked = loss.masked_fill(batch.y == IGNORED, float("-inf"))  # never counted, never among the worst
@@ -147,7 +153,8 @@ def per_sample(model, loader, amp, stats=None, augmentation: str = "none") -> Pa
     worst = top_at[:found].cpu() if found else torch.zeros(0, dtype=torch.long)
     drawn = pixels(top_x[:found], *stats) if top_x is not None and found else None
     held = [torch.cat(t) if t else torch.zeros(0) for t in (losses, predicted, probability, labels)]
-    return Passed(*held, torch.cat(outs) if outs else torch.zeros(0, 0), names, worst, drawn)
+    sums = sums if sums is not None else torch.zeros(4, device=loader.device)  # no sample: a part of nothing
+    return Passed(*held, torch.cat(outs) if outs else torch.zeros(0, 0), names, worst, drawn, sums)
 
 
 def merged(parts: list[Passed]) -> Passed:
@@ -161,7 +168,8 @@ def merged(parts: list[Passed]) -> Passed:
     drawn = [p.pictures for p in parts if p.pictures is not None]
     order = joined[0][worst].argsort(descending=True, stable=True)[:WORST]
     pictures = torch.cat(drawn)[order] if drawn else None
-    return Passed(*joined, [n for p in parts for n in p.names], worst[order], pictures)
+    sums = [p.sums.cpu() for p in parts if len(p.sums) > 4] or [parts[0].sums.cpu()]
+    return Passed(*joined, [n for p in parts for n in p.names], worst[order], pictures, sum(sums))
 
 
 def write(put: Callable[[str, bytes], None], s: Passed, split: str, classes: list[str]) -> torch.Tensor:
@@ -212,28 +220,27 @@ def write_multilabel(
 
 def pr_curves_png(y, p, classes: list[str], ap: list[float], split: str) -> bytes:
     """Each class's precision-recall curve (of the 20 of lowest AP, among many), its AP in the legend."""
-    from matplotlib.figure import Figure
-
+    from job import pictures
     from job.multilabel import curves
 
     shown = sorted(range(len(classes)), key=lambda i: ap[i])[:20]
-    fig = Figure(figsize=(6, 5))
-    ax = fig.add_subplot(1, 1, 1)
+    lines = []
     for i in shown:
         recall, precision = curves(y[:, i], p[:, i])
-        ax.step(recall, precision, where="post", label=f"{classes[i]} (AP {ap[i]:.3f})")
-    ax.set_xlabel("recall")
-    ax.set_ylabel("precision")
-    ax.set_xlim(0, 1)
-    ax.set_ylim(0, 1.02)
-    ax.set_title(
-        f"{split}: precision-recall by class" + (f" (20 lowest AP of {len(classes)})" if len(classes) > 20 else "")
+        lines.append((f"{classes[i]} (AP {ap[i]:.3f})", [float(v) for v in recall], [float(v) for v in precision]))
+    title = f"{split}: precision-recall by class" + (f" (20 lowest AP of {len(classes)})" if len(classes) > 20 else "")
+    chart = pictures.chart(
+        lines,
+        title,
+        "recall",
+        "precision",
+        ylim=(0, 1.02),
+        xlim=(0, 1),
+        steps=True,
+        size=(520, 420),
+        legend="lower left",
     )
-    ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    return buf.getvalue()
+    return pictures.png(chart)
 
 
 def pixels(x: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor | None) -> torch.Tensor:
@@ -282,90 +289,39 @@ def most_confused_classes(confusion: torch.Tensor, n: int) -> list[int]:
 
 def confusion_png(confusion: torch.Tensor, classes: list[str], split: str) -> bytes:
     """Two panels, raw counts and normalised by row, of the most confused classes (of all, up to SHOWN)."""
-    from matplotlib.figure import Figure  # without pyplot: no global backend switched
+    from job import pictures
 
     keep = most_confused_classes(confusion, SHOWN)
     sub = confusion[keep][:, keep].double()
     rows = sub / sub.sum(1, keepdim=True).clamp(min=1)
-    names = [classes[i] for i in keep]
-    size = 3 + 0.35 * len(keep)
-    fig = Figure(figsize=(2 * size + 1, size))
-    for ax, values, title in zip(fig.subplots(1, 2), (sub, rows), ("counts", "normalised by row")):
-        ax.imshow(values.numpy(), cmap="Blues")
-        ax.set(xticks=range(len(names)), yticks=range(len(names)), xlabel="predicted", ylabel="true")
-        ax.set_xticklabels(names, rotation=90, fontsize=7)
-        ax.set_yticklabels(names, fontsize=7)
-        some = f" ({len(keep)} most confused classes)" if len(keep) < len(classes) else ""
-        ax.set_title(f"{split}: {title}{some}")
-        if len(keep) <= 12:  # few enough to print each cell
-            for t in range(len(keep)):
-                for p in range(len(keep)):
-                    v = float(values[t, p])
-                    ax.text(p, t, f"{v:.0f}" if values is sub else f"{v:.2f}", ha="center", va="center", fontsize=6)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    return buf.getvalue()
+    names = [classes[i][:24] for i in keep]
+    some = f" ({len(keep)} most confused of {len(classes)} classes)" if len(keep) < len(classes) else ""
+    counts = pictures.matrix(sub.numpy(), names, f"{split}: counts{some}", "{:.0f}")
+    normalised = pictures.matrix(rows.numpy(), names, f"{split}: normalised by row{some}", "{:.2f}", 1.0)
+    return pictures.png(pictures.side_by_side([counts, normalised], gap=16))
 
 
 def confusion_picture(confusion: torch.Tensor, classes: list[str], split: str) -> torch.Tensor:
     """The confusion matrix normalised by row as an HWC uint8 picture, class names on its axes (the SHOWN most
-    confused of many). Drawn with Pillow at each evaluation: a few milliseconds, where a matplotlib figure takes a
-    third of a second."""
+    confused of many), for TensorBoard at each evaluation."""
     import numpy as np
-    from PIL import Image, ImageDraw, ImageFont
+
+    from job import pictures
 
     keep = most_confused_classes(confusion, SHOWN)
     sub = confusion[keep][:, keep].double()
     rows = (sub / sub.sum(1, keepdim=True).clamp(min=1)).numpy()
     names = [classes[i][:24] for i in keep]
-    n, font = len(keep), ImageFont.load_default(11)
-    cell = max(16, min(48, 480 // n))
-    label = max(int(font.getlength(name)) for name in names) + 8
     title = f"{split}: confusion, normalised by row" + (
-        f" ({n} most confused of {len(classes)} classes)" if n < len(classes) else "")  # fmt: skip
-    top, left = 20 + label + 14, 30 + label
-    width = max(left + n * cell + 8, int(font.getlength(title)) + 16)
-    img = Image.new("RGB", (width, top + n * cell + 8), "white")
-    draw = ImageDraw.Draw(img)
-    draw.text((6, 4), title, fill="black", font=font)
-    light, dark = np.array([247, 251, 255]), np.array([8, 48, 107])  # matplotlib's Blues, its two ends
-    for t in range(n):
-        draw.text((left - 4, top + t * cell + cell / 2), names[t], fill="black", font=font, anchor="rm")
-        for p in range(n):
-            v = float(rows[t, p])
-            colour = tuple(int(c) for c in light + (dark - light) * v)
-            x0, y0 = left + p * cell, top + t * cell
-            draw.rectangle((x0, y0, x0 + cell - 1, y0 + cell - 1), fill=colour)
-            if n <= 12:  # few enough to print each cell
-                ink = "white" if v > 0.5 else "black"
-                draw.text((x0 + cell / 2, y0 + cell / 2), f"{v:.2f}", fill=ink, font=font, anchor="mm")
-    for p, name in enumerate(names):  # the predicted classes along the top, written upwards
-        text = Image.new("RGB", (label, cell), "white")
-        ImageDraw.Draw(text).text((2, cell / 2), name, fill="black", font=font, anchor="lm")
-        img.paste(text.rotate(90, expand=True), (left + p * cell, top - label - 2))
-    draw.text((2, top + n * cell / 2), "true", fill="grey", font=font, anchor="lm")
-    draw.text((left + n * cell / 2, top - label - 12), "predicted", fill="grey", font=font, anchor="mm")
+        f" ({len(keep)} most confused of {len(classes)} classes)" if len(keep) < len(classes) else "")  # fmt: skip
+    img = pictures.matrix(rows, names, title, "{:.2f}", 1.0)
     return torch.from_numpy(np.asarray(img).copy())
 
 
 def worst_png(images: torch.Tensor, rows: list) -> bytes:
-    """A grid of the worst images, each titled true / predicted (probability) and its file name beneath."""
-    from matplotlib.figure import Figure
+    """A grid of the worst images, each titled true -> predicted (probability), its file name beneath."""
+    from job import pictures
 
-    n = len(rows)
-    cols = 6
-    lines = -(-n // cols)
-    fig = Figure(figsize=(cols * 2.2, lines * 2.6))
-    for i, ((path, true, predicted, p, _), img) in enumerate(zip(rows, images)):
-        ax = fig.add_subplot(lines, cols, i + 1)
-        picture = img.permute(1, 2, 0).numpy()
-        ax.imshow(picture[..., 0] if picture.shape[2] == 1 else picture, cmap="gray")
-        ax.set_title(f"{true} -> {predicted} ({p:.2f})", fontsize=7)
-        ax.set_xlabel(str(path).rsplit("/", 1)[-1][-28:], fontsize=6)
-        ax.set_xticks([])
-        ax.set_yticks([])
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    return buf.getvalue()
+    titles = [f"{true} -> {predicted} ({p:.2f})" for _, true, predicted, p, _ in rows]
+    names = [str(path).rsplit("/", 1)[-1][-28:] for path, *_ in rows]
+    return pictures.png(pictures.grid(images[: len(rows)].permute(0, 2, 3, 1).numpy(), titles, names))

@@ -9,14 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from job import checkpoint, distributed, recipe, scores
 from job.attempts import RUN_JSON, attempts_in
 from job.cloud import check_input, filesystem
 from job.config import apply_override, load_config, validate
 from job.data.augment import viewed_logits
-from job.data.batches import IGNORED, Loader
+from job.data.batches import Loader
 from job.data.placement import restored
 from job.env import pick_device
 from job.errors import CheckpointError, DataError
@@ -31,7 +30,7 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
     device; padding (a batch with no samples of this process's own) and streamed samples that could not be decoded
     (labelled IGNORED) are never counted. `augmentation`: train.test_time_augmentation, the logits averaged over
     views of each image. With `classes` (their number), then [top-5 correct, the classes x classes confusion
-    matrix, row: true class, column: predicted], counted on the device without the host waiting (confusion_add)."""
+    matrix], counted on the device without the host waiting (scores.count)."""
     model.eval()
     sums = torch.zeros(3 + (1 + classes * classes if classes else 0), device=loader.device)
     for batch in loader.batches():
@@ -39,27 +38,9 @@ def test_sums(model, loader: Loader, amp, augmentation: str = "none", classes: i
             continue
         with amp():
             out = viewed_logits(model, batch.x, augmentation)
-        predicted, counted = out.argmax(1), batch.y != IGNORED
-        sums[0] += F.cross_entropy(out.float(), batch.y, reduction="sum")
-        sums[1] += (predicted == batch.y).sum()
-        sums[2] += counted.sum()
-        if classes:
-            k = min(5, out.shape[1])
-            sums[3] += (out.topk(k, dim=1).indices == batch.y[:, None]).any(1).sum()
-            confusion_add(sums[4:], batch.y.clamp(min=0) * classes + predicted, counted)
+        scores.count(sums, out, batch.y, classes)
     model.train()
     return sums
-
-
-def confusion_add(cells: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) -> None:
-    """Add one to `cells` at each index of `at` where `counted`. On a GPU without the host waiting: a bincount reads
-    the indices' range on the host, and leaving out the uncounted by a mask waits for their number; an index_add_ of
-    0 or 1 does neither, and its sums are whole numbers, so exact in any order (in deterministic mode, which warns
-    of index_add_ on a GPU, and on a CPU: the bincount)."""
-    if at.is_cuda and not torch.are_deterministic_algorithms_enabled():
-        cells.index_add_(0, at, counted.to(cells.dtype))
-    else:
-        cells += torch.bincount(at[counted], minlength=len(cells))[: len(cells)]
 
 
 def multilabel_scored(
@@ -347,6 +328,24 @@ def score_split(
         return multilabel_scored(sums, probs, ys, extra, thresholds)
     with guard, clock.testing():
         sums = test_sums(model, loader, amp, augmentation, classes=classes)
+    return scored_sums(sums, classes, extra)
+
+
+def score_kept(model, loader: Loader, amp, classes: int, augmentation: str, clock, stats, extra=None):
+    """score_split's evaluation from a pass that keeps every sample (diagnostics.per_sample; `stats`: as it takes
+    them): the end of a run writes its report from this pass instead of passing over the split again. Returns the
+    Scored and this process's Passed."""
+    from job import diagnostics
+
+    guard = memory_guard(f"data.eval_batch_size={loader.batch_size}", next(model.parameters()).device)
+    with guard, clock.testing():
+        passed = diagnostics.per_sample(model, loader, amp, stats, augmentation)
+    sums = passed.sums if len(passed.sums) > 4 else torch.zeros(4 + classes * classes, device=loader.device)
+    return scored_sums(sums, classes, extra), passed  # (a process with no sample of the split counted nothing)
+
+
+def scored_sums(sums: torch.Tensor, classes: int, extra: torch.Tensor | None) -> Scored:
+    """A Scored from this process's test_sums (and `extra`), reduced over the group: the evaluation's host sync."""
     totals = distributed.totals(sums, sums[:0] if extra is None else extra).cpu()
     loss, correct, counted, top5 = totals[:4].tolist()
     confusion = totals[4 : 4 + classes * classes].round().long().view(classes, classes)

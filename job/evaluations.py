@@ -12,7 +12,7 @@ import torch
 
 from job import diagnostics, distributed, multilabel, scores
 from job.console import say
-from job.evaluate import Scored, score_split
+from job.evaluate import Scored, score_kept, score_split
 from job.multilabel import MultiScored
 from job.progress import is_best
 
@@ -21,16 +21,17 @@ if TYPE_CHECKING:
     from job.recipe import Recipe
 
 
-def test_and_report(loop: Loop) -> str:
+def test_and_report(loop: Loop, last: bool = False) -> str:
     """Evaluate the model on val (test when there is none) and report it with the training loss and throughput since
-    the previous evaluation; the reason to stop early, or ''."""
+    the previous evaluation; the reason to stop early, or ''. `last`: the run's last evaluation, whose samples the
+    end's report reads (Loop.kept)."""
     loop.pause()
     r, state, log, on = loop.r, loop.state, loop.log, loop.r.evaluated_on
     if state.step % log.every and state.steps_since_eval:  # the open window is logged: every evaluated epoch has one
         log.close_window(
             state.step, r.optimizer.param_groups[0]["lr"], min(state.step % log.every, state.steps_since_eval)
         )
-    scored = score(loop, on, extra=log.sums[1:])
+    scored = score(loop, on, extra=log.sums[1:], keep=last)
     (train_sum,) = scored.extra
     now = time.perf_counter()
     for window in log.ready(wait=True):
@@ -84,11 +85,20 @@ def multilabel_table(scored: MultiScored, classes: list[str]) -> str:
     )
 
 
-def score(loop: Loop, split: str, extra: torch.Tensor | None = None, thresholds: list[float] | None = None):
-    """The model on a split (multi-label: at `thresholds`, default the split's own best-F1 ones)."""
+def score(
+    loop: Loop, split: str, extra: torch.Tensor | None = None, thresholds: list[float] | None = None, keep: bool = False
+):
+    """The model on a split (multi-label: at `thresholds`, default the split's own best-F1 ones). `keep`: the pass
+    keeps every sample, for the end's report (Loop.kept; one class a sample)."""
     r = loop.r
     augmentation = loop.cfg.train.test_time_augmentation
     held = r.held_out[split]
+    loop.kept.pop(split, None)  # a pass on other weights than the kept one's
+    if keep and not r.multilabel:
+        stats = r.feed.stats_cpu() if r.feed.is_image else None
+        args = r.evaluated, held, r.amp, len(r.classes), augmentation, loop.clock, stats, extra
+        scored, loop.kept[split] = score_kept(*args)
+        return scored
     return score_split(
         r.evaluated, held, r.amp, len(r.classes), augmentation, loop.clock, extra, r.multilabel, thresholds
     )
@@ -102,10 +112,12 @@ def final_test(loop: Loop) -> dict:
         return {}
     tested = "test" in r.held_out
     final = score(loop, "test") if tested and not is_best(state) else None
+    if not is_best(state):  # the chosen weights are put back: the last evaluation's samples are not theirs
+        loop.kept.clear()
     chooser.choose(state, r.evaluated)
     if not tested:
         return {}
-    scored = score(loop, "test", thresholds=chooser.thresholds)  # multi-label: at the thresholds chosen on val
+    scored = score(loop, "test", thresholds=chooser.thresholds, keep=True)  # multi-label: at the val's thresholds
     chooser.test_confusion = scored.confusion  # the weakest classes are the chosen model's on test
     show(loop, "test", scored)
     metric = chooser.metric_key
@@ -127,5 +139,6 @@ def write_reports(loop: Loop) -> tuple[float | None, dict[str, float]]:
     group = (distributed.rank(), distributed.world())
     views = loop.cfg.train.test_time_augmentation
     chosen = loop.chooser.thresholds
-    calibration = diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer, chosen, views) or {}
+    kept, loop.kept = loop.kept, {}
+    calibration = diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer, chosen, views, kept) or {}
     return calibration.pop("temperature", None), calibration

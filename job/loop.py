@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from job.choose import Chooser
     from job.config import Config
     from job.cost import Budget
+    from job.diagnostics import Passed
     from job.meters import LossLog, TrainClock
     from job.progress import Progress
     from job.ray_report import RayReport
@@ -40,6 +41,7 @@ class Loop:
     budget: Budget | None = None  # train.budget, read
     over_budget: str = ""  # why the run stops at the checkpoint just committed, to keep within train.budget
     ray: RayReport | None = None  # in a Ray Train worker: what reports to Ray
+    kept: dict[str, Passed] = field(default_factory=dict)  # the last passes over splits on the weights now held
 
     def pause(self) -> None:
         """The training clock stopped for an evaluation or a checkpoint, and every process given rank 0's averaged

@@ -213,28 +213,21 @@ def chosen_metric(record: dict[str, Any], on: str) -> str:
 def plot_curves(records: list[dict[str, Any]]) -> bytes:
     """PNG of training and held-out loss, and held-out accuracy, over the run's evaluations (val, or test when the
     run has no val split)."""
-    import io
-
-    from matplotlib.figure import Figure  # without pyplot: no global backend switched, a notebook's kept as it is
+    from job import pictures
 
     records = [r for r in records if "train_loss" in r]  # the evaluations, not the test split's report at the end
     on = evaluated(records[-1]) if records else "test"
     epochs = [r["epoch"] for r in records]
-    fig = Figure(figsize=(10, 4))
-    ax_loss, ax_acc = fig.subplots(1, 2)
-    ax_loss.plot(epochs, [r["train_loss"] for r in records], marker=".", label="train")
-    ax_loss.plot(epochs, [r.get(f"{on}_loss") for r in records], marker=".", label=on)
-    ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
-    ax_loss.legend()
+    losses = [
+        ("train", epochs, [r["train_loss"] for r in records]),
+        (on, epochs, [r.get(f"{on}_loss") for r in records]),
+    ]
     metric = chosen_metric(records[-1], on) if records else "accuracy"
-    ax_acc.plot(epochs, [r.get(f"{on}_{metric}") for r in records], marker=".", color="tab:green")
-    ax_acc.set(xlabel="epoch", ylabel=metric, title=f"{on} {metric}", ylim=(0, 1))
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
+    scores = [("", epochs, [r.get(f"{on}_{metric}") for r in records])]
+    return pictures.png(pictures.side_by_side([
+        pictures.chart(losses, "loss", "epoch", "loss"),
+        pictures.chart(scores, f"{on} {metric}", "epoch", metric, ylim=(0, 1)),
+    ]))  # fmt: skip
 
 
 class FollowerReport:

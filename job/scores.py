@@ -1,10 +1,40 @@
 """Where a classifier fails, from its confusion matrix (rows: the true class, columns: the predicted one): each
 class's precision, recall, F1 and support, their macro and weighted averages, the weakest classes, and whether the
-model predicts one class for everything. Pure arithmetic on a small matrix, on the host, once an evaluation."""
+model predicts one class for everything. Pure arithmetic on a small matrix, on the host, once an evaluation; and
+the one counting of a pass's batches into the sums the matrix comes from (count), on the device."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from job.data.batches import IGNORED
+
+
+def count(sums: torch.Tensor, out: torch.Tensor, y: torch.Tensor, classes: int = 0) -> None:
+    """Add a batch's [summed loss, correct, counted] to `sums` and, with `classes` (their number), [top-5 correct,
+    the classes x classes confusion matrix (row: true class)] after them, on the device without the host waiting.
+    Samples labelled IGNORED are never counted. Every pass that scores a split counts through here (evaluate's
+    test_sums, and diagnostics.per_sample for the end's report), so their totals agree to the bit."""
+    predicted, counted = out.argmax(1), y != IGNORED
+    sums[0] += F.cross_entropy(out.float(), y, reduction="sum", ignore_index=IGNORED)
+    sums[1] += (predicted == y).sum()
+    sums[2] += counted.sum()
+    if classes:
+        k = min(5, out.shape[1])
+        sums[3] += (out.topk(k, dim=1).indices == y[:, None]).any(1).sum()
+        confusion_add(sums[4:], y.clamp(min=0) * classes + predicted, counted)
+
+
+def confusion_add(cells: torch.Tensor, at: torch.Tensor, counted: torch.Tensor) -> None:
+    """Add one to `cells` at each index of `at` where `counted`. On a GPU without the host waiting: a bincount reads
+    the indices' range on the host, and leaving out the uncounted by a mask waits for their number; an index_add_ of
+    0 or 1 does neither, and its sums are whole numbers, so exact in any order (in deterministic mode, which warns
+    of index_add_ on a GPU, and on a CPU: the bincount)."""
+    if at.is_cuda and not torch.are_deterministic_algorithms_enabled():
+        cells.index_add_(0, at, counted.to(cells.dtype))
+    else:
+        cells += torch.bincount(at[counted], minlength=len(cells))[: len(cells)]
 
 
 def per_class(confusion: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -188,7 +188,7 @@ def train_loop(
         finished = train_epoch(loop, epoch)
         last = state.epoch == cfg.train.epochs
         if finished and (state.epoch % cfg.train.eval_every_epochs == 0 or last):
-            state.stopped_early = test_and_report(loop)
+            state.stopped_early = test_and_report(loop, last)
             last = last or bool(state.stopped_early)
         stopping = stop.signal is not None and not last
         if stopping:

@@ -471,7 +471,8 @@ def test_an_evaluation_pass_never_waits_for_the_gpu_and_counts_as_the_cpu_does(t
     """An evaluation's sums (loss, accuracy, top-5, the confusion matrix) are counted on the device: no host wait
     a batch (a bincount and a masked index each waited), the counts a bincount gives, through a view (photos held
     larger than the model's input: torchvision's roi_align operator, also in deterministic mode)."""
-    from job.evaluate import confusion_add, test_sums
+    from job.evaluate import test_sums
+    from job.scores import confusion_add
 
     at, counted = torch.randint(0, 36, (5000,)), torch.rand(5000) < 0.8
     cells = torch.zeros(36, device=CUDA)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 
+import pytest
 import torch
 
 from job.report import read_records
@@ -26,8 +28,30 @@ def test_a_process_with_none_of_a_splits_samples_adds_nothing_to_the_merged_repo
     def part(n: int, classes: int = 3) -> Passed:
         logits = torch.randn(n, classes) if n else torch.zeros(0, 0)  # an empty pass knows no class count
         z = torch.zeros(n)
-        return Passed(z, z.long(), z, z.long(), logits, [str(i) for i in range(n)], torch.arange(n), None)
+        names, sums = [str(i) for i in range(n)], torch.zeros(4 + classes**2 if n else 4)
+        return Passed(z, z.long(), z, z.long(), logits, names, torch.arange(n), None, sums)
 
     joined = merged([part(2), part(0)])
     assert joined.logits.shape == (2, 3) and len(joined.labels) == 2
     assert merged([part(0), part(2)]).logits.shape == (2, 3)
+
+
+def test_the_pictures_are_drawn_with_pillow_round_ticks_and_gaps_where_a_value_is_missing():
+    """job/pictures.py: ticks at round values, a line broken where a value is missing (an evaluation without its
+    held-out loss), a grid that enlarges small inputs by a whole factor, each a real PNG."""
+    import numpy as np
+    from PIL import Image
+
+    from job import pictures
+
+    assert pictures.ticks(0, 1.02) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    assert pictures.ticks(0.23, 2.31) == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    gap = pictures.chart([("val", [1, 2, 3, 4], [1.0, None, float("nan"), 0.5])], "loss", "epoch", "loss")
+    whole = pictures.chart([("val", [1, 2, 3, 4], [1.0, 0.8, 0.6, 0.5])], "loss", "epoch", "loss")
+    blue = lambda img: int((np.asarray(img) == pictures.COLOURS[0]).all(2).sum())  # noqa: E731
+    assert 0 < blue(gap) < blue(whole)  # the dots drawn, the line between them left out
+    tiny = np.full((2, 32, 32, 3), 200, dtype=np.uint8)
+    grid = pictures.grid(tiny, ["a -> b (0.9)"] * 2, ["x.jpg"] * 2)
+    assert grid.width >= 2 * 96 and grid.height >= 96
+    again = Image.open(io.BytesIO(pictures.png(grid)))
+    assert again.format == "PNG" and again.size == grid.size

@@ -503,3 +503,47 @@ def test_a_tie_in_val_accuracy_is_broken_by_the_val_loss_and_early_stopping_coun
         reasons.append(chooser.judge(state, 1.0, loss, model, right))
     assert state.best_epoch == 4 and state.best_loss == 0.1 and float(chooser.weights["weight"][0, 0]) == 4
     assert reasons[:2] == ["", ""] and reasons[3].startswith("early stopping") and state.evals_since_best == 3
+
+
+@pytest.mark.parametrize("val_split", [0.0, 0.25])
+def test_the_end_of_a_run_reports_from_its_last_pass_over_a_split(tmp_path, monkeypatch, val_split):
+    """report/<split>/ reads the samples of the run's last pass over a split on the weights it ends with (the last
+    evaluation, or the chosen model's test pass) instead of passing over the split again; the report agrees with
+    the metrics that pass gave."""
+    import csv
+
+    from job import diagnostics
+    from job import evaluate as evaluate_module
+
+    passes = []
+    for module, name in ((diagnostics, "per_sample"), (evaluate_module, "test_sums")):
+        real = getattr(module, name)
+
+        def counted(*args, real=real, **kwargs):
+            passes.append(real.__name__)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=12, size=16, test_per_class=4)
+    out = tmp_path / "run"
+    over = sets(
+        "data.kind=folder", f"data.path={root}", "model.name=mlp", "train.epochs=2", "data.batch_size=8",
+        f"data.val_split={val_split}",
+    )  # fmt: skip
+    code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
+    assert code == 0, err
+    records = metrics(out)
+    evaluations = [r for r in records if "train_loss" in r]
+    if val_split:
+        end = records[-1]
+        chosen_last = end["chosen_epoch"] == evaluations[-1]["epoch"]
+        # the evaluations, the final weights on test (when not the chosen ones), the chosen model on test, and val's
+        # report pass only where the chosen weights are not the last evaluated
+        assert len(passes) == len(evaluations) + (0 if chosen_last else 2) + 1, passes
+    else:
+        end = evaluations[-1]
+        assert len(passes) == len(evaluations), passes
+    with open(out / "report" / "test" / "classes.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    right = sum(round(float(r["recall"]) * int(r["support"])) for r in rows)
+    assert right / sum(int(r["support"]) for r in rows) == pytest.approx(end["test_accuracy"])
