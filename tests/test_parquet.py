@@ -268,3 +268,29 @@ def test_data_task_multilabel_on_one_class_labels_is_one_line(tmp_path):
     code, err = invoke(["train", "--output", str(tmp_path / "run"), "--device", "cpu", *over])
     last = err.strip().splitlines()[-1]
     assert code == 2 and "Traceback" not in err and last.startswith("error: data.task=multilabel"), err
+
+
+def test_data_kind_is_found_from_parquet_files_in_a_bucket_and_in_one_file(tmp_path, bucket):
+    """No data.kind given (the default preset's csv): a bucket's hub layout and one local .parquet table are read as
+    parquet, config.yaml records it and the start-up says so; a kind the user names otherwise is kept."""
+    root = hub_dataset(tmp_path / "ds", {"train": 6, "test": 2})
+    bucket.put_tree(root, "ds")
+    over = sets(f"data.path={bucket.url('ds')}", "model.name=cifar_cnn", "train.epochs=1", "data.batch_size=8",
+                "data.image_size=32")  # fmt: skip
+    code, err = invoke(["train", "--output", str(tmp_path / "images"), "--device", "cpu", *over])
+    assert code == 0, err
+    assert "data.kind parquet, found from the files" in err
+    assert "kind: parquet" in (tmp_path / "images" / "config.yaml").read_text()
+    assert json.loads((tmp_path / "images" / "data.json").read_text())["classes"] == NAMES
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 2))
+    pq.write_table(pa.table({"a": x[:, 0], "b": x[:, 1], "species": np.where(x[:, 0] > 0, "hi", "lo")}),
+                   tmp_path / "table.parquet")  # fmt: skip
+    over = sets(f"data.path={tmp_path / 'table.parquet'}", "train.epochs=2")
+    code, err = invoke(["train", "--output", str(tmp_path / "table"), "--device", "cpu", *over])
+    assert code == 0, err
+    assert "data.kind parquet, found from the files" in err
+    assert json.loads((tmp_path / "table" / "model.json").read_text())["classes"] == ["hi", "lo"]
+    code, err = invoke(["train", "--output", str(tmp_path / "folder"), "--device", "cpu",
+                        *sets("data.kind=folder", f"data.path={root}", "train.epochs=1")])  # fmt: skip
+    assert code == 3 and "found from the files" not in err, err

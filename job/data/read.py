@@ -84,6 +84,17 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
     return data
 
 
+def found_kind(cfg) -> str:
+    """data.kind as the run reads it: csv (the default, and the default preset's) whose data.path is a .parquet file,
+    a folder of them holding no images, or the hub's data/<split>-*.parquet layout reads as parquet (a CSV reader
+    cannot read them, and parquet reads a table of feature columns as csv does); any other kind is the user's."""
+    if cfg.kind != "csv" or not cfg.path or cfg.path.lower().endswith((".csv", ".tsv")):
+        return cfg.kind
+    from job.data.parquet import is_parquet
+
+    return "parquet" if is_parquet(cfg.path) else cfg.kind
+
+
 def check_task(cfg, data) -> None:
     """data.task, when set, is what the labels are: lists (multilabel) or one class a sample (multiclass)."""
     if cfg.task == "multilabel" and not data.multilabel:
