@@ -30,11 +30,6 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
             choice = parquet_streaming(cfg, log, started)
         else:
             choice = manifest_streaming(cfg, log, started)
-        if choice.streamed and cfg.label_separator is not None:
-            raise ConfigError(
-                "data.label_separator: a manifest of labels split at a separator is held in memory "
-                "(data.placement=memory); to stream, write each image's labels as a JSON list"
-            )
         if choice.streamed:
             from job.data.manifest import Columns
             from job.data.pack import packed_for_streaming
