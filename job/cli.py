@@ -293,7 +293,8 @@ def predict(
         ...,
         metavar="INPUT",
         help="Images: files, folders (recursive), glob patterns, .tar/.tar.gz archives, folders of shards, "
-        "manifests (.csv/.jsonl with a path column), at any URL; for a model of a table, CSV tables.",
+        "manifests (.csv/.jsonl with a path column), parquet files or folders of them (each row's image), at any URL; "
+        "for a model of a table, CSV or parquet tables.",
     ),
     model: str = typer.Option(..., "--model", "-m", help="A run folder, its model.pt, or a checkpoint, at any URL."),
     output: str = typer.Option("", "--output", "-o", help="A .csv or .jsonl file at any URL; default: CSV on stdout."),

@@ -55,7 +55,9 @@ class DataConfig(Section):
         description="Reader: a CSV table, CIFAR-10's python-version layout, image folders (class folders at the top, "
         "or train/ val/ test/ folders of them), a manifest (a CSV or JSONL file of image paths and labels), parquet "
         "(a .parquet file, a folder of them, or the Hugging Face hub's data/<split>-*.parquet layout: images from its "
-        "Image struct, labels from a ClassLabel or data.label_column; a table of feature columns is read as csv), "
+        "Image struct, labels from a ClassLabel or data.label_column; a table of feature columns is read as csv; "
+        "found from the files: csv, the default, reads a data.path of parquet files as parquet, and the start-up "
+        "says so), "
         "or WebDataset-style tar shards (train/*.tar, test/*.tar; `python -m job shard` makes them).",
     )
     path: str = Field(

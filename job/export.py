@@ -214,7 +214,7 @@ def manifest_held_out(cfg, where: str, limit: int) -> list[str]:
     except DataError:
         raise ConfigError(f"{where} (the run's {cfg.path} is not there from here)") from None
     raw = read_bytes(cfg.path, None, lambda _: None)
-    files, _ = manifest_files(cfg.path, raw, Columns.of(cfg), HoldOut.of(cfg), cfg.task, cfg.label_separator)
+    files, _ = manifest_files(cfg.path, raw, Columns.of(cfg), HoldOut.of(cfg))
     held = files.roles["val"] or files.roles["test"]
     if not held:
         raise ConfigError(f"{where} (the run held no images out)")

@@ -24,7 +24,7 @@ from job.data.dataset import Dataset, Split
 from job.data.decode import DeviceDecoder
 from job.data.loader import BatchLoader
 from job.data.placement import HELD, Streaming, hold_on
-from job.data.read import load_data
+from job.data.read import found_kind, load_data
 from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
 from job.ema import ModelEma
 from job.env import resolve_precision
@@ -42,8 +42,13 @@ STATS_IMAGES = 1000  # the training images streamed data's normalisation statist
 def resolved(cfg: Config) -> Config:
     """The config with the defaults that follow from other settings filled in, as config.yaml records them: the
     image and resize sizes of torchvision weights' preprocessing, random_resized_crop's resize size (8/7 of the
-    input, 256 for 224, as ImageNet recipes hold their images)."""
+    input, 256 for 224, as ImageNet recipes hold their images); data.kind parquet where the kind is csv and data.path
+    holds parquet files (job/data/read.py), said once, when found."""
     d = cfg.data
+    if (kind := found_kind(d)) != d.kind:
+        say(f"data.kind parquet, found from the files of {d.path} (data.kind {d.kind} reads CSV tables)")
+        d = d.model_copy(update={"kind": kind})
+        cfg = cfg.model_copy(update={"data": d})
     if d.kind == "csv":
         return cfg
     w = weights.resolve(cfg.model.name, cfg.model.weights)

@@ -250,3 +250,35 @@ def test_a_manifest_of_json_lists_streams_with_its_counts(tmp_path):
     per = {c: sum(s["per_class"][c] for s in d["splits"].values()) for c in COLOURS}
     assert per == {c: sum(c in r["labels"] for r in rows) for c in COLOURS}
     assert set(json.loads((out / "model.json").read_text())["thresholds"]) == set(COLOURS)
+
+
+def test_a_streamed_manifest_reads_its_labels_as_the_held_one_does_and_repacks_for_another_separator(tmp_path):
+    """data.placement=stream packs a manifest with data.label_separator and data.task as the held read takes them
+    (the same multi-label counts), and a changed separator or task is another pack."""
+    from job.data.manifest import load_manifest
+    from job.data.read import load_data
+
+    rows = mosaic_images(tmp_path, 40)
+    table = manifests(tmp_path, rows)["csv_sep"]
+    cfg = DataConfig(kind="manifest", path=str(table), label_column="labels", label_separator="|", val_split=0.2)
+    held = load_manifest(cfg, None, lambda _: None)
+    streamed = load_data(cfg.model_copy(update={"placement": "stream"}), tmp_path / "cache", lambda _: None)
+    assert streamed.multilabel and streamed.classes == held.classes == sorted(COLOURS)
+    assert streamed.inventory.to_json()["splits"] == held.inventory.to_json()["splits"]
+    flags = cfg.model_copy(update={"path": str(table.with_name("flags.csv")), "placement": "stream"})
+    assert (
+        load_data(flags, tmp_path / "cache", print).inventory.to_json()["splits"]
+        == (streamed.inventory.to_json()["splits"])
+    )  # 0/1 columns, no label column
+    other = load_data(cfg.model_copy(update={"placement": "stream", "label_separator": ";"}), tmp_path / "cache", print)
+    assert other.source != streamed.source and other.classes != streamed.classes  # "red|green" is one name with ";"
+    single = tmp_path / "one.jsonl"
+    single.write_text("".join(json.dumps({"path": p, "label": (c or ["none"])[0]}) + "\n" for p, c in rows))
+    one = DataConfig(kind="manifest", path=str(single), val_split=0.2, placement="stream")
+    assert not load_data(one, tmp_path / "cache", print).multilabel
+    listed = load_data(one.model_copy(update={"task": "multilabel"}), tmp_path / "cache", print)
+    assert (
+        listed.multilabel
+        and listed.inventory.to_json()["splits"]
+        == (load_manifest(one.model_copy(update={"task": "multilabel"}), None, print).inventory.to_json()["splits"])
+    )

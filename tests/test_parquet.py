@@ -268,3 +268,96 @@ def test_data_task_multilabel_on_one_class_labels_is_one_line(tmp_path):
     code, err = invoke(["train", "--output", str(tmp_path / "run"), "--device", "cpu", *over])
     last = err.strip().splitlines()[-1]
     assert code == 2 and "Traceback" not in err and last.startswith("error: data.task=multilabel"), err
+
+
+def test_data_kind_is_found_from_parquet_files_in_a_bucket_and_in_one_file(tmp_path, bucket):
+    """No data.kind given (the default preset's csv): a bucket's hub layout and one local .parquet table are read as
+    parquet, config.yaml records it and the start-up says so; a kind the user names otherwise is kept."""
+    root = hub_dataset(tmp_path / "ds", {"train": 6, "test": 2})
+    bucket.put_tree(root, "ds")
+    over = sets(f"data.path={bucket.url('ds')}", "model.name=cifar_cnn", "train.epochs=1", "data.batch_size=8",
+                "data.image_size=32")  # fmt: skip
+    code, err = invoke(["train", "--output", str(tmp_path / "images"), "--device", "cpu", *over])
+    assert code == 0, err
+    assert "data.kind parquet, found from the files" in err
+    assert "kind: parquet" in (tmp_path / "images" / "config.yaml").read_text()
+    assert json.loads((tmp_path / "images" / "data.json").read_text())["classes"] == NAMES
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 2))
+    pq.write_table(pa.table({"a": x[:, 0], "b": x[:, 1], "species": np.where(x[:, 0] > 0, "hi", "lo")}),
+                   tmp_path / "table.parquet")  # fmt: skip
+    over = sets(f"data.path={tmp_path / 'table.parquet'}", "train.epochs=2")
+    code, err = invoke(["train", "--output", str(tmp_path / "table"), "--device", "cpu", *over])
+    assert code == 0, err
+    assert "data.kind parquet, found from the files" in err
+    assert json.loads((tmp_path / "table" / "model.json").read_text())["classes"] == ["hi", "lo"]
+    code, err = invoke(["train", "--output", str(tmp_path / "folder"), "--device", "cpu",
+                        *sets("data.kind=folder", f"data.path={root}", "train.epochs=1")])  # fmt: skip
+    assert code == 3 and "found from the files" not in err, err
+
+
+def predicted(tmp_path: Path, run: Path, *inputs: str) -> list[dict]:
+    out = tmp_path / f"p{len(list(tmp_path.glob('p*.csv')))}.csv"
+    code, err = invoke(["predict", "--model", str(run), *inputs, "--device", "cpu", "--output", str(out)])
+    assert code == 0, err
+    import csv
+
+    with open(out, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_predict_labels_each_rows_image_of_a_parquet_file_folder_or_bucket_and_a_tables_rows(tmp_path, bucket):
+    """predict on parquet: every row's image, named <file>#<row> (or by its image's path), with the probabilities the
+    same picture as a PNG file gets, from a folder, one file and a bucket alike; a struct with neither bytes nor path
+    gets its error row; a parquet table's rows predicted with a table's model as a CSV's are."""
+    root = hub_dataset(tmp_path / "ds", {"train": 6, "test": 2})
+    run = tmp_path / "run"
+    over = sets(
+        f"data.path={root}", "model.name=cifar_cnn", "train.epochs=1", "data.batch_size=8", "data.image_size=32"
+    )
+    code, err = invoke(["train", "--output", str(run), "--device", "cpu", *over])
+    assert code == 0, err
+    test = root / "data" / "test-00000-of-00001.parquet"
+    rows = predicted(tmp_path, run, str(root))
+    assert len(rows) == 24 and not any(r["error"] for r in rows)
+    assert sum(r["path"].startswith(f"{test}#") for r in rows) == 6
+    images, _ = pictures(2, seed=1)
+    pngs = []
+    for i in (0, 5):
+        pngs.append(tmp_path / f"t{i}.png")
+        images[i].save(pngs[-1])
+    by_file = {Path(r["path"]).name: r for r in predicted(tmp_path, run, *map(str, pngs))}
+    bucket.put_tree(root, "ds")
+    for given in (str(test), bucket.url("ds/data/test-00000-of-00001.parquet")):
+        rows = {r["path"]: r for r in predicted(tmp_path, run, given)}
+        assert list(rows) == [f"{given}#{i}" for i in range(6)]
+        for i in (0, 5):
+            assert rows[f"{given}#{i}"]["label"] == by_file[f"t{i}.png"]["label"]
+            assert float(rows[f"{given}#{i}"]["probability"]) == pytest.approx(
+                float(by_file[f"t{i}.png"]["probability"])
+            )
+    code, err = invoke(["evaluate", "--checkpoint", str(run), "--device", "cpu", "--data", bucket.url("ds")])
+    assert code == 0, err
+    (tmp_path / "pics").mkdir()
+    structs = []
+    for png in pngs:
+        (tmp_path / "pics" / png.name).write_bytes(png.read_bytes())
+        structs.append({"bytes": None, "path": f"pics/{png.name}"})
+    structs.append({"bytes": None, "path": None})
+    pq.write_table(pa.table({"image": structs}), tmp_path / "paths.parquet")
+    rows = predicted(tmp_path, run, str(tmp_path / "paths.parquet"))
+    assert [r["path"] for r in rows] == ["pics/t0.png", "pics/t5.png", f"{tmp_path / 'paths.parquet'}#2"]
+    assert [r["label"] for r in rows[:2]] == [by_file["t0.png"]["label"], by_file["t5.png"]["label"]]
+    assert "neither bytes nor path" in rows[2]["error"]
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 2))
+    pq.write_table(pa.table({"a": x[:, 0], "b": x[:, 1], "species": np.where(x[:, 0] > 0, "hi", "lo")}),
+                   tmp_path / "table.parquet")  # fmt: skip
+    code, err = invoke(["train", "--output", str(tmp_path / "tab"), "--device", "cpu",
+                        *sets(f"data.path={tmp_path / 'table.parquet'}", "train.epochs=50")])  # fmt: skip
+    assert code == 0, err
+    (tmp_path / "table.csv").write_text("b,a\n" + "".join(f"{b},{a}\n" for a, b in x.tolist()))
+    as_parquet = predicted(tmp_path, tmp_path / "tab", str(tmp_path / "table.parquet"))
+    as_csv = predicted(tmp_path, tmp_path / "tab", str(tmp_path / "table.csv"))
+    assert [r["path"] for r in as_parquet] == [f"{tmp_path / 'table.parquet'}#{i}" for i in range(40)]
+    assert [(r["label"], r["probability"]) for r in as_parquet] == [(r["label"], r["probability"]) for r in as_csv]

@@ -20,7 +20,7 @@ import csv
 import io
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from job.cloud import describe_storage_error
@@ -39,15 +39,19 @@ COLUMNS_HINT = (
 
 @dataclass(frozen=True)
 class Columns:
-    """Which columns of a manifest hold an image's path, its label and (when there is one) its split."""
+    """Which columns of a manifest hold an image's path, its label and (when there is one) its split, and how its
+    labels are read (data.label_separator, data.task): the whole of what a pack of it depends on besides the split,
+    so a pack's key and index.json hold it."""
 
     path: str = "path"
     label: str = "label"
     split: str = "split"
+    separator: str | None = None
+    task: str = "auto"
 
     @classmethod
     def of(cls, cfg) -> Columns:
-        return cls(cfg.path_column, cfg.label_column, cfg.split_column)
+        return cls(cfg.path_column, cfg.label_column, cfg.split_column, cfg.label_separator, cfg.task)
 
 
 def load_manifest(
@@ -57,7 +61,7 @@ def load_manifest(
     every row is read, with no split required)."""
     url = cfg.path
     raw = read_bytes(url, cache, log)
-    files, labels = manifest_files(url, raw, Columns.of(cfg), HoldOut.of(cfg), cfg.task, cfg.label_separator)
+    files, labels = manifest_files(url, raw, Columns.of(cfg), HoldOut.of(cfg))
     scoring = classes is not None
     if classes is None:
         classes = class_order(labels, {c for _, label in files.roles["train"] for c in label_names(label)})
@@ -72,16 +76,15 @@ def load_manifest(
     return held(files, content.__getitem__, classes, cfg, url, f"manifest {url}", log, skipped, scoring, pre)
 
 
-def manifest_files(
-    url: str, raw: bytes, columns: Columns, hold: HoldOut, task: str = "auto", separator: str | None = None
-) -> tuple[Files, list[str]]:
+def manifest_files(url: str, raw: bytes, columns: Columns, hold: HoldOut) -> tuple[Files, list[str]]:
     """The manifest's rows as (path, label) per split, rows with no split of their own held out by a hash of their
     path as written; and every row's label (each of them, for multi-label rows). Multi-label (files.multilabel) when
-    `task` says so or the labels are lists (a JSON list, cells split at `separator`, or 0/1 columns): a row's label
-    is then the tuple of its class names, sorted, () for an image with none."""
+    columns.task says so or the labels are lists (a JSON list, cells split at columns.separator, or 0/1 columns): a
+    row's label is then the tuple of its class names, sorted, () for an image with none."""
+    task, separator = columns.task, columns.separator
     rows = read_rows(url, raw)
     flags = flag_columns(rows, columns) if rows and columns.label not in rows[0] and task != "multiclass" else []
-    check_columns(url, rows, columns if not flags else Columns(columns.path, columns.path, columns.split))
+    check_columns(url, rows, columns if not flags else replace(columns, label=columns.path))
     if flags:
         values = [tuple(c for c in flags if cell(row, c) == "1") for row in rows]
     else:

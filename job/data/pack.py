@@ -116,9 +116,11 @@ def pack(
                 f"{was['split_seed']}: pack into another destination for another split"
             )
         read = done.get("columns")
-        if read is not None and read != asdict(columns):
-            shown = " ".join(f"--{k}-column {v}" for k, v in read.items())
-            raise ConfigError(f"{dst} was packed with {shown}: pack into another destination for other columns")
+        if read is not None and {**asdict(Columns()), **read} != asdict(columns):  # packs before the labels' keys
+            was = Columns(**{**asdict(Columns()), **read})
+            shown = f"--path-column {was.path} --label-column {was.label} --split-column {was.split}"
+            how = f", data.label_separator {was.separator!r}, data.task {was.task}"
+            raise ConfigError(f"{dst} was packed with {shown}{how}: pack into another destination for other columns")
         counts = " / ".join(f"{sum(e['nsamples'] for e in done['splits'].get(s, []))} {s}" for s in SPLITS)
         log(f"shard: {dst} is already packed from {src} ({counts} samples)")
         return done
@@ -211,7 +213,7 @@ def spool_manifest(src: str, folder: Path, log: Log, hold: HoldOut, columns: Col
     names that is not there is skipped and named, as one that cannot be decoded is."""
     from job.data.manifest import Images, class_order, manifest_files
 
-    files, labels = manifest_files(src, read_bytes(src, None, log), columns, hold)
+    files, labels = manifest_files(src, read_bytes(src, None, log), columns, hold)  # columns: labels' separator, task
     classes = class_order(labels, {c for _, label in files.roles["train"] for c in label_names(label)})
     check_files(files, classes, src)
     images = Images(src, [p for role in files.roles.values() for p, _ in role], None, log)
@@ -472,15 +474,14 @@ def fingerprint(fs, path: str, url: str, columns: Columns, parquet: bool = False
 def named(fs, path: str, url: str, columns: Columns) -> dict[str, dict]:
     """A manifest and the images under its folder that its rows name (one listing): path -> info. Images it names
     by URL elsewhere are not watched: a change to one is not seen."""
-    from job.data.manifest import cell, check_columns, read_rows
+    from job.data.manifest import manifest_files
 
     folder = path.rsplit("/", 1)[0]
-    try:
-        rows = read_rows(url, fs.cat_file(path))
-        check_columns(url, rows, columns)  # a misspelt column named before any pack of SRC is touched
-        paths = {fs._strip_protocol(beside(url, cell(row, columns.path))) for row in rows}
+    try:  # read as the pack reads it: a misspelt column or a bad label named before any pack of SRC is touched
+        files, _ = manifest_files(url, fs.cat_file(path), columns, HoldOut())
+        paths = {fs._strip_protocol(beside(url, p)) for role in files.roles.values() for p, _ in role}
         return {path: fs.info(path)} | {p: i for p, i in fs.find(folder, detail=True).items() if p in paths}
-    except DataError:
+    except (DataError, ConfigError):
         raise
     except Exception as e:  # the stores' clients raise many types
         raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None

@@ -30,6 +30,7 @@ from job.data.split import SPLIT_FOLDERS, Files, HoldOut, kind_of, label_names
 from job.errors import DataError, StorageError, one_line
 
 SUFFIX = ".parquet"
+NEITHER = "an image struct with neither bytes nor path"
 
 
 def is_parquet(url: str) -> bool:
@@ -99,6 +100,53 @@ def read_error(url: str, e: Exception) -> Exception:
     return StorageError(f"cannot read {url}: {describe_storage_error(url, e)}")
 
 
+def open_file(url: str, named: str | None = None):
+    """A parquet file as pyarrow reads it: a ParquetFile over an fsspec file object (local, cached, or remote);
+    `named`: the URL its faults name (where `url` is its local copy)."""
+    import pyarrow.parquet as pq
+
+    fs, path = filesystem(url)
+    try:
+        return pq.ParquetFile(fs.open(path, "rb"))
+    except Exception as e:  # pyarrow's errors and the stores'
+        raise read_error(named or url, e) from None
+
+
+def image_cells(f, image: str, url: str) -> Iterator[tuple[bytes | None, str | None]]:
+    """Each row's image as the file holds it, in order, a row group at a time: (its bytes, its path); a column of
+    paths has no bytes, and a struct's empty bytes are None."""
+    import pyarrow as pa
+
+    try:
+        for batch in f.iter_batches(columns=[image]):
+            column = batch.column(0)
+            if not pa.types.is_struct(column.type):
+                yield from ((None, p or None) for p in column.to_pylist())
+                continue
+            has_path = column.type.get_field_index("path") >= 0
+            paths = column.field("path").to_pylist() if has_path else [None] * len(column)
+            yield from ((b or None, p or None) for b, p in zip(column.field("bytes").to_pylist(), paths))
+    except (DataError, StorageError):
+        raise
+    except Exception as e:  # pyarrow's errors and the stores'
+        raise read_error(url, e) from None
+
+
+def table_cells(table, features: dict) -> list[list[str]]:
+    """A pyarrow table's rows, cells as text ('' for none), a ClassLabel column's index as its name."""
+    header = table.column_names
+    return [["" if r[h] is None else cell_text(features, h, r[h]) for h in header] for r in table.to_pylist()]
+
+
+def cell_text(features: dict, column: str, value) -> str:
+    """A table's cell as text; a ClassLabel column's index as its name."""
+    spec = features.get(column)
+    names = spec.get("names") if isinstance(spec, dict) and spec.get("_type") == "ClassLabel" else None
+    if names and isinstance(value, int) and 0 <= value < len(names):
+        return names[value]
+    return str(value)
+
+
 class ParquetData:
     """The rows of a parquet data set sorted into classes and splits (`files`: each row's key and class per split,
     `classes`), and, iterated, each row's (key, image bytes), a row group at a time; `missing()` after the pass
@@ -115,7 +163,7 @@ class ParquetData:
         self.image, self.label, self.names, multilabel = pick_columns(url, self.first, self.features, columns)
         self.table = self.image is None
         self.files, self.classes = Files(multilabel=multilabel), list(self.names or [])
-        self.rows: dict[str, dict[int, tuple[str, str | None]]] = {}  # file -> row -> (key, its image path)
+        self.row_keys: dict[str, list[str]] = {}  # file -> each row's key
         self.gone: list[dict[str, str]] = []
         if not self.table:
             self.sort_rows(hold)
@@ -144,14 +192,8 @@ class ParquetData:
         return [(at, rel, "train") for at, rel, _ in parts]  # no split named: every row is train's, held out by hash
 
     def open(self, rel: str):
-        """The file as pyarrow reads it: a ParquetFile over an fsspec file object (local, cached, or remote)."""
-        import pyarrow.parquet as pq
-
-        fs, path = filesystem(self.opened[rel])
-        try:
-            return pq.ParquetFile(fs.open(path, "rb"))
-        except Exception as e:  # pyarrow's errors and the stores'
-            raise read_error(self.where(rel), e) from None
+        """The file as pyarrow reads it (its local copy where it is cached)."""
+        return open_file(self.opened[rel], self.where(rel))
 
     def where(self, rel: str) -> str:
         return next(at for at, r, _ in self.parts if r == rel)
@@ -179,7 +221,7 @@ class ParquetData:
             table = self.read(rel, wanted)
             paths = table.column(1).combine_chunks()
             paths = (paths.field("path") if struct else paths).to_pylist()
-            rows = self.rows.setdefault(rel, {})
+            keys = self.row_keys.setdefault(rel, [])
             for n, (value, path) in enumerate(zip(table.column(0).to_pylist(), paths)):
                 label = self.label_of(value, at, n)
                 key = path if path and path not in seen else f"{rel}:{n}"
@@ -190,7 +232,7 @@ class ParquetData:
                     if role != "train":
                         self.files.held_out[role].append(key)
                 self.files.roles[role].append((key, label))
-                rows[n] = (key, path)
+                keys.append(key)
                 labels.extend(label_names(label))
         if self.names is None:
             trained = {c for _, label in self.files.roles["train"] for c in label_names(label)}
@@ -229,30 +271,18 @@ class ParquetData:
 
     def __iter__(self) -> Iterator[tuple[str, bytes]]:
         """(key, image bytes) of every row sorted, a row group at a time; images by path fetched a chunk at a time."""
-        struct = self.image_is_struct()
         for at, rel, _ in self.parts:
-            f, rows, n = self.open(rel), self.rows[rel], 0
             by_path: list[tuple[str, str]] = []
-            try:
-                for batch in f.iter_batches(columns=[self.image]):
-                    column = batch.column(0)
-                    contents = column.field("bytes").to_pylist() if struct else [None] * len(column)
-                    for data in contents:
-                        key, path = rows[n]
-                        n += 1
-                        if data:
-                            yield key, data
-                        elif path:
-                            by_path.append((key, beside(at, path)))
-                        else:
-                            self.gone.append({"path": key, "reason": "an image struct with neither bytes nor path"})
-                    if len(by_path) >= FETCH_CHUNK:
-                        yield from self.fetched(by_path)
-                        by_path = []
-            except (DataError, StorageError):
-                raise
-            except Exception as e:  # pyarrow's errors and the stores'
-                raise read_error(at, e) from None
+            for key, (data, path) in zip(self.row_keys[rel], image_cells(self.open(rel), self.image, at)):
+                if data:
+                    yield key, data
+                elif path:
+                    by_path.append((key, beside(at, path)))
+                else:
+                    self.gone.append({"path": key, "reason": NEITHER})
+                if len(by_path) >= FETCH_CHUNK:
+                    yield from self.fetched(by_path)
+                    by_path = []
             yield from self.fetched(by_path)
 
     def fetched(self, by_path: list[tuple[str, str]]) -> Iterator[tuple[str, bytes]]:
@@ -272,20 +302,8 @@ class ParquetData:
         parts = [rel for _, rel, s in self.parts if s == split]
         if not parts:
             return None
-        header, rows = self.first.names, []
-        for rel in parts:
-            table = self.read(rel, header)
-            for record in table.to_pylist():
-                rows.append(["" if record[h] is None else self.cell(h, record[h]) for h in header])
-        return header, rows
-
-    def cell(self, column: str, value) -> str:
-        """A table's cell as text; a ClassLabel column's index as its name."""
-        spec = self.features.get(column)
-        names = spec.get("names") if isinstance(spec, dict) and spec.get("_type") == "ClassLabel" else None
-        if names and isinstance(value, int) and 0 <= value < len(names):
-            return names[value]
-        return str(value)
+        header = self.first.names
+        return header, [row for rel in parts for row in table_cells(self.read(rel, header), self.features)]
 
 
 def huggingface_features(schema) -> dict:
@@ -300,6 +318,22 @@ def huggingface_features(schema) -> dict:
     return features if isinstance(features, dict) else {}
 
 
+def image_column(url: str, schema, features: dict, path_column: str) -> str | None:
+    """The image column: the hub's Image feature, else `path_column` (data.path_column), else a struct with bytes;
+    None: a table of feature columns."""
+    import pyarrow as pa
+
+    names = schema.names
+    images = [n for n in names if isinstance(f := features.get(n), dict) and f.get("_type") == "Image"]
+    if not images:
+        images = [n for n in names if n == path_column] or [
+            n for n in names if pa.types.is_struct(t := schema.field(n).type) and t.get_field_index("bytes") >= 0
+        ]
+    if len(images) > 1:
+        raise DataError(f"{url}: {len(images)} image columns ({', '.join(images)}): set data.path_column to one")
+    return images[0] if images else None
+
+
 def pick_columns(url: str, schema, features: dict, columns: Columns) -> tuple[str | None, str, list[str] | None, bool]:
     """The image column (None: a table of features), the label column, its ClassLabel names (None: plain), and
     whether it holds lists of labels (a Sequence of ClassLabel, or of names: multi-label)."""
@@ -307,16 +341,9 @@ def pick_columns(url: str, schema, features: dict, columns: Columns) -> tuple[st
 
     names = schema.names
     typed = {n: f.get("_type") if isinstance(f, dict) else None for n, f in features.items()}
-    images = [n for n in names if typed.get(n) == "Image"]
-    if not images:
-        images = [n for n in names if n == columns.path] or [
-            n for n in names if pa.types.is_struct(t := schema.field(n).type) and t.get_field_index("bytes") >= 0
-        ]
-    if len(images) > 1:
-        raise DataError(f"{url}: {len(images)} image columns ({', '.join(images)}): set data.path_column to one")
-    if not images:
+    image = image_column(url, schema, features, columns.path)
+    if image is None:
         return None, columns.label, None, False  # a table of features: data.target names its label column, as a CSV's
-    image = images[0]
     labelled = [n for n in names if typed.get(n) == "ClassLabel"]
     lists = [n for n in names if isinstance(features.get(n), (list, dict)) and typed.get(n) in ("Sequence", "List")]
     if columns.label in names:

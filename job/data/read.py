@@ -30,11 +30,6 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
             choice = parquet_streaming(cfg, log, started)
         else:
             choice = manifest_streaming(cfg, log, started)
-        if choice.streamed and cfg.label_separator is not None:
-            raise ConfigError(
-                "data.label_separator: a manifest of labels split at a separator is held in memory "
-                "(data.placement=memory); to stream, write each image's labels as a JSON list"
-            )
         if choice.streamed:
             from job.data.manifest import Columns
             from job.data.pack import packed_for_streaming
@@ -82,6 +77,17 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
     data.streaming = choice
     check_task(given, data)
     return data
+
+
+def found_kind(cfg) -> str:
+    """data.kind as the run reads it: csv (the default, and the default preset's) whose data.path is a .parquet file,
+    a folder of them holding no images, or the hub's data/<split>-*.parquet layout reads as parquet (a CSV reader
+    cannot read them, and parquet reads a table of feature columns as csv does); any other kind is the user's."""
+    if cfg.kind != "csv" or not cfg.path or cfg.path.lower().endswith((".csv", ".tsv")):
+        return cfg.kind
+    from job.data.parquet import is_parquet
+
+    return "parquet" if is_parquet(cfg.path) else cfg.kind
 
 
 def check_task(cfg, data) -> None:
