@@ -68,15 +68,16 @@ def write_splits(
 
 
 def calibrated(passes: dict[str, Passed], put: Callable[[str, str, bytes], None]) -> dict[str, float]:
-    """The temperature fitted on val's logits (1 without a val split), and each split's expected calibration error
-    before and after it, with its reliability diagram."""
+    """The temperature fitted on val's logits (1 without a val split, or where it would not lower val's calibration
+    error: calibrate.calibrating_temperature), and each split's expected calibration error before and after it, with
+    its reliability diagram."""
     from job import calibrate
 
     def counted(s: Passed) -> tuple[torch.Tensor, torch.Tensor]:
         keep = s.labels != IGNORED
         return s.logits[keep], s.labels[keep]
 
-    t = calibrate.fit_temperature(*counted(passes["val"])) if "val" in passes else 1.0
+    t = calibrate.calibrating_temperature(*counted(passes["val"])) if "val" in passes else 1.0
     out = {"temperature": t}
     for split, s in passes.items():
         logits, labels = counted(s)
