@@ -163,13 +163,15 @@ def end_with(pid: int) -> None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs: an ended one its parent has not reaped yet (a zombie) has not."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.Error:  # another user's: it exists
         return True
-    return True
 
 
 def process_seed(seed: int, rank: int, step: int = 0) -> int:

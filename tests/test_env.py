@@ -183,3 +183,21 @@ def test_the_torchvision_beside_this_torch_matches_it():
 
     assert torchvision_problem() == ""
     assert info()["torchvision"] == __import__("torchvision").__version__
+
+
+def test_a_process_that_has_ended_is_not_alive_while_its_parent_has_not_reaped_it():
+    """A worker that watches its launcher without a pidfd looks at it once a second (env.end_with): a killed launcher
+    whose own parent has not yet reaped it (a zombie) has ended, and the worker must end with it."""
+    import time
+
+    from job.env import pid_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # ended, not reaped
+        time.sleep(0.01)
+    try:
+        assert not pid_alive(child.pid)
+        assert pid_alive(os.getpid())
+    finally:
+        child.wait()
+    assert not pid_alive(child.pid)
