@@ -84,7 +84,7 @@ class Resumption:
     req: Request
     found: tuple[dict, dict] | None  # (payload, manifest), verified
     changed: dict[str, tuple]  # changed_settings against the checkpoint's config (none without one)
-    budget: Budget | None  # train.budget
+    budget: Budget | None = None  # train.budget
     ended: dict | None = None  # the attempt ends at once with this summary
 
     @property
@@ -109,17 +109,17 @@ def decide(run_dir: RunDir, req: Request, cfg: Config, device: torch.device, whe
     lacks sent to `where`), and a run that has spent its budget left as it is, each ending at once with its summary."""
     found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume))
     changed = changed_settings(found[0]["config"], cfg) if found is not None else {}
+    resumption = Resumption(run_dir, req, found, changed)
     if left_alone(run_dir, req, cfg.train.epochs, found, changed):
         if where is not None:  # what a killed or cut-off end did not send, this command sends
             say(track.send_run(run_dir, where.uri)[0])
-        Resumption(run_dir, req, found, changed, None).begin()  # checks, no change
-        return Resumption(run_dir, req, found, changed, None, complete(cfg.name, cfg.train.epochs, run_dir, found))
+        resumption.begin()  # checks, no change
+        return replace(resumption, ended=complete(cfg.name, cfg.train.epochs, run_dir, found))
     budget = parse_budget(cfg.train.budget) if cfg.train.budget else None
-    resumption = Resumption(run_dir, req, found, changed, budget)
     price = cfg.train.price_per_device_hour
     if budget is not None and (spent := distributed.shared_line(lambda: budget_spent(run_dir, budget, price, device))):
-        return replace(resumption, ended=nothing_left(run_dir, spent))
-    return resumption
+        return replace(resumption, budget=budget, ended=nothing_left(run_dir, spent))
+    return replace(resumption, budget=budget)
 
 
 def find_checkpoint(run_dir: RunDir, resume: str) -> tuple[dict, dict] | None:
