@@ -27,7 +27,7 @@ import torch
 
 from job import platforms
 from job.cloud import read_url, write_url
-from job.cost import Budget, Price, in_budget_unit, parse_budget, price_of, spent_of, totals
+from job.cost import Budget, Price, in_budget_unit, price_of, spent_of, totals
 from job.env import cpus, torchvision_version
 from job.errors import ConfigError
 from job.storage import PULSE, RunDir
@@ -262,21 +262,12 @@ def budget_spent(run_dir: RunDir, budget: Budget, price: Price, device: torch.de
     spent = spent_of(totals(attempts, price), budget) or 0.0
     last = attempts[-1] if attempts else {}
     earlier = last.get("budget") if last.get("stopped") == "budget" else None
-    raised = earlier is None or not _same_unit_at_most(budget, earlier)
-    if spent < budget.amount and raised:
+    if spent < budget.amount and budget.raises(earlier):
         return ""
     return (
         f"the run has spent its budget ({budget.describe()}: {in_budget_unit(spent, budget)} spent): nothing to do; "
         "a larger train.budget continues it"
     )
-
-
-def _same_unit_at_most(budget: Budget, earlier: str) -> bool:
-    try:
-        before = parse_budget(earlier)
-    except ValueError:
-        return False
-    return before.money == budget.money and budget.amount <= before.amount
 
 
 def read_json(path: Path) -> dict[str, Any]:

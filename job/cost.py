@@ -25,6 +25,17 @@ class Budget:
     def describe(self) -> str:
         return f"train.budget={self.text}"
 
+    def raises(self, earlier: str | None) -> bool:
+        """Whether this budget goes beyond an `earlier` one (train.budget as an attempt recorded it; None: none):
+        a larger amount, or another unit (money against device time), or an earlier one unreadable."""
+        if earlier is None:
+            return True
+        try:
+            before = parse_budget(earlier)
+        except ValueError:
+            return True
+        return before.money != self.money or self.amount > before.amount
+
 
 def parse_budget(text: str) -> Budget:
     """'$12.50' (money, priced by train.price_per_device_hour) or a duration of device time ('2h30m', '90m', seconds).

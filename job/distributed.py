@@ -263,6 +263,12 @@ def on_writer(work: Callable[[], T], share: Callable[[T], tuple[dict, bytes]] | 
     return result
 
 
+def shared_line(decide: Callable[[], str]) -> str:
+    """Rank 0's answer (a line; empty: none), which every process of a group takes."""
+    said = on_writer(decide, lambda line: ({"line": line}, b""))
+    return said[0]["line"] if isinstance(said, tuple) else said
+
+
 @contextlib.contextmanager
 def writer_first() -> Iterator[bool]:
     """`with writer_first() as writer:` rank 0 does the block's work (writer is True) while the others wait until it

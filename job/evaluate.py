@@ -266,7 +266,7 @@ def streamed_split(d, url: str, device: torch.device, p, log, model_url: str) ->
 def labelled(d, url: str, p, log):
     """Labelled images held in memory for scoring: a manifest's, parquet files' (a file, or a folder of them), or a
     folder's (or archive's)."""
-    from job.data.files import is_manifest, read_entries
+    from job.data.files import is_manifest, read_entries, source
     from job.data.folder import Listing, held
     from job.data.parquet import is_parquet
     from job.data.split import HoldOut, sort_files
@@ -281,7 +281,7 @@ def labelled(d, url: str, p, log):
 
         return load_parquet(d.model_copy(update={"kind": "parquet"}), None, log, p.classes, p.pre)
     listing = Listing()
-    entries = dict(read_entries(url, listing.keep, None, log))
+    entries = dict(read_entries(source(url), listing.keep, None, log))
     files = sort_files(sorted(entries), HoldOut(0.0, 0.0, d.split_seed))
     unknown = sorted({c for role in files.roles.values() for _, c in role} - set(p.classes))
     if unknown:

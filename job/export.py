@@ -205,15 +205,15 @@ def held_out_images(model_url: str, raw_config: dict, limit: int = CHECK_IMAGES)
 
 def manifest_held_out(cfg, where: str, limit: int) -> list[str]:
     """A manifest's val (else test) rows, split as the run split them, each resolved beside the manifest."""
-    from job.data.files import beside, read_bytes, resolve
+    from job.data.files import beside, read_bytes, source
     from job.data.manifest import Columns, manifest_files
     from job.data.split import HoldOut
 
     try:
-        resolve(cfg.path)  # there, or a store's fault named (exit 4)
+        manifest = source(cfg.path)  # there, or a store's fault named (exit 4)
     except DataError:
         raise ConfigError(f"{where} (the run's {cfg.path} is not there from here)") from None
-    raw = read_bytes(cfg.path, None, lambda _: None)
+    raw = read_bytes(manifest, None, lambda _: None)
     files, _ = manifest_files(cfg.path, raw, Columns.of(cfg), HoldOut.of(cfg))
     held = files.roles["val"] or files.roles["test"]
     if not held:

@@ -15,7 +15,7 @@ import torch
 from job.cloud import describe_storage_error, filesystem
 from job.data.augment import to_float
 from job.data.decode import Decoder
-from job.data.files import fetch_named, is_archive, is_manifest, iter_archive
+from job.data.files import fetch_named, is_archive, is_manifest, iter_archive, source
 from job.data.parquet import SUFFIX as PARQUET
 from job.data.parquet import is_parquet
 from job.data.split import kind_of
@@ -80,7 +80,7 @@ def table_rows(inputs: list[str], columns: list[str]) -> Iterator[tuple[str, int
                 header, table = parquet_table(name)
                 yield from table_values(name, header, table, columns, 0, "#")
             continue
-        header, table = parse_csv(read_bytes(url, None, lambda _: None).decode("utf-8-sig"), url)
+        header, table = parse_csv(read_bytes(source(url, exists=False), None, lambda _: None).decode("utf-8-sig"), url)
         yield from table_values(url, header, table, columns, 2, ":")
 
 
@@ -100,7 +100,7 @@ def parquet_table(url: str) -> tuple[list[str], list[list[str]]]:
     """A parquet file's columns and its rows, cells as text (job/data/parquet.py reads them as it reads a table)."""
     from job.data.parquet import huggingface_features, open_file, read_error, table_cells
 
-    f = open_file(url)
+    f = open_file(source(url, exists=False))
     try:
         table = f.read()
     except Exception as e:  # pyarrow's errors and the stores'
@@ -114,7 +114,7 @@ def parquet_reads(url: str, chunk: int) -> Iterator[list[Read]]:
     from job.data.files import beside
     from job.data.parquet import NEITHER, huggingface_features, image_cells, image_column, open_file
 
-    f = open_file(url)
+    f = open_file(source(url, exists=False))
     image = image_column(url, f.schema_arrow, huggingface_features(f.schema_arrow), "path")
     if image is None:
         raise DataError(f"{url}: no image column (a table of feature columns: a table's model predicts its rows)")
@@ -153,7 +153,7 @@ def manifest_paths(url: str) -> list[tuple[str, str]]:
     from job.data.files import beside, read_bytes
     from job.data.manifest import read_rows
 
-    rows = read_rows(url, read_bytes(url, None, lambda _: None))
+    rows = read_rows(url, read_bytes(source(url, exists=False), None, lambda _: None))
     if rows and "path" not in rows[0]:
         raise DataError(f"{url}: no column 'path' (columns: {', '.join(rows[0])})")
     paths = [str(r["path"]).strip() for r in rows if r.get("path")]
@@ -193,7 +193,7 @@ def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[Read]
             continue
         if url is None:
             batch = []
-            for member, data in iter_archive(name):
+            for member, data in iter_archive(source(name, exists=False)):
                 if kind_of(member) == "image":
                     batch.append((f"{name}:{member}", data, ""))
                     if len(batch) == chunk:

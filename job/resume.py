@@ -4,20 +4,25 @@ state a resumed run takes from its checkpoint."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from job import checkpoint, cloud, distributed, recipe, schedule
+from job import checkpoint, cloud, distributed, recipe, schedule, track
+from job.attempts import budget_spent
 from job.config import Config, flat_items
 from job.console import say
+from job.cost import Budget, parse_budget
 from job.errors import ConfigError, DataError
 from job.progress import Progress
 from job.storage import RunDir
 
 if TYPE_CHECKING:
+    import torch
+
     from job.data.split import Inventory
     from job.meters import LossLog
     from job.recipe import Recipe
+    from job.track import Target
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
 RESUME_SAFE = {
@@ -70,41 +75,51 @@ class Request:
 
 @dataclass(frozen=True)
 class Resumption:
-    """What a run does with its folder, decided once (decide) before the data is read: the checkpoint it continues
-    from (None: it starts), and whether the run there is finished and stays exactly as it is. Rank 0 begins it
-    (begin) once the data and model are known good, so that a fault before leaves the folder as it was."""
+    """What an attempt does with its run folder, decided once (decide) before the data is read: the checkpoint it
+    continues from (None: it starts), the settings changed since that checkpoint, the run's budget, and, where the
+    attempt trains nothing (the run is finished, or has spent its budget), the summary it ends with. Rank 0 begins
+    it (begin) once the data and model are known good, so that a fault before leaves the folder as it was."""
 
     run_dir: RunDir
     req: Request
     found: tuple[dict, dict] | None  # (payload, manifest), verified
-    finished: bool
+    changed: dict[str, tuple]  # changed_settings against the checkpoint's config (none without one)
+    budget: Budget | None = None  # train.budget
+    ended: dict | None = None  # the attempt ends at once with this summary
 
     @property
     def started(self) -> dict | None:
         """The checkpoint's payload a resumed run continues from."""
         return self.found[0] if self.found is not None else None
 
-    def begin(self, cfg: Config) -> None:
+    def begin(self) -> None:
         """Rank 0 checks the checkpoint against the run, clears an overwritten run and starts the uploads; the
         group's others wait until it is done (its fault is theirs)."""
         with distributed.writer_first() as writer:
             if writer:
-                check_resumable(self.run_dir, self.req, cfg, self.found)
+                check_resumable(self.run_dir, self.req, self.found, self.changed)
                 if self.req.overwrite and (self.found is None or self.req.resume != "auto"):  # afresh, or as given
                     clear_run(self.run_dir)
                 self.run_dir.start_sync()
 
-    def complete(self, cfg: Config) -> dict:
-        """A finished run, left exactly as it is: rank 0 begins it (checks, no change) and every process says so."""
-        self.begin(cfg)
-        return complete(cfg, self.run_dir, self.found)
 
-
-def decide(run_dir: RunDir, req: Request, cfg: Config) -> Resumption:
-    """How the run continues, by --resume and the folder: the checkpoint found (by rank 0, shared with the group)
-    and whether the run there is finished (left_alone). Decided without reading the data."""
+def decide(run_dir: RunDir, req: Request, cfg: Config, device: torch.device, where: Target | None) -> Resumption:
+    """How the attempt goes on, by --resume, the folder and train.budget, decided without reading the data: the
+    checkpoint found (by rank 0, shared with the group); a finished run left exactly as it is (what its tracking
+    lacks sent to `where`), and a run that has spent its budget left as it is, each ending at once with its summary."""
     found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume))
-    return Resumption(run_dir, req, found, left_alone(run_dir, req, cfg, found))
+    changed = changed_settings(found[0]["config"], cfg) if found is not None else {}
+    resumption = Resumption(run_dir, req, found, changed)
+    if left_alone(run_dir, req, cfg.train.epochs, found, changed):
+        if where is not None:  # what a killed or cut-off end did not send, this command sends
+            say(track.send_run(run_dir, where.uri)[0])
+        resumption.begin()  # checks, no change
+        return replace(resumption, ended=complete(cfg.name, cfg.train.epochs, run_dir, found))
+    budget = parse_budget(cfg.train.budget) if cfg.train.budget else None
+    price = cfg.train.price_per_device_hour
+    if budget is not None and (spent := distributed.shared_line(lambda: budget_spent(run_dir, budget, price, device))):
+        return replace(resumption, budget=budget, ended=nothing_left(run_dir, spent))
+    return replace(resumption, budget=budget)
 
 
 def find_checkpoint(run_dir: RunDir, resume: str) -> tuple[dict, dict] | None:
@@ -115,7 +130,7 @@ def find_checkpoint(run_dir: RunDir, resume: str) -> tuple[dict, dict] | None:
     return checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
 
 
-def check_resumable(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict] | None) -> None:
+def check_resumable(run_dir: RunDir, req: Request, found: tuple[dict, dict] | None, changed: dict[str, tuple]) -> None:
     """ConfigError where the folder or the checkpoint cannot be continued as asked: a run already there with
     --resume never, settings that change what the checkpoint means, another run's checkpoint into this folder."""
     if req.resume == "never":
@@ -123,7 +138,7 @@ def check_resumable(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dic
             raise ConfigError(f"{run_dir.url} already holds a run: --resume auto continues it, --overwrite replaces it")
         return
     if found is not None:
-        check_compatible(found[0]["config"], cfg)
+        check_compatible(changed)
         if req.resume != "auto" and not req.overwrite:
             check_same_run(run_dir, found[0])
 
@@ -148,9 +163,8 @@ def changed_settings(saved: dict, cfg: Config) -> dict[str, tuple]:
     return {k: (old.get(k), new[k]) for k in sorted(new) if k not in RESUME_SAFE and old.get(k) != new[k]}
 
 
-def check_compatible(saved: dict, cfg: Config) -> None:
-    """Refuse to resume when a setting that changes what the checkpoint means differs."""
-    changed = changed_settings(saved, cfg)
+def check_compatible(changed: dict[str, tuple]) -> None:
+    """Refuse to resume when a setting that changes what the checkpoint means differs (changed_settings)."""
     if changed:
         detail = ", ".join(f"{k}: {was!r} -> {now!r}" for k, (was, now) in list(changed.items())[:4])
         raise ConfigError(
@@ -228,7 +242,9 @@ def check_split(started: dict | None, inventory: Inventory | None) -> None:
     )
 
 
-def left_alone(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, dict] | None) -> bool:
+def left_alone(
+    run_dir: RunDir, req: Request, epochs: int, found: tuple[dict, dict] | None, changed: dict[str, tuple]
+) -> bool:
     """Whether the run in the folder is finished and stays exactly as it is: its checkpoint has train.epochs done
     with the same settings and its results are written, and --overwrite --resume URL did not ask for the folder
     afresh. Decided without reading the data; a run with other settings reads it first, so that bad data is named
@@ -236,8 +252,8 @@ def left_alone(run_dir: RunDir, req: Request, cfg: Config, found: tuple[dict, di
     if found is None or (req.overwrite and req.resume != "auto"):
         return False
     progress = found[0]["progress"]
-    done = progress["epoch"] >= cfg.train.epochs or progress.get("stopped_early")
-    if not done or changed_settings(found[0]["config"], cfg):
+    done = progress["epoch"] >= epochs or progress.get("stopped_early")
+    if not done or changed:
         return False
     return has_results(run_dir)
 
@@ -249,18 +265,18 @@ def has_results(run_dir: RunDir) -> bool:
     return got[0]["has"] if isinstance(got, tuple) else got
 
 
-def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
-    """The run in the folder has done train.epochs (or more) already: it is left exactly as it is."""
+def complete(name: str, epochs: int, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
+    """The run in the folder has done train.epochs (`epochs`) or more already: it is left exactly as it is."""
     progress, manifest = found[0]["progress"], found[1]
     done, stopped = progress["epoch"], progress.get("stopped_early")
     why = f"{done} of {done} epochs done; nothing to do (a larger train.epochs trains it longer)"
     if stopped:
         why = f"{stopped}; nothing to do (another --output, or --overwrite, trains it again)"
-    elif done > cfg.train.epochs:
-        why = f"{done} epochs done, more than train.epochs={cfg.train.epochs}; nothing to do"
+    elif done > epochs:
+        why = f"{done} epochs done, more than train.epochs={epochs}; nothing to do"
     if distributed.is_writer():
         run_dir.finish()  # nothing was queued: this only stops the uploader
-    say(f"{cfg.name} in {run_dir.url} is complete: {why}")
+    say(f"{name} in {run_dir.url} is complete: {why}")
     metrics = manifest.get("metrics") or {}
     on = "val" if "val_loss" in metrics else "test"  # what its evaluations reported, as the run's summary says
     return {
@@ -274,6 +290,14 @@ def complete(cfg: Config, run_dir: RunDir, found: tuple[dict, dict]) -> dict:
         "epochs_run": 0,
         "output": run_dir.url,
     } | ({"stopped_early": stopped} if stopped else {})
+
+
+def nothing_left(run_dir: RunDir, spent: str) -> dict:
+    """The run has spent its budget: it is left exactly as it is, and the command says so."""
+    if distributed.is_writer():
+        run_dir.finish()  # nothing was queued: this only stops the uploader and lets the folder go
+    say(spent)
+    return {"stopped": "budget", "epochs_run": 0, "output": run_dir.url}
 
 
 def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed: int) -> Progress:

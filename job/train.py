@@ -19,12 +19,11 @@ from typing import Any
 import torch
 
 from job import bundle, calibrate, checkpoint, distributed, hypertune, platforms, recipe, track
-from job.attempts import Attempt, budget_spent
+from job.attempts import Attempt
 from job.choose import Chooser, chosen_lines, outcome
 from job.config import Config, flat_items, to_yaml
 from job.console import say
 from job.cost import describe as describe_cost
-from job.cost import parse_budget
 from job.data.placement import restored
 from job.env import describe_device, pick_device, seed_everything
 from job.errors import Interrupted, StorageError, exit_code
@@ -124,17 +123,10 @@ def train_loop(
     cfg = recipe.resolved(cfg)  # the defaults that follow from other settings, as config.yaml records them
     seed_everything(cfg.seed, cfg.train.deterministic)
     where = track.target(cfg, run_dir.url, fresh=req.overwrite) if distributed.is_writer() else None
-    resumption = decide(run_dir, req, cfg)
-    if resumption.finished:
-        if where is not None:  # what a killed or cut-off end did not send, this command sends
-            say(track.send_run(run_dir, where.uri)[0])
-        return resumption.complete(cfg)
-    budget = parse_budget(cfg.train.budget) if cfg.train.budget else None
-    if budget is not None and (
-        spent := shared(lambda: budget_spent(run_dir, budget, cfg.train.price_per_device_hour, device))
-    ):
-        return nothing_left(run_dir, spent)
-    found, started = resumption.found, resumption.started
+    resumption = decide(run_dir, req, cfg, device, where)
+    if resumption.ended is not None:  # a finished run, or one that spent its budget: left as it is
+        return resumption.ended
+    found, started, budget = resumption.found, resumption.started, resumption.budget
     if started is None:  # the weights are at hand before the data is read: a failed download takes seconds to find
         weights_at_hand(cfg.model, cache_dir("weights"))
     with stop.at_once():
@@ -143,7 +135,7 @@ def train_loop(
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
     tuning = hypertune.trial(cfg.track.hp_metric_tag, evaluation_fields(r))  # every rank refuses a bad tag alike
-    resumption.begin(cfg)
+    resumption.begin()
     step_flops = set_cpu_threads(cfg, r, r.input_shape)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
     chooser = Chooser(cfg.train, r.evaluated_on, r.multilabel)
@@ -258,13 +250,7 @@ def save(loop: Loop) -> None:
     sums = distributed.gather(loop.log.sums).tolist()  # one row per process
     places = distributed.gather_objects(loop.r.train.position()) if loop.state.epoch_step else None
     rngs = distributed.gather_objects(checkpoint.rng_state()) if distributed.world() > 1 else []
-    loop.over_budget = shared(lambda: commit(loop, sums, places, rngs))
-
-
-def shared(decide) -> str:
-    """Rank 0's answer (a line; empty: none), which every process of a group takes."""
-    said = distributed.on_writer(decide, lambda line: ({"line": line}, b""))
-    return said[0]["line"] if isinstance(said, tuple) else said
+    loop.over_budget = distributed.shared_line(lambda: commit(loop, sums, places, rngs))
 
 
 def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None, rngs: list | None = None) -> str:
@@ -389,11 +375,3 @@ def end_by_budget(loop: Loop) -> dict:
         f"{run_dir.url}: the same command with a larger train.budget continues it"
     )
     return summary | {"attempt": loop.attempt.number, "cost": cost}
-
-
-def nothing_left(run_dir: RunDir, spent: str) -> dict:
-    """The run has spent its budget: it is left exactly as it is, and the command says so."""
-    if distributed.is_writer():
-        run_dir.finish()  # nothing was queued: this only stops the uploader and lets the folder go
-    say(spent)
-    return {"stopped": "budget", "epochs_run": 0, "output": run_dir.url}

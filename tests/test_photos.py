@@ -816,10 +816,10 @@ def test_heic_is_read_in_a_process_that_registered_nothing(tmp_path):
     (tmp_path / "a" / "IMG_0001.HEIC").write_bytes(data)
     code = (
         "import sys; from pathlib import Path; from job.data.image import pixels; "
-        "from job.data.placement import decoded_size; "
+        "from job.data.files import source; from job.data.placement import decoded_size; "
         "data = Path(sys.argv[1], 'a', 'IMG_0001.HEIC').read_bytes(); "
         "assert 'pillow_heif' not in sys.modules; "
-        "print(pixels(data, 'IMG_0001.HEIC').shape, decoded_size(sys.argv[1], None))"
+        "print(pixels(data, 'IMG_0001.HEIC').shape, decoded_size(source(sys.argv[1]), None))"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=job_env())
     h, w = np.asarray(arrow()).shape[:2]

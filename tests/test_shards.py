@@ -386,9 +386,11 @@ def test_an_archive_streams_and_a_changed_one_is_packed_again(tmp_path):
 HOLD_A_PACK = """
 import sys
 from pathlib import Path
+from job.data.files import source
 from job.data.pack import packed_for_streaming
 from job.data.split import HoldOut
-print(packed_for_streaming(sys.argv[1], Path(sys.argv[2]), lambda line: None, HoldOut(0.1, 0.0, 42)), flush=True)
+packed = packed_for_streaming(source(sys.argv[1]), Path(sys.argv[2]), lambda line: None, HoldOut(0.1, 0.0, 42))
+print(packed, flush=True)
 sys.stdin.read()  # a run reading the pack until it ends
 """
 
@@ -399,6 +401,7 @@ def test_a_pack_another_run_reads_is_never_removed(tmp_path):
     misspelt) removes nothing."""
     from conftest import job_env
 
+    from job.data.files import source
     from job.data.manifest import Columns
     from job.data.pack import packed_for_streaming
     from job.data.split import HoldOut
@@ -413,24 +416,24 @@ def test_a_pack_another_run_reads_is_never_removed(tmp_path):
     try:
         read = Path(reader.stdout.readline().strip())
         assert (read / "index.json").is_file()
-        other = packed_for_streaming(str(src), cache, print, HoldOut(0.2, 0.0, 42))
+        other = packed_for_streaming(source(str(src)), cache, print, HoldOut(0.2, 0.0, 42))
         assert (read / "index.json").is_file() and (Path(other) / "index.json").is_file()
         (src / "train" / "class0" / "0000.png").unlink()
-        changed = packed_for_streaming(str(src), cache, print, HoldOut(0.1, 0.0, 42))
+        changed = packed_for_streaming(source(str(src)), cache, print, HoldOut(0.1, 0.0, 42))
         assert Path(changed) != read and (read / "index.json").is_file()  # still read by the other run
     finally:
         reader.stdin.close()
         reader.wait(timeout=60)
     (src / "train" / "class0" / "0001.png").unlink()
-    latest = packed_for_streaming(str(src), cache, print, HoldOut(0.1, 0.0, 42))
+    latest = packed_for_streaming(source(str(src)), cache, print, HoldOut(0.1, 0.0, 42))
     assert not read.exists() and (Path(changed) / "index.json").is_file()  # this process reads `changed` still
     assert (Path(other) / "index.json").is_file() and (Path(latest) / "index.json").is_file()
     table = tmp_path / "labels.csv"
     rows = [f"{p.relative_to(tmp_path).as_posix()},{c}\n" for c in (1, 2) for p in sorted(src.glob(f"*/class{c}/*"))]
     table.write_text("path,label\n" + "".join(rows))
-    good = packed_for_streaming(str(table), cache, print, HoldOut(0.5, 0.0, 42), Columns())
+    good = packed_for_streaming(source(str(table)), cache, print, HoldOut(0.5, 0.0, 42), Columns())
     with pytest.raises(DataError, match="no column 'kind'"):
-        packed_for_streaming(str(table), cache, print, HoldOut(0.5, 0.0, 42), Columns(label="kind"))
+        packed_for_streaming(source(str(table)), cache, print, HoldOut(0.5, 0.0, 42), Columns(label="kind"))
     assert (Path(good) / "index.json").is_file()
 
 

@@ -15,9 +15,8 @@ import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from job.cloud import filesystem
 from job.data.dataset import Dataset, Split
-from job.data.files import Log, read_entries
+from job.data.files import Log, Source, read_entries, source
 from job.data.split import Roles
 from job.errors import DataError, one_line
 
@@ -28,9 +27,10 @@ BATCH_NAME = re.compile(r"(?:^|/)(data_batch_\d+|test_batch|batches\.meta)$")
 def load_cifar10(cfg, cache: Path | None, log: Log) -> Dataset:
     """The train and test batches at cfg.path; remote data are kept in the folder `cache` (None: no cache)."""
     url = cfg.path
+    src = source(url, exists=not cfg.download)  # a download makes it
     if cfg.download:
-        download_if_missing(url)
-    entries = read_entries(url, lambda name: BATCH_NAME.search(name) is not None, cache, log, maxdepth=2)
+        download_if_missing(src)
+    entries = read_entries(src, lambda name: BATCH_NAME.search(name) is not None, cache, log, maxdepth=2)
     blobs = {BATCH_NAME.search(name).group(1): data for name, data in entries}
     train_names = sorted((n for n in blobs if n.startswith("data_batch_")), key=lambda n: int(n.rsplit("_", 1)[1]))
     if not train_names or "test_batch" not in blobs:
@@ -91,9 +91,9 @@ def read_pickle(blob: bytes, name: str, url: str) -> dict:
     return d
 
 
-def download_if_missing(url: str) -> None:
+def download_if_missing(src: Source) -> None:
     """Fetch the official archive with torchvision's downloader when the local folder holds no batches."""
-    fs, path = filesystem(url)
+    url, fs, path = src.url, src.fs, src.path
     if fs.exists(path) and fs.ls(path):
         return
     if not isinstance(fs, LocalFileSystem):

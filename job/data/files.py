@@ -1,5 +1,6 @@
 """Reading data through fsspec: what a URL points at, tar archives in one stream, folders of many small files
-fetched concurrently, and a local cache of remote data.
+fetched concurrently, and a local cache of remote data. A data URL is resolved here, once where its read begins
+(source: a Source), and handed down as it is; the other modules of job/data/ reach a store through it.
 
 Remote data are read once: a file or archive is copied into the cache under a key made of its URL, its
 object generation (or etag, or mtime) and size; a folder's files are fetched concurrently and kept as one
@@ -22,6 +23,7 @@ import tarfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
@@ -39,16 +41,40 @@ VERSION_KEYS = ("generation", "etag", "md5Hash", "ETag", "mtime", "LastModified"
 Log = Callable[[str], None]  # prints one line for the user
 
 
-def resolve(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and path of a data URL that must exist."""
+@dataclass(frozen=True)
+class Source:
+    """A data URL resolved once, where a read of it begins: its filesystem, its path there, and its Cloud Storage
+    FUSE path when its bucket is mounted. The readers, the packer and the placement estimate take it rather than
+    resolving the URL again; files that a source names (a manifest's rows) are sources of their own."""
+
+    url: str
+    fs: fsspec.AbstractFileSystem
+    path: str
+    mounted: str | None = None
+
+    def within(self, path: str) -> Source:
+        """A file under this source's path, in its store (a folder's parquet file): no second resolution."""
+        inside = self.mounted and path.startswith(self.path)
+        mounted = self.mounted.rstrip("/") + path[len(self.path) :] if inside else None
+        return Source(self.fs.unstrip_protocol(path), self.fs, path, mounted)
+
+
+def source(url: str, exists: bool = True) -> Source:
+    """The Source of a data URL; `exists`: it must be there (a DataError where it is not)."""
     fs, path = filesystem(url)
-    try:
-        exists = fs.exists(path)
-    except Exception as e:  # the stores' clients raise many types
-        raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
-    if not exists:
-        raise DataError(f"{url}: no such file or folder")
-    return fs, path
+    if exists:
+        try:
+            there = fs.exists(path)
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
+        if not there:
+            raise DataError(f"{url}: no such file or folder")
+    return Source(url, fs, path, fuse_path(url))
+
+
+def local_source(path: str) -> Source:
+    """A Source of a file on this machine (a cached copy, a FUSE path)."""
+    return Source(path, LocalFileSystem(), path)
 
 
 def is_archive(path: str) -> bool:
@@ -61,18 +87,18 @@ def is_manifest(path: str) -> bool:
 
 
 def read_entries(
-    url: str, keep: Callable[[str], bool], cache: Path | None, log: Log, maxdepth: int | None = None
+    src: Source, keep: Callable[[str], bool], cache: Path | None, log: Log, maxdepth: int | None = None
 ) -> Iterator[tuple[str, bytes]]:
     """(name, bytes) of each file of an archive or folder whose name `keep` accepts; names are relative to the
     folder (or as stored in the archive). Remote data are kept in the folder `cache` unless it is None."""
-    fs, path = resolve(url)
-    if is_archive(path):
-        return ((name, data) for name, data in iter_archive(local_file(url, cache, log)) if keep(name))
-    return folder_entries(url, fs, path, keep, cache, log, maxdepth)
+    if is_archive(src.path):
+        return ((name, data) for name, data in iter_archive(local_file(src, cache, log)) if keep(name))
+    return folder_entries(src, keep, cache, log, maxdepth)
 
 
-def images_listed(fs, path: str, url: str) -> dict[str, dict]:
+def images_listed(src: Source) -> dict[str, dict]:
     """The images of a folder (by their suffixes, at any depth), or the archive itself: path -> info."""
+    fs, path = src.fs, src.path
     try:
         if is_archive(path):
             return {path: fs.info(path)}
@@ -80,33 +106,32 @@ def images_listed(fs, path: str, url: str) -> dict[str, dict]:
         found = fs.find(path, detail=True).items()
         return {p: i for p, i in found if kind_of(p[len(root) :]) == "image"}
     except Exception as e:  # the stores' clients raise many types
-        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
+        raise StorageError(f"cannot list the data: {describe_storage_error(src.url, e)}") from None
 
 
-def local_file(url: str, cache: Path | None, log: Log) -> str:
+def local_file(src: Source, cache: Path | None, log: Log) -> Source:
     """Where to read one file from: its FUSE mount path, a local copy of a remote object in the folder `cache`
-    (None: no cache), or the URL."""
-    mounted = fuse_path(url)
-    if mounted and os.path.isfile(mounted):
-        log(f"data: reading {url} through the Cloud Storage FUSE mount {mounted}")
-        return mounted
-    fs, path = filesystem(url)
+    (None: no cache), or the source itself."""
+    url, fs, path = src.url, src.fs, src.path
+    if src.mounted and os.path.isfile(src.mounted):
+        log(f"data: reading {url} through the Cloud Storage FUSE mount {src.mounted}")
+        return local_source(src.mounted)
     if isinstance(fs, LocalFileSystem) or cache is None:
-        return url
+        return src
     try:
         info = fs.info(path)
     except Exception as e:
         raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
     version = next((str(info[k]) for k in VERSION_KEYS if info.get(k)), None)
     if version is None:  # nothing tells a changed object from the old one: do not cache
-        return url
+        return src
     key = hashlib.sha256(f"{url}\n{version}\n{info.get('size')}".encode()).hexdigest()[:32]
     target = cache / key / path.rstrip("/").rsplit("/", 1)[-1]
     if target.is_file() and target.stat().st_size == info.get("size"):
         log(f"data: {url} from the local cache ({target.parent})")
-        return str(target)
+        return local_source(str(target))
     if not writable(target.parent):
-        return url
+        return src
     t0 = time.perf_counter()
     partial = target.with_name(f".{target.name}.{os.getpid()}.part")
     try:
@@ -116,12 +141,13 @@ def local_file(url: str, cache: Path | None, log: Log) -> str:
         partial.unlink(missing_ok=True)
         raise StorageError(f"cannot download the data: {describe_storage_error(url, e)}") from None
     log(f"data: downloaded {url} ({target.stat().st_size / 1e6:.1f} MB) in {time.perf_counter() - t0:.1f} s, cached")
-    return str(target)
+    return local_source(str(target))
 
 
 def folder_entries(
-    url: str, fs, path: str, keep: Callable[[str], bool], cache: Path | None, log: Log, maxdepth: int | None
+    src: Source, keep: Callable[[str], bool], cache: Path | None, log: Log, maxdepth: int | None
 ) -> Iterator[tuple[str, bytes]]:
+    url, fs, path = src.url, src.fs, src.path
     root = path.rstrip("/") + "/"
     try:
         listing = fs.find(path, maxdepth=maxdepth, detail=True)
@@ -156,7 +182,7 @@ def folder_entries(
         log(f"data: fetched {len(names)} files of {url} ({mb:.1f} MB) in {time.perf_counter() - t0:.1f} s, cached")
     else:
         log(f"data: {len(names)} files of {url} from the local cache ({target.parent})")
-    yield from iter_archive(str(target))
+    yield from iter_archive(local_source(str(target)))
 
 
 def writable(folder: Path) -> bool:
@@ -240,11 +266,11 @@ def beside(named_by: str, path: str) -> str:
     return f"{scheme}://{bucket}" if where == "." else f"{scheme}://{bucket}/{where}"
 
 
-def iter_archive(url: str) -> Iterator[tuple[str, bytes]]:
+def iter_archive(src: Source) -> Iterator[tuple[str, bytes]]:
     """(member name, bytes) of each regular file of a .tar or .tar.gz, read in one pass (no seeks: fine on gs://)."""
-    fs, path = filesystem(url)
+    url = src.url
     try:
-        with fs.open(path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
+        with src.fs.open(src.path, "rb") as f, tarfile.open(fileobj=f, mode="r|*") as tar:
             for member in tar:
                 if member.isfile():
                     data = tar.extractfile(member)
@@ -255,8 +281,8 @@ def iter_archive(url: str) -> Iterator[tuple[str, bytes]]:
         raise StorageError(f"cannot read the data: {describe_storage_error(url, e)}") from None
 
 
-def read_bytes(url: str, cache: Path | None, log: Log) -> bytes:
+def read_bytes(src: Source, cache: Path | None, log: Log) -> bytes:
     """One whole file (a CSV table), through the cache folder `cache` when remote (None: no cache)."""
-    fs, path = filesystem(local_file(url, cache, log))
-    with fs.open(path, "rb") as f:
+    at = local_file(src, cache, log)
+    with at.fs.open(at.path, "rb") as f:
         return f.read()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from job.data.dataset import Dataset, Split
-from job.data.files import Log, read_entries
+from job.data.files import Log, Source, read_entries, source
 from job.data.image import UnreadableImage, pixels
 from job.data.preprocess import Preprocess
 from job.data.split import ROLES, SUFFIXES, Files, HoldOut, Inventory, count, kind_of, label_names, sort_files
@@ -71,10 +71,11 @@ def check_files(files: Files, classes: list[str], url: str) -> None:
         raise DataError(f"{url}: one class ({classes[0]}): a classifier needs images of two classes or more")
 
 
-def load_folder(cfg, cache: Path | None, log: Log) -> Dataset:
-    """The images at cfg.path; remote data are kept in the folder `cache` (None: no cache)."""
+def load_folder(cfg, cache: Path | None, log: Log, src: Source | None = None) -> Dataset:
+    """The images at cfg.path (`src`: it resolved, where the caller has); remote data are kept in the folder `cache`
+    (None: no cache)."""
     url, listing = cfg.path, Listing()
-    entries = dict(read_entries(url, listing.keep, cache, log))
+    entries = dict(read_entries(src or source(url), listing.keep, cache, log))
     files = sorted_files(sorted(entries), HoldOut.of(cfg), url)
     listing.report(url, files, log)
     return held(files, entries.__getitem__, files.classes(), cfg, url, f"folder {url}", log)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from job.cloud import describe_storage_error
 from job.data.dataset import Dataset
-from job.data.files import FETCH_CHUNK, Log, beside, fetch_named, read_bytes, read_entries
+from job.data.files import FETCH_CHUNK, Log, Source, beside, fetch_named, read_bytes, read_entries, source
 from job.data.folder import check_files, held
 from job.data.preprocess import Preprocess
 from job.data.split import SPLIT_FOLDERS, Files, HoldOut, label_names
@@ -55,12 +55,17 @@ class Columns:
 
 
 def load_manifest(
-    cfg, cache: Path | None, log: Log, classes: list[str] | None = None, pre: Preprocess | None = None
+    cfg,
+    cache: Path | None,
+    log: Log,
+    classes: list[str] | None = None,
+    pre: Preprocess | None = None,
+    src: Source | None = None,
 ) -> Dataset:
     """The manifest's images in memory, split; `classes`: a trained model's (its images are scored, not trained on:
-    every row is read, with no split required)."""
+    every row is read, with no split required); `src`: cfg.path resolved, where the caller has."""
     url = cfg.path
-    raw = read_bytes(url, cache, log)
+    raw = read_bytes(src or source(url, exists=False), cache, log)
     files, labels = manifest_files(url, raw, Columns.of(cfg), HoldOut.of(cfg))
     scoring = classes is not None
     if classes is None:
@@ -223,7 +228,7 @@ class Images:
             else:
                 inside.setdefault(name, []).append(p)
         if inside:
-            for name, data in read_entries(self.base, inside.__contains__, self.cache, self.log):
+            for name, data in read_entries(source(self.base), inside.__contains__, self.cache, self.log):
                 for p in inside[name]:
                     self.found.add(p)
                     yield p, data

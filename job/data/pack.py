@@ -29,7 +29,17 @@ from PIL import Image
 from tqdm import tqdm
 
 from job.cloud import describe_storage_error, filesystem
-from job.data.files import VERSION_KEYS, Log, beside, images_listed, is_manifest, read_bytes, read_entries, resolve
+from job.data.files import (
+    VERSION_KEYS,
+    Log,
+    Source,
+    beside,
+    images_listed,
+    is_manifest,
+    read_bytes,
+    read_entries,
+    source,
+)
 from job.data.folder import Listing, check_files, report_skipped, sorted_files
 from job.data.image import UnreadableImage, heif_readable, image_size
 from job.data.manifest import Columns
@@ -40,6 +50,7 @@ from job.errors import ConfigError, DataError, StorageError, one_line
 
 # What a source spools: the spool, the image sizes seen, the files skipped, the files by split, and the classes.
 Spooled = tuple["Spool", set[tuple[int, int]], list[dict[str, str]], Files, list[str]]
+SHARD_BYTES, SHARD_SAMPLES = 256_000_000, 1000  # a shard at most: `job shard`'s --shard-size and --samples-per-shard
 SIZE_UNITS = {"KB": 1e3, "MB": 1e6, "GB": 1e9, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1}
 
 
@@ -87,8 +98,8 @@ def pack(
     dst: str,
     log: Log,
     *,
-    shard_bytes: int = 256_000_000,
-    shard_samples: int = 1000,
+    shard_bytes: int = SHARD_BYTES,
+    shard_samples: int = SHARD_SAMPLES,
     seed: int = 0,
     min_shards: int = 1,
     hold: HoldOut = HoldOut(),
@@ -124,13 +135,31 @@ def pack(
         counts = " / ".join(f"{sum(e['nsamples'] for e in done['splits'].get(s, []))} {s}" for s in SPLITS)
         log(f"shard: {dst} is already packed from {src} ({counts} samples)")
         return done
-    resolve(src)
+    settings = {"shard_bytes": shard_bytes, "shard_samples": shard_samples, "seed": seed, "min_shards": min_shards}
+    return pack_source(source(src), dst, log, hold=hold, columns=columns, parquet=parquet, **settings)
+
+
+def pack_source(
+    src: Source,
+    dst: str,
+    log: Log,
+    *,
+    shard_bytes: int = SHARD_BYTES,
+    shard_samples: int = SHARD_SAMPLES,
+    seed: int = 0,
+    min_shards: int = 1,
+    hold: HoldOut = HoldOut(),
+    columns: Columns = Columns(),
+    parquet: bool | None = None,
+) -> dict:
+    """Pack the resolved SRC into DST, a destination not packed yet, as pack() says; returns DST's index."""
+    out_fs, out_path = filesystem(dst)
     local = Path(out_path) if isinstance(out_fs, LocalFileSystem) else None
     made = local is not None and not local.exists()
     if local is not None:
         local.mkdir(parents=True, exist_ok=True)
     try:
-        parquet = is_parquet(src) if parquet is None else parquet
+        parquet = is_parquet(src.url) if parquet is None else parquet
         index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards, hold, columns, parquet)
     except BaseException:
         if made and not any(local.iterdir()):  # a failed start leaves no empty folder behind
@@ -147,7 +176,7 @@ def pack(
 
 
 def pack_into(
-    src: str,
+    src: Source,
     dst: str,
     local: Path | None,
     log: Log,
@@ -160,7 +189,7 @@ def pack_into(
     parquet: bool,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix=".spool-", dir=local) as tmp:
-        if is_manifest(src):
+        if is_manifest(src.path):
             sp, sizes, skipped, files, classes = spool_manifest(src, Path(tmp), log, hold, columns)
         elif parquet:
             sp, sizes, skipped, files, classes = spool_parquet(src, Path(tmp), log, hold, columns)
@@ -178,14 +207,14 @@ def pack_into(
             inventory = Inventory(classes, counts, files.held_out, skipped)
         index = {
             "format": "webdataset",
-            "source": src,
+            "source": src.url,
             "seed": seed,
             "classes": classes,
             "image_sizes": sorted(sizes)[:16],
             "splits": {},
             "hold_out": {"val": hold.val, "test": hold.test, "split_seed": hold.seed},
             "inventory": inventory.to_json(),
-            **({"columns": asdict(columns)} if is_manifest(src) or parquet else {}),
+            **({"columns": asdict(columns)} if is_manifest(src.path) or parquet else {}),
             **({"multilabel": True} if files.multilabel else {}),
         }
         for split in SPLITS:
@@ -198,38 +227,39 @@ def pack_into(
     return index
 
 
-def spool_folder(src: str, folder: Path, log: Log, hold: HoldOut) -> Spooled:
+def spool_folder(src: Source, folder: Path, log: Log, hold: HoldOut) -> Spooled:
     """An image folder's (or archive's) images spooled, sorted into classes and splits by their paths."""
     listing = Listing()
-    sp, sizes, skipped = spool(read_entries(src, listing.keep, None, log), folder, log, src)
+    sp, sizes, skipped = spool(read_entries(src, listing.keep, None, log), folder, log, src.url)
     report_skipped(skipped, log)
-    files = sorted_files(list(sp.names), hold, src)
-    listing.report(src, files, log)
+    files = sorted_files(list(sp.names), hold, src.url)
+    listing.report(src.url, files, log)
     return sp, sizes, skipped, files, files.classes()
 
 
-def spool_manifest(src: str, folder: Path, log: Log, hold: HoldOut, columns: Columns) -> Spooled:
+def spool_manifest(src: Source, folder: Path, log: Log, hold: HoldOut, columns: Columns) -> Spooled:
     """A manifest's images spooled, in the classes and splits its rows give (job/data/manifest.py); an image it
     names that is not there is skipped and named, as one that cannot be decoded is."""
     from job.data.manifest import Images, class_order, manifest_files
 
-    files, labels = manifest_files(src, read_bytes(src, None, log), columns, hold)  # columns: labels' separator, task
+    url = src.url
+    files, labels = manifest_files(url, read_bytes(src, None, log), columns, hold)  # columns: labels' separator, task
     classes = class_order(labels, {c for _, label in files.roles["train"] for c in label_names(label)})
-    check_files(files, classes, src)
-    images = Images(src, [p for role in files.roles.values() for p, _ in role], None, log)
-    return spool_named(images, folder, log, src, files, classes)
+    check_files(files, classes, url)
+    images = Images(url, [p for role in files.roles.values() for p, _ in role], None, log)
+    return spool_named(images, folder, log, url, files, classes)
 
 
-def spool_parquet(src: str, folder: Path, log: Log, hold: HoldOut, columns: Columns) -> Spooled:
+def spool_parquet(src: Source, folder: Path, log: Log, hold: HoldOut, columns: Columns) -> Spooled:
     """Parquet rows' images spooled, a row group at a time, in the classes and splits job/data/parquet.py gives
     them; a row with no image (no bytes, no path, a path to no file) is skipped and named."""
     from job.data.parquet import ParquetData
 
     rows = ParquetData(src, columns, hold, None, log)
     if rows.table:
-        raise ConfigError(f"{src}: a table of feature columns (no image column) is read into memory, not packed")
-    check_files(rows.files, rows.classes, src)
-    return spool_named(rows, folder, log, src, rows.files, rows.classes)
+        raise ConfigError(f"{src.url}: a table of feature columns (no image column) is read into memory, not packed")
+    check_files(rows.files, rows.classes, src.url)
+    return spool_named(rows, folder, log, src.url, rows.files, rows.classes)
 
 
 def spool_named(images, folder: Path, log: Log, src: str, files: Files, classes: list[str]) -> Spooled:
@@ -366,7 +396,7 @@ STREAM_SHARDS = 16  # shards per split at least, for a folder packed to stream: 
 
 
 def packed_for_streaming(
-    src: str,
+    src: Source,
     cache: Path,
     log: Log,
     hold: HoldOut,
@@ -390,8 +420,8 @@ def packed_for_streaming(
     streaming engine; the rows are read a row group at a time into the spool. It costs local disk about SRC's size
     (twice that while packing); a pack is the same bytes on any machine (SRC's order and seed 0), so a run resumed
     elsewhere packs it again and goes on where it stopped."""
-    fs, path = resolve(src)
-    version, size = fingerprint(fs, path, src, columns, parquet)
+    fs, path = src.fs, src.path
+    version, size = fingerprint(src, columns, parquet)
     settings = repr((hold, columns)) if is_manifest(path) or parquet else repr(hold)
     version += f"-{hashlib.sha256(settings.encode()).hexdigest()[:6]}"  # another split is another pack
     stem = hashlib.sha256(fs.unstrip_protocol(path).encode()).hexdigest()[:16]
@@ -408,22 +438,24 @@ def packed_for_streaming(
             if old != dst and old.is_dir():
                 remove_unread(old)  # SRC's pack of an earlier version or other settings, unless a run reads it
         if (dst / INDEX).is_file():
-            log(f"data: streaming {src} from its shards in {dst}")
+            log(f"data: streaming {src.url} from its shards in {dst}")
             index = read_json(LocalFileSystem(), str(dst / INDEX), str(dst))
         else:
             free = shutil.disk_usage(folder).free
             if free < 2 * size:
                 raise DataError(
-                    f"data.placement=stream: packing {src} into shards needs about {2 * size / 1e9:.1f} GB of local "
-                    f"disk in {folder}, and {free / 1e9:.1f} GB are free: point JOB_CACHE_DIR at a larger disk, or "
-                    "pack it with `python -m job shard SRC DST` and train on DST"
+                    f"data.placement=stream: packing {src.url} into shards needs about {2 * size / 1e9:.1f} GB of "
+                    f"local disk in {folder}, and {free / 1e9:.1f} GB are free: point JOB_CACHE_DIR at a larger disk, "
+                    "or pack it with `python -m job shard SRC DST` and train on DST"
                 )
-            log(f"data: streaming {src}: packing it into shards in {dst} once (later runs read them)")
-            index = pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns, parquet=parquet)
+            log(f"data: streaming {src.url}: packing it into shards in {dst} once (later runs read them)")
+            index = pack_source(
+                src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns, parquet=parquet
+            )
         reading(dst, cache)
     bad = index["inventory"]["skipped"]
     if bad and not skip:
-        raise DataError(f"{src}: {bad[0]['path']}: {bad[0]['reason']} (data.skip_bad_samples is false)")
+        raise DataError(f"{src.url}: {bad[0]['path']}: {bad[0]['reason']} (data.skip_bad_samples is false)")
     return str(dst)
 
 
@@ -454,15 +486,15 @@ def remove_unread(pack: Path) -> None:
         return
 
 
-def fingerprint(fs, path: str, url: str, columns: Columns, parquet: bool = False) -> tuple[str, int]:
+def fingerprint(src: Source, columns: Columns, parquet: bool = False) -> tuple[str, int]:
     """A digest of what SRC holds (each file's name, size and version; an archive's own; a manifest's own and those
     of the images it names in its folder) and its size in bytes."""
-    if is_manifest(path):
-        infos = named(fs, path, url, columns)
+    if is_manifest(src.path):
+        infos = named(src, columns)
     elif parquet:
-        infos = parquet_listed(fs, path, url)
+        infos = parquet_listed(src)
     else:
-        infos = images_listed(fs, path, url)
+        infos = images_listed(src)
     lines = []
     for p, info in sorted(infos.items()):
         version = next((str(info[k]) for k in VERSION_KEYS if info.get(k)), "")
@@ -471,11 +503,12 @@ def fingerprint(fs, path: str, url: str, columns: Columns, parquet: bool = False
     return digest, sum(int(i.get("size") or 0) for i in infos.values())
 
 
-def named(fs, path: str, url: str, columns: Columns) -> dict[str, dict]:
+def named(src: Source, columns: Columns) -> dict[str, dict]:
     """A manifest and the images under its folder that its rows name (one listing): path -> info. Images it names
     by URL elsewhere are not watched: a change to one is not seen."""
     from job.data.manifest import manifest_files
 
+    fs, path, url = src.fs, src.path, src.url
     folder = path.rsplit("/", 1)[0]
     try:  # read as the pack reads it: a misspelt column or a bad label named before any pack of SRC is touched
         files, _ = manifest_files(url, fs.cat_file(path), columns, HoldOut())

@@ -20,9 +20,9 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from job.cloud import describe_storage_error, filesystem
+from job.cloud import describe_storage_error
 from job.data.dataset import Dataset
-from job.data.files import FETCH_CHUNK, Log, beside, fetch_named, local_file, resolve
+from job.data.files import FETCH_CHUNK, Log, Source, beside, fetch_named, local_file, source
 from job.data.folder import check_files, held
 from job.data.manifest import Columns, class_order
 from job.data.preprocess import Preprocess
@@ -37,7 +37,8 @@ def is_parquet(url: str) -> bool:
     """A parquet file, or a folder of them (at any depth) holding no images: data.kind parquet."""
     if url.lower().endswith(SUFFIX):
         return True
-    fs, path = filesystem(url)
+    at = source(url, exists=False)
+    fs, path = at.fs, at.path
     try:
         found = fs.find(path) if fs.isdir(path) else []
     except Exception:  # the stores' clients raise many types; the reader names the fault
@@ -45,21 +46,21 @@ def is_parquet(url: str) -> bool:
     return any(p.lower().endswith(SUFFIX) for p in found) and not any(kind_of(p) == "image" for p in found)
 
 
-def parquet_listed(fs, path: str, url: str) -> dict[str, dict]:
+def parquet_listed(src: Source) -> dict[str, dict]:
     """The parquet files of a file or folder: path -> info (what a pack of them is keyed by)."""
+    fs, path = src.fs, src.path
     try:
         if fs.isfile(path):
             return {path: fs.info(path)}
         return {p: i for p, i in fs.find(path, detail=True).items() if p.lower().endswith(SUFFIX)}
     except Exception as e:  # the stores' clients raise many types
-        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
+        raise StorageError(f"cannot list the data: {describe_storage_error(src.url, e)}") from None
 
 
-def decoded_size(url: str, held: int | None) -> int:
+def decoded_size(src: Source, held: int | None) -> int:
     """About how many bytes the rows' images take decoded at `held` x `held` (the rows counted from the files'
     footers); with no size held, the files' own size stands in, which only understates (images compress)."""
-    fs, path = resolve(url)
-    infos = parquet_listed(fs, path, url)
+    fs, infos = src.fs, parquet_listed(src)
     if held is None:
         return sum(int(i.get("size") or 0) for i in infos.values())
     import pyarrow.parquet as pq
@@ -100,16 +101,15 @@ def read_error(url: str, e: Exception) -> Exception:
     return StorageError(f"cannot read {url}: {describe_storage_error(url, e)}")
 
 
-def open_file(url: str, named: str | None = None):
+def open_file(src: Source, named: str | None = None):
     """A parquet file as pyarrow reads it: a ParquetFile over an fsspec file object (local, cached, or remote);
-    `named`: the URL its faults name (where `url` is its local copy)."""
+    `named`: the URL its faults name (where `src` is its local copy)."""
     import pyarrow.parquet as pq
 
-    fs, path = filesystem(url)
     try:
-        return pq.ParquetFile(fs.open(path, "rb"))
+        return pq.ParquetFile(src.fs.open(src.path, "rb"))
     except Exception as e:  # pyarrow's errors and the stores'
-        raise read_error(named or url, e) from None
+        raise read_error(named or src.url, e) from None
 
 
 def image_cells(f, image: str, url: str) -> Iterator[tuple[bytes | None, str | None]]:
@@ -153,14 +153,13 @@ class ParquetData:
     names the rows whose image is not there (no bytes and no path, or a path to no file). `table` is true for a
     table of feature columns (no image column): tabular() reads it."""
 
-    def __init__(self, url: str, columns: Columns, hold: HoldOut, cache: Path | None, log: Log) -> None:
-        self.url, self.log = url, log
-        fs, path = resolve(url)
-        self.parts = self.listed(fs, path)  # (url to read, name relative to `url`, split)
+    def __init__(self, src: Source, columns: Columns, hold: HoldOut, cache: Path | None, log: Log) -> None:
+        self.url, self.log = src.url, log
+        self.parts = self.listed(src)  # (the file, its name relative to `url`, split)
         self.opened = {rel: local_file(at, cache, log) for at, rel, _ in self.parts}
         self.first = self.open(self.parts[0][1]).schema_arrow
         self.features = huggingface_features(self.first)
-        self.image, self.label, self.names, multilabel = pick_columns(url, self.first, self.features, columns)
+        self.image, self.label, self.names, multilabel = pick_columns(self.url, self.first, self.features, columns)
         self.table = self.image is None
         self.files, self.classes = Files(multilabel=multilabel), list(self.names or [])
         self.row_keys: dict[str, list[str]] = {}  # file -> each row's key
@@ -168,7 +167,8 @@ class ParquetData:
         if not self.table:
             self.sort_rows(hold)
 
-    def listed(self, fs, path: str) -> list[tuple[str, str, str | None]]:
+    def listed(self, src: Source) -> list[tuple[Source, str, str | None]]:
+        fs, path = src.fs, src.path
         try:
             found = [path] if fs.isfile(path) else sorted(p for p in fs.find(path) if p.lower().endswith(SUFFIX))
         except Exception as e:  # the stores' clients raise many types
@@ -182,7 +182,7 @@ class ParquetData:
         if len(configs) > 1:
             shown = ", ".join(sorted(c or "." for c in configs)[:4])
             raise DataError(f"{self.url}: parquet files of several configurations ({shown}): name one folder")
-        parts = [(fs.unstrip_protocol(p), rel, s) for p, rel, s in zip(found, rels, splits)]
+        parts = [(src.within(p), rel, s) for p, rel, s in zip(found, rels, splits)]
         if any(s is not None for s in splits):
             other = [rel for _, rel, s in parts if s is None]
             if other:
@@ -196,7 +196,7 @@ class ParquetData:
         return open_file(self.opened[rel], self.where(rel))
 
     def where(self, rel: str) -> str:
-        return next(at for at, r, _ in self.parts if r == rel)
+        return next(at.url for at, r, _ in self.parts if r == rel)
 
     def read(self, rel: str, names: list[str]):
         """Columns (`image.path`: a struct's field) of a whole file, as a pyarrow table."""
@@ -223,7 +223,7 @@ class ParquetData:
             paths = (paths.field("path") if struct else paths).to_pylist()
             keys = self.row_keys.setdefault(rel, [])
             for n, (value, path) in enumerate(zip(table.column(0).to_pylist(), paths)):
-                label = self.label_of(value, at, n)
+                label = self.label_of(value, at.url, n)
                 key = path if path and path not in seen else f"{rel}:{n}"
                 seen.add(key)
                 role = split
@@ -273,11 +273,11 @@ class ParquetData:
         """(key, image bytes) of every row sorted, a row group at a time; images by path fetched a chunk at a time."""
         for at, rel, _ in self.parts:
             by_path: list[tuple[str, str]] = []
-            for key, (data, path) in zip(self.row_keys[rel], image_cells(self.open(rel), self.image, at)):
+            for key, (data, path) in zip(self.row_keys[rel], image_cells(self.open(rel), self.image, at.url)):
                 if data:
                     yield key, data
                 elif path:
-                    by_path.append((key, beside(at, path)))
+                    by_path.append((key, beside(at.url, path)))
                 else:
                     self.gone.append({"path": key, "reason": NEITHER})
                 if len(by_path) >= FETCH_CHUNK:
@@ -368,12 +368,17 @@ def pick_columns(url: str, schema, features: dict, columns: Columns) -> tuple[st
 
 
 def load_parquet(
-    cfg, cache: Path | None, log: Log, classes: list[str] | None = None, pre: Preprocess | None = None
+    cfg,
+    cache: Path | None,
+    log: Log,
+    classes: list[str] | None = None,
+    pre: Preprocess | None = None,
+    src: Source | None = None,
 ) -> Dataset:
     """The parquet data set in memory, split; `classes`: a trained model's (its images are scored, not trained on:
-    every row is read, none held out)."""
+    every row is read, none held out); `src`: cfg.path resolved, where the caller has."""
     url = cfg.path
-    data = ParquetData(url, Columns.of(cfg), HoldOut.of(cfg), cache, log)
+    data = ParquetData(src or source(url), Columns.of(cfg), HoldOut.of(cfg), cache, log)
     if data.table:
         return tabular(cfg, data)
     scoring = classes is not None

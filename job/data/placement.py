@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from job.data.files import images_listed, is_archive, resolve
+from job.data.files import Source, images_listed, is_archive
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,12 @@ def by_memory(need: int, share: float) -> Streaming:
     return Streaming(False, f"decoded, it takes {need / 1e9:.2f} GB of the {room / 1e9:.1f} GB allowed")
 
 
-def decoded_size(src: str, held: int | None) -> int:
+def decoded_size(src: Source, held: int | None) -> int:
     """About how many bytes SRC's images take decoded (uint8, 3 channels) at `held` x `held` (None: as they are,
     the first image's size). An archive is not read to count its images: its own size stands in, which only
     understates (images compress)."""
-    fs, path = resolve(src)
-    infos = images_listed(fs, path, src)
-    if is_archive(path):
+    fs, infos = src.fs, images_listed(src)
+    if is_archive(src.path):
         return int(next(iter(infos.values())).get("size") or 0)
     if not infos:
         return 0

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from job.data.dataset import Dataset
+from job.data.files import Source, source
 from job.data.placement import HELD, Streaming, decide_streaming, decoded_size
 from job.errors import ConfigError, DataError
 
@@ -22,12 +23,13 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
             "data "
             "are read into memory (data.placement auto)"
         )
-    choice, given = HELD, cfg
+    choice, given, src = HELD, cfg, None
     if cfg.kind in ("folder", "manifest", "parquet"):
+        src = source(cfg.path)  # resolved once: the placement estimate, the packer and the reader take it
         if cfg.kind == "folder":
-            choice = folder_streaming(cfg, log, started)
+            choice = folder_streaming(cfg, src, log, started)
         elif cfg.kind == "parquet":
-            choice = parquet_streaming(cfg, log, started)
+            choice = parquet_streaming(cfg, src, log, started)
         else:
             choice = manifest_streaming(cfg, log, started)
         if choice.streamed:
@@ -37,7 +39,7 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
 
             hold, columns = HoldOut.of(cfg), Columns.of(cfg)
             parquet = cfg.kind == "parquet"
-            packed = packed_for_streaming(cfg.path, cache, log, hold, columns, cfg.skip_bad_samples, parquet)
+            packed = packed_for_streaming(src, cache, log, hold, columns, cfg.skip_bad_samples, parquet)
             cfg = cfg.model_copy(update={"kind": "shards", "path": packed})
             cfg = cfg.model_copy(update={"placement": "stream"})
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
@@ -47,11 +49,11 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
     elif cfg.kind == "manifest":
         from job.data.manifest import load_manifest
 
-        data = load_manifest(cfg, kept, log)
+        data = load_manifest(cfg, kept, log, src=src)
     elif cfg.kind == "parquet":
         from job.data.parquet import load_parquet
 
-        data = load_parquet(cfg, kept, log)
+        data = load_parquet(cfg, kept, log, src=src)
     elif cfg.kind == "cifar10":
         from job.data.cifar10 import load_cifar10
 
@@ -70,7 +72,7 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
     else:
         from job.data.folder import load_folder
 
-        data = load_folder(cfg, kept, log)
+        data = load_folder(cfg, kept, log, src)
     for name in ("train", "val", "test"):
         if data.split(name) is not None and data.samples(name) == 0:
             raise DataError(f"{data.source}: the {name} split is empty")
@@ -101,11 +103,11 @@ def check_task(cfg, data) -> None:
         raise ConfigError(f"data.task=multiclass: {data.source} gives lists of labels: set data.task=multilabel")
 
 
-def folder_streaming(cfg, log: Callable[[str], None], started: Streaming | None) -> Streaming:
+def folder_streaming(cfg, src: Source, log: Callable[[str], None], started: Streaming | None) -> Streaming:
     """Whether an image folder is packed into shards and streamed (job/data/placement.py decides; auto says so)."""
 
     def decoded() -> int:
-        return decoded_size(cfg.path, cfg.resize_size or cfg.image_size)
+        return decoded_size(src, cfg.resize_size or cfg.image_size)
 
     return decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)
 
@@ -118,12 +120,12 @@ def manifest_streaming(cfg, log: Callable[[str], None], started: Streaming | Non
     return decide_streaming(cfg.placement, lambda: 0, cfg.device_share, started, log, cfg.path)
 
 
-def parquet_streaming(cfg, log: Callable[[str], None], started: Streaming | None) -> Streaming:
+def parquet_streaming(cfg, src: Source, log: Callable[[str], None], started: Streaming | None) -> Streaming:
     """Whether parquet rows' images are packed into shards and streamed, as an image folder's are (auto: when decoded
     they would not fit; the rows counted from the files' footers). A table of features is always held."""
     from job.data.parquet import decoded_size as parquet_decoded
 
     def decoded() -> int:
-        return parquet_decoded(cfg.path, cfg.resize_size or cfg.image_size)
+        return parquet_decoded(src, cfg.resize_size or cfg.image_size)
 
     return decide_streaming(cfg.placement, decoded, cfg.device_share, started, log, cfg.path)

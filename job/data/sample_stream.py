@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fsspec.implementations.local import LocalFileSystem
 
-from job.cloud import filesystem
+from job.data.files import source
 from job.data.shards import Carve, InMemory, Sample, Shard, ShardFile, read_range, samples
 from job.errors import DataError
 
@@ -66,7 +66,7 @@ class SampleStream:
         self.parts, self.size, self.key = parts, buffer, key
         self.shard, self.offset, self.index, self.in_split, self.draws = 0, 0, 0, 0, 0
         self.buffer: list[Sample] = []
-        self.remote = not isinstance(filesystem(parts[0].url)[0], LocalFileSystem) if parts else False
+        self.remote = not isinstance(source(parts[0].url, exists=False).fs, LocalFileSystem) if parts else False
         if at is not None:
             self.shard, self.offset, self.draws = at["shard"], at["offset"], at["draws"]
             self.index = at.get("index", 0)  # None: not saved (an earlier version's place); not checked

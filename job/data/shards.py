@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from job.cloud import describe_storage_error, filesystem
-from job.data.files import Log, resolve
+from job.cloud import describe_storage_error
+from job.data.files import Log, source
 from job.data.split import IMAGE_SUFFIXES, HoldOut, Inventory, Roles, count
 from job.errors import DataError, StorageError, one_line
 from job.sync import write_atomic
@@ -101,7 +101,8 @@ class ShardFile:
 
     def __init__(self, url: str, offset: int = 0, block_size: int = 8 << 20) -> None:
         self.url, self.pos, self.block_size = url, offset, block_size
-        self.fs, self.path = filesystem(url)
+        at = source(url, exists=False)  # a file the index names: its own URL
+        self.fs, self.path = at.fs, at.path
         self.f = None
         self.chunk, self.used = b"", 0  # bytes read ahead of pos, and how many of them were handed out
 
@@ -314,8 +315,8 @@ def open_shards(url: str, cache: Path | None, log: Log, hold: HoldOut | None = N
     held out for val (and test) where the folder has no val/ (test/) and no split of job shard's record: shards from
     other tools. A sample's split is then a hash of its key and the seed (job/data/split.py), as a folder's file's
     is of its path: the same samples however the data is read, and a run's data.json names them."""
-    fs, path = resolve(url)
-    root = url.rstrip("/")
+    src = source(url)
+    fs, path, root = src.fs, src.path, url.rstrip("/")
     index = read_json(fs, f"{path.rstrip('/')}/{INDEX}", url)
     if index is not None:
         try:
@@ -408,7 +409,7 @@ def check_listed(fs, shards: list[Shard], root: str) -> None:
     reading): a shard gone, cut short or rewritten since it was packed is named now, not mid-epoch."""
     folders: dict[str, dict[str, int | None]] = {}
     for shard in shards:
-        folder, _, name = filesystem(shard.url)[1].rpartition("/")
+        folder, _, name = fs._strip_protocol(shard.url).rpartition("/")
         if folder not in folders:
             try:
                 listing = fs.find(folder, maxdepth=1, detail=True)

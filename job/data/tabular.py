@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from job.data.dataset import Dataset, Split
-from job.data.files import Log, read_bytes
+from job.data.files import Log, read_bytes, source
 from job.data.split import Roles
 from job.errors import DataError, StorageError, one_line
 
@@ -100,7 +100,7 @@ def table_dataset(
 
 def read_csv(url: str, cache: Path | None, log: Log) -> tuple[list[str], list[list[str]]]:
     try:
-        raw = read_bytes(url, cache, log)
+        raw = read_bytes(source(url, exists=False), cache, log)
     except FileNotFoundError:
         raise DataError(f"{url}: no such file") from None
     except IsADirectoryError:
