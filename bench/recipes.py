@@ -33,7 +33,9 @@ PLAIN = (
     "data.batch_size=64",
     "data.random_crop_padding=4",
     "data.random_hflip=true",
-    "optim.lr=0.01",  # SGD with momentum, batches of 64 (0.05 diverged: 10% on every seed, no batch norm)
+    # SGD with momentum, batches of 64: 0.05 and 0.03 diverge (10%, no batch norm); 0.02 gains 5 points but is at the
+    # edge (with a warm-up, one seed of three diverged): docs/benchmarks.md
+    "optim.lr=0.01",
     "optim.momentum=0.9",
     "optim.nesterov=true",
     "optim.weight_decay=0.0005",
@@ -41,7 +43,8 @@ PLAIN = (
     "train.log_every_steps=1000",
 )
 TRICKS = {
-    "ema": ("train.ema=0.995",),  # about 200 steps averaged: a few epochs of 32 steps
+    # the EMA warm-up keeps the decay under 1 - 961^(-2/3) = 0.990 in 30 epochs (960 steps): the last ~100 averaged
+    "ema": ("train.ema=0.995",),
     "warmup": ("optim.warmup=2",),  # epochs
     "trivial_augment": ("data.augment=[trivial_augment]",),
     "random_erasing": ("data.augment=[random_erasing]",),
