@@ -28,7 +28,9 @@ app = typer.Typer(
     help="A PyTorch batch training job: config in; TensorBoard logs, checkpoints and metrics out.",
 )
 
-CONFIG_HELP = "Preset name (iris, cifar10, finetune), or a YAML file at any URL (local, gs://, ...)."
+CONFIG_HELP = (
+    "Preset name (iris, cifar10, cifar10-fast, finetune, photos), or a YAML file at any URL (local, gs://, ...)."
+)
 SET_HELP = "Override a config key, e.g. --set train.epochs=5 (repeatable)."
 
 

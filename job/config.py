@@ -19,7 +19,7 @@ from job.cost import parse_budget
 from job.duration import parse_duration
 from job.errors import ConfigError, StorageError
 
-PRESETS = ("iris", "cifar10", "cifar10-fast", "finetune")
+PRESETS = ("iris", "cifar10", "cifar10-fast", "finetune", "photos")
 PRESET_LIST = ", ".join(PRESETS)
 USER_MODEL_HINT = "package.module:ClassName"
 

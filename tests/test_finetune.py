@@ -18,6 +18,7 @@ from conftest import (
     pattern_images,
     pointer,
     run_job,
+    scalars,
     sets,
     stopping_model,
     weights,
@@ -352,3 +353,33 @@ def test_the_finetune_preset_trains_a_photo_folder_from_the_cached_weights(tmp_p
     out = weights(str(tmp_path / "run"))
     assert out["classifier.3.weight"].shape == (2, 1024)
     assert not torch.equal(out["features.0.0.weight"], state["features.0.0.weight"])  # the whole model trains
+
+
+def test_the_photos_preset_is_the_finetune_recipe_with_a_warm_up_and_trains_a_photo_folder(tmp_path, job_cache):
+    """photos: the finetune preset plus the tricks bench/recipes.py measured a gain for (the warm-up alone); a
+    one-epoch trial run trains, its rate rising over the first steps."""
+    photos_cfg, finetune_cfg = load_config("photos").model_dump(), load_config("finetune").model_dump()
+    assert photos_cfg["optim"].pop("warmup") == 0.5 and finetune_cfg["optim"].pop("warmup") == 0
+    assert {**photos_cfg, "name": "finetune"} == finetune_cfg
+    w = resolve("mobilenet_v3_small", "DEFAULT")
+    mobilenet_file(tmp_path / "mnv3.pth")
+    cached = cache_path(w, job_cache / "weights")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_bytes((tmp_path / "mnv3.pth").read_bytes())
+    photos = write_image_folder(tmp_path / "photos", n_classes=2, per_class=16, size=48, fmt="jpg", test_per_class=2)
+    over = ("model.name=mobilenet_v3_small", "train.epochs=1", "data.batch_size=4", "train.log_every_steps=1")
+    done = run_job(
+        "train",
+        "--config",
+        "photos",
+        "--device",
+        "cpu",
+        *sets(f"data.path={photos}", *over),
+        "--output",
+        str(tmp_path / "run"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "from the cache" in done.stderr
+    lrs = [lr for _, lr in scalars(str(tmp_path / "run"), "train/lr")]
+    assert len(lrs) >= 4 and lrs[1] > lrs[0]  # warming up (the cosine alone only falls)
+    assert max(lrs) == pytest.approx(3e-4) and lrs[-1] < max(lrs)

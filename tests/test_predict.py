@@ -394,7 +394,7 @@ def rows_of_part(path: Path) -> list[str]:
         return [Path(r["path"]).name for r in csv.DictReader(f)]
 
 
-@pytest.mark.parametrize("preset", ["iris", "cifar10", "cifar10-fast", "finetune"])
+@pytest.mark.parametrize("preset", ["iris", "cifar10", "cifar10-fast", "finetune", "photos"])
 def test_model_json_of_every_preset(preset):
     """What model.json says of each preset's model: the class count, and the preprocessing its evaluation applies
     (finetune: the weights' 232 px short side and 224 px centre, ImageNet's mean and std)."""
@@ -414,7 +414,7 @@ def test_model_json_of_every_preset(preset):
     pre = card["preprocessing"]
     assert card["model"] == {"name": cfg.model.name, "kwargs": dict(cfg.model.kwargs), "num_classes": 3}
     assert pre["exif_orientation"] and pre["mode"] == "RGB" and pre["layout"] == "NCHW" and pre["scale"] == 1 / 255
-    if preset == "finetune":
+    if preset in ("finetune", "photos"):
         assert pre["resize"] == {"short_side": 232} and pre["crop"] == {"center": [224, 224]}
         assert pre["mean"] == pytest.approx([0.485, 0.456, 0.406])
         assert pre["std"] == pytest.approx([0.229, 0.224, 0.225])
