@@ -94,7 +94,7 @@ class Spool:
 
 
 def pack(
-    src: str,
+    src: str | Source,
     dst: str,
     log: Log,
     *,
@@ -111,14 +111,16 @@ def pack(
     the val and test shares held out of the training images where SRC has no val/ or test/ folder (by a hash of each
     file's path: job/data/split.py), so a folder packed and the same folder read into memory split alike. A
     manifest (.csv, .jsonl) as SRC: its images, classes and splits as data.kind manifest reads them (`columns`); parquet
-    files (`parquet`; None: found from SRC), their rows' images as data.kind parquet reads them."""
+    files (`parquet`; None: found from SRC), their rows' images as data.kind parquet reads them. SRC: a URL, or the
+    Source a run has resolved it to already."""
     if shard_samples < 1:
         raise ConfigError(f"--samples-per-shard: expected a positive number, got {shard_samples}")
     out_fs, out_path = filesystem(dst)
     root = out_path.rstrip("/")
+    url = src.url if isinstance(src, Source) else src
     done = read_json(out_fs, f"{root}/{INDEX}", dst)
     if done is not None:
-        if done.get("source") != src:
+        if done.get("source") != url:
             raise ConfigError(f"{dst} holds shards packed from {done.get('source')}: choose another destination")
         was = done.get("hold_out", {"val": 0.0, "test": 0.0, "split_seed": hold.seed})
         if (was["val"], was["test"], was["split_seed"]) != (hold.val, hold.test, hold.seed):
@@ -133,27 +135,9 @@ def pack(
             how = f", data.label_separator {was.separator!r}, data.task {was.task}"
             raise ConfigError(f"{dst} was packed with {shown}{how}: pack into another destination for other columns")
         counts = " / ".join(f"{sum(e['nsamples'] for e in done['splits'].get(s, []))} {s}" for s in SPLITS)
-        log(f"shard: {dst} is already packed from {src} ({counts} samples)")
+        log(f"shard: {dst} is already packed from {url} ({counts} samples)")
         return done
-    settings = {"shard_bytes": shard_bytes, "shard_samples": shard_samples, "seed": seed, "min_shards": min_shards}
-    return pack_source(source(src), dst, log, hold=hold, columns=columns, parquet=parquet, **settings)
-
-
-def pack_source(
-    src: Source,
-    dst: str,
-    log: Log,
-    *,
-    shard_bytes: int = SHARD_BYTES,
-    shard_samples: int = SHARD_SAMPLES,
-    seed: int = 0,
-    min_shards: int = 1,
-    hold: HoldOut = HoldOut(),
-    columns: Columns = Columns(),
-    parquet: bool | None = None,
-) -> dict:
-    """Pack the resolved SRC into DST, a destination not packed yet, as pack() says; returns DST's index."""
-    out_fs, out_path = filesystem(dst)
+    src = src if isinstance(src, Source) else source(src)
     local = Path(out_path) if isinstance(out_fs, LocalFileSystem) else None
     made = local is not None and not local.exists()
     if local is not None:
@@ -449,9 +433,7 @@ def packed_for_streaming(
                     "or pack it with `python -m job shard SRC DST` and train on DST"
                 )
             log(f"data: streaming {src.url}: packing it into shards in {dst} once (later runs read them)")
-            index = pack_source(
-                src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns, parquet=parquet
-            )
+            index = pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns, parquet=parquet)
         reading(dst, cache)
     bad = index["inventory"]["skipped"]
     if bad and not skip:
