@@ -288,18 +288,23 @@ def most_confused_classes(confusion: torch.Tensor, n: int) -> list[int]:
     return sorted((off.sum(0) + off.sum(1)).argsort(descending=True)[:n].tolist())
 
 
+def shown_confusion(confusion: torch.Tensor, classes: list[str]) -> tuple[torch.Tensor, torch.Tensor, list[str], str]:
+    """What the confusion pictures draw: the counts among the most confused classes (of all, up to SHOWN), the same
+    normalised by row, their names, and the words saying they are some of many ('' for all)."""
+    keep = most_confused_classes(confusion, SHOWN)
+    counts = confusion[keep][:, keep].double()
+    some = f" ({len(keep)} most confused of {len(classes)} classes)" if len(keep) < len(classes) else ""
+    return counts, counts / counts.sum(1, keepdim=True).clamp(min=1), [classes[i][:24] for i in keep], some
+
+
 def confusion_png(confusion: torch.Tensor, classes: list[str], split: str) -> bytes:
     """Two panels, raw counts and normalised by row, of the most confused classes (of all, up to SHOWN)."""
     from job import pictures
 
-    keep = most_confused_classes(confusion, SHOWN)
-    sub = confusion[keep][:, keep].double()
-    rows = sub / sub.sum(1, keepdim=True).clamp(min=1)
-    names = [classes[i][:24] for i in keep]
-    some = f" ({len(keep)} most confused of {len(classes)} classes)" if len(keep) < len(classes) else ""
-    counts = pictures.matrix(sub.numpy(), names, f"{split}: counts{some}", "{:.0f}")
-    normalised = pictures.matrix(rows.numpy(), names, f"{split}: normalised by row{some}", "{:.2f}", 1.0)
-    return pictures.png(pictures.side_by_side([counts, normalised], gap=16))
+    counts, rows, names, some = shown_confusion(confusion, classes)
+    left = pictures.matrix(counts.numpy(), names, f"{split}: counts{some}", "{:.0f}")
+    right = pictures.matrix(rows.numpy(), names, f"{split}: normalised by row{some}", "{:.2f}", 1.0)
+    return pictures.png(pictures.side_by_side([left, right], gap=16))
 
 
 def confusion_picture(confusion: torch.Tensor, classes: list[str], split: str) -> torch.Tensor:
@@ -309,13 +314,8 @@ def confusion_picture(confusion: torch.Tensor, classes: list[str], split: str) -
 
     from job import pictures
 
-    keep = most_confused_classes(confusion, SHOWN)
-    sub = confusion[keep][:, keep].double()
-    rows = (sub / sub.sum(1, keepdim=True).clamp(min=1)).numpy()
-    names = [classes[i][:24] for i in keep]
-    title = f"{split}: confusion, normalised by row" + (
-        f" ({len(keep)} most confused of {len(classes)} classes)" if len(keep) < len(classes) else "")  # fmt: skip
-    img = pictures.matrix(rows, names, title, "{:.2f}", 1.0)
+    _, rows, names, some = shown_confusion(confusion, classes)
+    img = pictures.matrix(rows.numpy(), names, f"{split}: confusion, normalised by row{some}", "{:.2f}", 1.0)
     return torch.from_numpy(np.asarray(img).copy())
 
 
