@@ -14,6 +14,7 @@ from job import distributed
 from job.console import say
 from job.models import own_class
 from job.step import CpuTracedStep, CudaGraphStep, EagerStep, StepKind, StepPlan
+from job.uncompiled import FlopCount
 
 if TYPE_CHECKING:
     from job.config import Config
@@ -77,14 +78,12 @@ def plan_step(f: StepFacts) -> StepPlan:
 
 def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> float:
     """Floating-point operations of one forward pass per sample, counted on a batch of 2 on the CPU."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        with torch.no_grad(), FlopCount() as counter:
             model(torch.zeros(2, *input_shape))
-        return counter.get_total_flops() / 2
+        return counter.flops / 2
     except Exception:  # an operation the counter does not know: treat the model as large
         return float("inf")
     finally:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from job import weights
+from job import uncompiled, weights
 from job.config import Config, DataConfig
 from job.console import say, say_own
 from job.data.augment import Policy, View, channel_stats, to_float
@@ -517,13 +517,13 @@ def make_optimizer(cfg: Config, model: nn.Module, fused: bool = False) -> torch.
     o = cfg.optim
     how = {"fused": True} if fused else {}
     params = param_groups(cfg, model)
+    # torch's classes only where something is compiled: their wrappers import the compiler (job/uncompiled.py)
+    classes = (torch.optim.SGD, torch.optim.AdamW) if cfg.train.compile else (uncompiled.SGD, uncompiled.AdamW)
     if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, **how)
+        return classes[1](params, lr=o.lr, weight_decay=o.weight_decay, **how)
     if o.nesterov and o.momentum == 0:
         raise ConfigError("optim.nesterov: needs optim.momentum > 0")
-    return torch.optim.SGD(
-        params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **how
-    )
+    return classes[0](params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **how)
 
 
 NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
