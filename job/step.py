@@ -398,8 +398,8 @@ class CpuTracedStep(EagerStep):
             fn = self.trace(key, x, y)
             if fn is None:
                 return super().__call__(x, y)
-        with torch.no_grad():
-            loss, *grads = fn.forward(*self.args, x, y)  # the graph itself, without nn.Module's hooks
+        # The graph itself, without nn.Module's hooks; none of its inputs requires a gradient, so nothing records one.
+        loss, *grads = fn.forward(*self.args, x, y)
         self.sums += loss
         if not self.whole:
             self.set_grads(grads)
@@ -435,7 +435,7 @@ class CpuTracedStep(EagerStep):
                 warnings.simplefilter("ignore")  # TorchScript's deprecation notice: nothing the user can act on
                 # Tracing runs the step for real, so on copies. A model that reads its data's values on the host
                 # (branches on them, calls .item()) cannot be traced, and says so here.
-                graph = make_fx(self.joint, tracing_mode="real")(*[a.clone() for a in self.args], x, y)
+                graph = without_aliases(make_fx(self.joint, tracing_mode="real")(*[a.clone() for a in self.args], x, y))
                 fn = torch.jit.trace(graph, (*[a.clone() for a in self.args], x, y), check_trace=False)
             self.check(fn, x, y)
         except Exception as e:  # every way tracing can fail means the same: run this model eagerly
@@ -476,6 +476,18 @@ class CpuTracedStep(EagerStep):
             torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, traced)
         ):
             raise RuntimeError("the traced step does not compute what the eager step computes")
+
+
+def without_aliases(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The graph with its aliases' uses reading the tensor itself. make_fx writes each detach() as aten.alias, a view
+    of the whole tensor that changes nothing here, yet TorchScript's interpreter dispatches it like any operation:
+    on a small model's step, a tenth of its time (7 of the Iris MLP's 40)."""
+    for node in list(graph.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.alias.default:
+            node.replace_all_uses_with(node.args[0])
+            graph.graph.erase_node(node)
+    graph.recompile()
+    return graph
 
 
 def why_not_traced(e: Exception) -> str:

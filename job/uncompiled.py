@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
 
 
 def past_wrappers(cls: type, name: str):
@@ -59,8 +58,10 @@ class FlopCount(TorchDispatchMode):
     for the compiler; this one also leaves out its per-module table, which nothing here reads."""
 
     def __init__(self) -> None:
+        from torch.utils.flop_counter import flop_registry  # with triton: only where FLOPs are counted (a CPU run)
+
         super().__init__()
-        self.flops = 0
+        self.flops, self.formulas = 0, flop_registry
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -69,6 +70,6 @@ class FlopCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if (formula := flop_registry.get(func._overloadpacket)) is not None:
+        if (formula := self.formulas.get(func._overloadpacket)) is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
         return out
