@@ -270,6 +270,10 @@ def test_an_iris_run_imports_only_what_it_uses(tmp_path):
     assert len(imported) > 100 and any(name == "torch" for _, name in imported)  # the log is there, in full
     tops = {name.split(".")[0] for _, name in imported}
     assert not (unused := tops & {"torchvision", "pillow_heif", "onnx", "gcsfs", "mlflow", "matplotlib"}), unused
+    # nor torch's compiler: one step is not worth tracing (whose tracer imports it), and torch.optim's wrappers are
+    # passed by (job/uncompiled.py)
+    assert "step: fp32; eager (a 1-step run: tracing pays for itself from 8,000 steps)" in done.stderr
+    assert "torch._dynamo" not in {name for _, name in imported}
     assert (out / "curves.png").is_file() and (out / "report/test/confusion.png").is_file()
 
 

@@ -40,7 +40,7 @@ def train(tmp_path, name, overrides, capsys):
 )
 def test_traced_cpu_step_trains_exactly_as_the_eager_step(tmp_path, capsys, overrides):
     eager, w_eager, said_eager = train(tmp_path, "eager", [*overrides, "train.step_capture=off"], capsys)
-    traced, w_traced, said = train(tmp_path, "traced", overrides, capsys)
+    traced, w_traced, said = train(tmp_path, "traced", [*overrides, "train.step_capture=on"], capsys)  # 150 steps
     assert "step: fp32; eager (train.step_capture off)" in said_eager
     assert "traced on the CPU" in said and "could not be traced" not in said
     whole = not overrides or overrides == ["optim.weight_decay=0.05"] or overrides == ["data.batch_size=32"]
@@ -238,6 +238,11 @@ def test_the_step_plan_is_one_pure_decision_with_its_reason():
     assert traced.kind is StepKind.CPU_TRACE and traced.optimizer_inside
     own_on = plan_step(StepFacts("cuda", capture="on", own_model=True))
     assert own_on.kind is StepKind.CUDA_GRAPH
+    # Tracing costs more than it saves in a short run, unless asked for; a run's steps are all its epochs'.
+    short = plan_step(StepFacts("cpu", step_flops=1e5, bare_sgd=True, steps=7999))
+    assert short.kind is StepKind.EAGER and "a 7,999-step run" in short.reason
+    assert plan_step(StepFacts("cpu", step_flops=1e5, steps=8000)).kind is StepKind.CPU_TRACE
+    assert plan_step(StepFacts("cpu", step_flops=1e5, capture="on", steps=10)).kind is StepKind.CPU_TRACE
 
 
 def test_a_step_that_falls_back_says_so_as_a_value():
