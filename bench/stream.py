@@ -14,7 +14,8 @@ SHARDS: a shard folder (`python -m job shard <cifar10 image folder> SHARDS`). DI
     shards for ten epochs, and fifty (the five, ten times over, listed in a second folder) for one: the same
     steps, ten times the data, and their ratio (goal: within a few percent);
 and for DIR, the recipe's steady-state epoch streamed from local disk (data.placement=stream: the rows packed into
-shards in a cache of this bench's own, once, before the first epoch) and held in memory from the same files, and
+shards in a cache of this bench's own, once, before the first epoch; CIFAR's 32x32 pictures kept decoded there, as
+any images of at most 64x64 pixels are) and held in memory from the same files, and
 their ratio (goal: at most 1.10), the runs alternating `--repeat` times, the fastest of each counting.
 """
 

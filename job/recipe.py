@@ -186,6 +186,9 @@ class Feed:
 
     def streaming(self) -> str:
         n = self.decoder.workers
+        stored = self.streaming_choice.stored
+        if stored is not None and stored.decoded:
+            return f"streamed, {stored.reason}"
         if isinstance(self.decoder, DeviceDecoder):
             return f"streamed, JPEG images decoded on {self.device} (nvJPEG)"
         return (

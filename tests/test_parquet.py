@@ -227,14 +227,16 @@ def killed_and_resumed(tmp_path: Path, args: list[str]) -> str:
 
 def test_streamed_from_a_bucket_packs_the_rows_and_a_sigkill_resumes_exactly(tmp_path, bucket):
     """data.placement=stream: the rows packed into shards a row group at a time, with the classes and counts the
-    held read gives; a run killed after its first commit and resumed equals one that never stopped."""
+    held read gives, their small images kept decoded (an epoch decodes nothing); a run killed after its first commit
+    and resumed from the pack of pixels equals one that never stopped."""
     root = hub_dataset(tmp_path / "ds", {"train": 20, "validation": 3, "test": 4})
     bucket.put_tree(root, "ds")
     args = ["--device", "cpu", *sets("data.kind=parquet", f"data.path={bucket.url('ds')}", "data.placement=stream",
             "data.workers=0", "data.image_size=32", "data.batch_size=8", "model.name=cifar_cnn",
             "train.checkpoint_every_epochs=1")]  # fmt: skip
     out = tmp_path / "killed"
-    assert "packing it into shards" in killed_and_resumed(tmp_path, args)
+    err = killed_and_resumed(tmp_path, args)
+    assert "packing it into shards" in err and "streamed, images of at most 256 pixels kept decoded in its pack" in err
     record = json.loads((out / "data.json").read_text())
     held = load_parquet(DataConfig(kind="parquet", path=str(root)), None, print)
     assert record["classes"] == NAMES

@@ -437,6 +437,59 @@ def test_a_pack_another_run_reads_is_never_removed(tmp_path):
     assert (Path(good) / "index.json").is_file()
 
 
+def members_of(pack: Path) -> dict[str, bytes]:
+    """Every member of a pack's shards, by name."""
+    out = {}
+    for shard in sorted(pack.glob("*/*.tar")):
+        with tarfile.open(shard) as tar:
+            out |= {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    return out
+
+
+def test_a_pack_to_stream_keeps_small_images_decoded_and_larger_ones_as_files(tmp_path):
+    """A run's pack to stream keeps images of at most 64 x 64 pixels decoded (.npy members of the very pixels the
+    files decode to; its index and the run's placement say so), so that a streamed epoch decodes nothing; larger
+    images, and `job shard`'s shards, stay as their files. A run resumed from a checkpoint of a version whose packs
+    kept every image as its file (a placement that records no `stored`) reads such a pack: its saved byte offsets
+    point into it."""
+    from PIL import Image
+
+    from job.config import DataConfig
+    from job.data.decode import decode_batch
+    from job.data.pack import pack
+    from job.data.placement import restored
+    from job.data.preprocess import Preprocess
+    from job.data.read import load_data
+
+    small = write_image_folder(tmp_path / "small", per_class=4, test_per_class=2, size=16)
+    files = sorted(small.glob("*/*/*.png"))
+    expected = sorted(np.asarray(Image.open(f).convert("RGB")).tobytes() for f in files)
+    cfg = DataConfig(kind="folder", path=str(small), placement="stream")
+    data = load_data(cfg, tmp_path / "cache", print)
+    stored = data.streaming.stored
+    assert stored is not None and stored.decoded and "kept decoded" in stored.reason
+    assert restored(data.streaming.saved()) == data.streaming  # what a checkpoint records of it
+    got = members_of(Path(data.shards.url))
+    arrays = [np.load(io.BytesIO(b)) for name, b in got.items() if name.endswith(".npy")]
+    assert len(arrays) == len(files) and not any(n.endswith(".png") for n in got)
+    assert sorted(a.tobytes() for a in arrays) == expected and {a.shape for a in arrays} == {(16, 16, 3)}
+    one = next(b for name, b in got.items() if name.endswith(".npy"))
+    held = decode_batch([("a", "npy", one), ("cut", "npy", one[:100])], Preprocess((32, 32), False), True)
+    assert held.images.shape == (2, 3, 32, 32) and [i for i, _ in held.bad] == [1]  # resized; a cut one named
+
+    legacy = restored({"streamed": True, "reason": "data.placement=stream"})  # a checkpoint of an earlier version
+    old = load_data(cfg, tmp_path / "cache", print, legacy)
+    assert old.streaming.stored is None and old.shards.url != data.shards.url
+    assert sum(n.endswith(".png") for n in members_of(Path(old.shards.url))) == len(files)
+
+    large = write_image_folder(tmp_path / "large", per_class=4, test_per_class=2, size=65)
+    photos = load_data(cfg.model_copy(update={"path": str(large)}), tmp_path / "cache", print)
+    assert not photos.streaming.stored.decoded
+    assert not any(n.endswith(".npy") for n in members_of(Path(photos.shards.url)))
+    index = pack(str(small), str(tmp_path / "shards"), print)  # job shard: the files, as ever
+    assert "stored" not in index and not any(n.endswith(".npy") for n in members_of(tmp_path / "shards"))
+
+
 def test_tables_and_cifar_batches_do_not_stream(tmp_path):
     code, err = invoke(["train", "--device", "cpu", "--set", "data.placement=stream", "--output", str(tmp_path / "r")])
     assert code == 2 and "data.placement=stream: streams image folders" in err and "csv data" in err

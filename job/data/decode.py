@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from job.data.batches import IGNORED
-from job.data.image import UnreadableImage, exif_orientation, pixels
+from job.data.image import UnreadableImage, exif_orientation, pixels, stored_pixels
 from job.data.preprocess import Preprocess
+from job.data.shards import PIXELS
 from job.env import cpu_share, end_with
 from job.errors import ConfigError, DataError, one_line
 from job.memory import is_out_of_memory
@@ -43,9 +44,10 @@ def decode_batch(items: list[tuple[str, str, bytes]], pre: Preprocess, skip: boo
     """decode(), with an image that cannot be decoded left as zeros and named (skip), or stopping it (not skip).
     Runs in a worker process."""
     out, bad = None, []
-    for n, (name, _, data) in enumerate(items):
+    for n, (name, ext, data) in enumerate(items):
         try:
-            img = pixels(data, name, pre).transpose(2, 0, 1)
+            held = stored_pixels(data, name, pre) if ext == PIXELS else pixels(data, name, pre)
+            img = held.transpose(2, 0, 1)
         except UnreadableImage as e:
             if not skip:
                 raise

@@ -41,10 +41,12 @@ from job.data.files import (
     source,
 )
 from job.data.folder import Listing, check_files, report_skipped, sorted_files
-from job.data.image import UnreadableImage, heif_readable, image_size
+from job.data.image import UnreadableImage, heif_readable, image_size, pixel_bytes
+from job.data.image import pixels as image_pixels
 from job.data.manifest import Columns
 from job.data.parquet import is_parquet, parquet_listed
-from job.data.shards import CLASSES, INDEX, SPLITS, read_json
+from job.data.placement import SMALL_IMAGE, decide_stored
+from job.data.shards import CLASSES, INDEX, PIXELS, SPLITS, read_json
 from job.data.split import Files, HoldOut, Inventory, count, is_image_name, label_names
 from job.errors import ConfigError, DataError, StorageError, one_line
 
@@ -77,6 +79,7 @@ class Spool:
         self.names: list[str] = []
         self.exts: list[str] = []
         self.end = 0
+        self.largest = 0  # pixels of the largest image
 
     def add(self, name: str, data: bytes, ext: str) -> None:
         self.offsets.append(self.end)
@@ -105,6 +108,7 @@ def pack(
     hold: HoldOut = HoldOut(),
     columns: Columns = Columns(),
     parquet: bool | None = None,
+    pixels: bool = False,
 ) -> dict:
     """Pack SRC into shards at DST; returns DST's index. A DST already packed from SRC is left as it is. Each split
     gets at least `min_shards` shards where it has that many samples (torchrun's processes each need some). `hold`:
@@ -112,7 +116,8 @@ def pack(
     file's path: job/data/split.py), so a folder packed and the same folder read into memory split alike. A
     manifest (.csv, .jsonl) as SRC: its images, classes and splits as data.kind manifest reads them (`columns`); parquet
     files (`parquet`; None: found from SRC), their rows' images as data.kind parquet reads them. SRC: a URL, or the
-    Source a run has resolved it to already."""
+    Source a run has resolved it to already. `pixels`: small images kept decoded (job/data/placement.py decides,
+    from the largest image; a run's own pack to stream), else every image as its file's bytes."""
     if shard_samples < 1:
         raise ConfigError(f"--samples-per-shard: expected a positive number, got {shard_samples}")
     out_fs, out_path = filesystem(dst)
@@ -144,7 +149,9 @@ def pack(
         local.mkdir(parents=True, exist_ok=True)
     try:
         parquet = is_parquet(src.url) if parquet is None else parquet
-        index = pack_into(src, dst, local, log, shard_bytes, shard_samples, seed, min_shards, hold, columns, parquet)
+        index = pack_into(
+            src, dst, local, log, shard_bytes, shard_samples, seed, min_shards, hold, columns, parquet, pixels
+        )
     except BaseException:
         if made and not any(local.iterdir()):  # a failed start leaves no empty folder behind
             local.rmdir()
@@ -171,6 +178,7 @@ def pack_into(
     hold: HoldOut,
     columns: Columns,
     parquet: bool,
+    pixels: bool,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix=".spool-", dir=local) as tmp:
         if is_manifest(src.path):
@@ -180,6 +188,7 @@ def pack_into(
         else:
             sp, sizes, skipped, files, classes = spool_folder(src, Path(tmp), log, hold)
         at = {name: i for i, name in enumerate(sp.names)}
+        stored = decide_stored(sp.largest) if pixels else None
         rng = np.random.default_rng(seed)
         present = [r for r in SPLITS if files.roles[r]]
         if files.multilabel:  # an image counts once in its split, and once for each class it shows
@@ -200,11 +209,14 @@ def pack_into(
             "inventory": inventory.to_json(),
             **({"columns": asdict(columns)} if is_manifest(src.path) or parquet else {}),
             **({"multilabel": True} if files.multilabel else {}),
+            **({"stored": stored.saved()} if stored is not None else {}),
         }
         for split in SPLITS:
             items = [(at[name], target(c, classes)) for name, c in files.roles[split]]
             most = min(shard_samples, -(-len(items) // min_shards)) if items else shard_samples
-            index["splits"][split] = write_shards(sp, items, rng, dst, split, Path(tmp), shard_bytes, most, log)
+            index["splits"][split] = write_shards(
+                sp, items, rng, dst, split, Path(tmp), shard_bytes, most, log, stored is not None and stored.decoded
+            )
         for rel, text in ((CLASSES, "".join(f"{c}\n" for c in classes)), (INDEX, json.dumps(index, indent=1))):
             (Path(tmp) / rel).write_text(text)
             put(Path(tmp) / rel, dst, rel)  # index.json last: its presence says DST is complete
@@ -277,6 +289,7 @@ def spool(
                 continue
             if len(sizes) <= 16:
                 sizes.add(size)
+            sp.largest = max(sp.largest, size[0] * size[1])
             sp.add(name, data, member_ext(name, data))
             bar.update()
     sp.f.close()
@@ -315,9 +328,10 @@ def write_shards(
     shard_bytes: int,
     shard_samples: int,
     log: Log,
+    decoded: bool = False,
 ) -> list[dict]:
     """The split's samples (spool index, label) in a shuffled order, cut into shards, each written to DST/<split>/
-    when full."""
+    when full; `decoded`: each image as its pixels (job/data/image.py's pixel_bytes), else its file's bytes."""
     order = rng.permutation(len(items))
     seen: Counter = Counter()
     copy = []  # a manifest may name an image twice: each row a sample of its own key (<split><image>-<copy>)
@@ -336,14 +350,17 @@ def write_shards(
                 i, label = items[n]
                 spooled.seek(sp.offsets[i])
                 key = f"{split}{i:08d}" + (f"-{copy[n]}" if copy[n] else "")  # a folder's: as ever
-                add(tar, f"{key}.{sp.ext(i)}", spooled.read(sp.sizes[i]))
+                data, ext = spooled.read(sp.sizes[i]), sp.ext(i)
+                if decoded:  # the one decoding every host path uses, once, here
+                    data, ext = pixel_bytes(image_pixels(data, sp.names[i])), PIXELS
+                add(tar, f"{key}.{ext}", data)
                 add(tar, f"{key}.{'labels' if isinstance(label, str) else 'cls'}", str(label).encode())
         entries.append({"url": name, "nsamples": len(pending), "filesize": part.stat().st_size})
         put(part, dst, name)
 
     with tqdm(total=len(items), desc=f"writing {split}", unit=" samples", disable=None, mininterval=1) as bar:
         for i in order.tolist():
-            size = sp.sizes[items[i][0]] + 2048  # the image, its .cls, two headers and padding
+            size = sp.sizes[items[i][0]] + 2048  # the image, its .cls, two headers and padding (its file's size)
             if pending and (len(pending) >= shard_samples or pending_bytes + size > shard_bytes):
                 flush()
                 bar.update(len(pending))
@@ -387,6 +404,7 @@ def packed_for_streaming(
     columns: Columns = Columns(),
     skip: bool = True,
     parquet: bool = False,
+    pixels: bool = True,
 ) -> str:
     """The shard folder an image folder, archive, manifest or parquet data set (`parquet`) streams from
     (data.placement=stream): packed once into
@@ -394,7 +412,9 @@ def packed_for_streaming(
     it names in its folder) and the split settings, so a later run, or a resumed one, reads the same shards, and a
     changed SRC is packed again. SRC's other packs (earlier versions, other settings) are removed once no run reads
     them. `skip` false (data.skip_bad_samples): a file the pack skipped (undecodable, or named and not there)
-    stops the run, named.
+    stops the run, named. `pixels`: small images kept decoded in the pack (job/data/placement.py's Stored, which
+    its index records); false for a run resumed from a checkpoint of a version whose packs kept every image as its
+    file, so that its saved byte offsets point into the same pack.
 
     Why a copy rather than reading the files as they are: a bucket serves many small objects slowly in any
     order but one pass, a .tar.gz cannot be read from a saved position, and shards give every process of a group
@@ -407,6 +427,7 @@ def packed_for_streaming(
     fs, path = src.fs, src.path
     version, size = fingerprint(src, columns, parquet)
     settings = repr((hold, columns)) if is_manifest(path) or parquet else repr(hold)
+    settings += f" pixels up to {SMALL_IMAGE}" if pixels else ""  # another rule for keeping pixels: another pack
     version += f"-{hashlib.sha256(settings.encode()).hexdigest()[:6]}"  # another split is another pack
     stem = hashlib.sha256(fs.unstrip_protocol(path).encode()).hexdigest()[:16]
     folder = cache / "shards"
@@ -433,7 +454,9 @@ def packed_for_streaming(
                     "or pack it with `python -m job shard SRC DST` and train on DST"
                 )
             log(f"data: streaming {src.url}: packing it into shards in {dst} once (later runs read them)")
-            index = pack(src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns, parquet=parquet)
+            index = pack(
+                src, str(dst), log, min_shards=STREAM_SHARDS, hold=hold, columns=columns, parquet=parquet, pixels=pixels
+            )
         reading(dst, cache)
     bad = index["inventory"]["skipped"]
     if bad and not skip:

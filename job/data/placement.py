@@ -1,7 +1,9 @@
 """Where a data set lives while a run trains, decided here and nowhere else: streamed from shards or held in memory
 (before anything is decoded), and, held, on the training device or the host. Each decision is a value with its
 reason, which the start-up line prints; the first is recorded in every checkpoint, since streaming and holding
-read the data in another order with another decoder: a resumed run keeps what its run started with."""
+read the data in another order with another decoder: a resumed run keeps what its run started with. A data set
+packed to stream keeps small images decoded in its pack (Stored): the pack's index records it, and the checkpoint
+too, so that a run resumed mid-epoch reads the pack its saved byte offsets point into."""
 
 from __future__ import annotations
 
@@ -14,14 +16,52 @@ from job.data.files import Source, images_listed, is_archive
 
 
 @dataclass(frozen=True)
-class Streaming:
-    """Whether a data set is streamed from shards rather than held decoded in memory, and why."""
+class Stored:
+    """How a pack made to stream holds its images, and why: decoded (uint8 pixels, so that an epoch reads them back
+    and decodes nothing) or as their files' bytes (decoded each time they are read)."""
 
-    streamed: bool
+    decoded: bool
     reason: str
 
     def saved(self) -> dict:
-        return {"streamed": self.streamed, "reason": self.reason}
+        return {"decoded": self.decoded, "reason": self.reason}
+
+
+# Pixels an image may have to be kept decoded in a pack: up to 64 x 64 (CIFAR, MNIST, Tiny ImageNet), 12 KB an image
+# decoded, a few times its JPEG or PNG; decoding it costs a streamed epoch more than reading those bytes (CIFAR-10 on
+# 2 cores: 0.9 s of CPU an epoch of 10,000 images against 0.2 s to read them, docs/benchmarks.md). A photo decoded
+# takes ten to fifty times its file: kept as it is.
+SMALL_IMAGE = 64 * 64
+
+
+def decide_stored(largest: int) -> Stored:
+    """How a pack holds images the largest of which has `largest` pixels (0: none seen)."""
+    if 0 < largest <= SMALL_IMAGE:
+        return Stored(True, f"images of at most {largest} pixels kept decoded in its pack: an epoch decodes nothing")
+    return Stored(False, f"images of up to {largest} pixels kept as their files in its pack, decoded as read")
+
+
+def stored_from(saved: dict | None) -> Stored | None:
+    """A Stored as a pack's index or a checkpoint records it (Stored.saved()); None where none is recorded: shards
+    of the user's own, and a pack (or a run) of a version whose packs kept every image as its file."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("decoded"), bool):
+        return None
+    return Stored(saved["decoded"], str(saved.get("reason", "")))
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """Whether a data set is streamed from shards rather than held decoded in memory, and why; packed to stream
+    by the run, how its pack holds the images (None: shards of the user's own, or a run of an earlier version)."""
+
+    streamed: bool
+    reason: str
+    stored: Stored | None = None
+
+    def saved(self) -> dict:
+        return {"streamed": self.streamed, "reason": self.reason} | (
+            {"stored": self.stored.saved()} if self.stored is not None else {}
+        )
 
 
 HELD = Streaming(False, "held in memory")
@@ -58,7 +98,9 @@ def kept(started: Streaming) -> Streaming:
     """A resumed run's decision: the one it started with (its reason said once, however often it resumes)."""
     said = "as the run started"
     return Streaming(
-        started.streamed, started.reason if started.reason.startswith(said) else f"{said} ({started.reason})"
+        started.streamed,
+        started.reason if started.reason.startswith(said) else f"{said} ({started.reason})",
+        started.stored,
     )
 
 
@@ -104,7 +146,7 @@ def restored(saved: dict | None) -> Streaming | None:
     """The decision a checkpoint recorded (None from checkpoints that recorded none)."""
     if not isinstance(saved, dict) or not isinstance(saved.get("streamed"), bool):
         return None
-    return Streaming(saved["streamed"], str(saved.get("reason", "")))
+    return Streaming(saved["streamed"], str(saved.get("reason", "")), stored_from(saved.get("stored")))
 
 
 def hold_on(nbytes: int, device: torch.device, setting: str, share: float, cap: float | None = None) -> torch.device:

@@ -4,11 +4,12 @@ is imported when used (a table needs no image decoder)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from job.data.dataset import Dataset
 from job.data.files import Source, source
-from job.data.placement import HELD, Streaming, decide_streaming, decoded_size
+from job.data.placement import HELD, Streaming, decide_streaming, decoded_size, stored_from
 from job.errors import ConfigError, DataError
 
 
@@ -39,7 +40,9 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
 
             hold, columns = HoldOut.of(cfg), Columns.of(cfg)
             parquet = cfg.kind == "parquet"
-            packed = packed_for_streaming(src, cache, log, hold, columns, cfg.skip_bad_samples, parquet)
+            # A run that started streaming before packs said how they hold their images: the pack of that version.
+            pixels = started is None or not started.streamed or started.stored is not None
+            packed = packed_for_streaming(src, cache, log, hold, columns, cfg.skip_bad_samples, parquet, pixels)
             cfg = cfg.model_copy(update={"kind": "shards", "path": packed})
             cfg = cfg.model_copy(update={"placement": "stream"})
     if cfg.kind == "csv":  # each reader imported when used: a table needs no image decoder
@@ -63,8 +66,9 @@ def load_data(cfg, cache: Path, log: Callable[[str], None], started: Streaming |
 
         data = load_shards(cfg, kept, log, None if choice.streamed else started)
         choice = choice if choice.streamed else data.streaming  # a folder packed to stream: why it streams
-        if given.kind != "shards":  # packed to stream: named as the user named it
+        if given.kind != "shards":  # packed to stream: named as the user named it, with how its pack holds images
             data.source = f"{given.kind} {given.path} (packed in {cfg.path})"
+            choice = replace(choice, stored=stored_from(data.shards.stored)) if data.streamed else choice
         if data.streamed:
             data.streaming = choice
             check_task(given, data)

@@ -36,7 +36,10 @@ from job.errors import DataError, StorageError, one_line
 from job.sync import write_atomic
 
 SPLITS = ("train", "val", "test")  # val optional, and test too where there is val
-IMAGE_EXTS = tuple(s.lstrip(".") for s in IMAGE_SUFFIXES)
+# A member of decoded pixels, where the run's own pack keeps small images decoded (job/data/pack.py): numpy's .npy of
+# a uint8 H x W x 3 array, which webdataset's decoders read too.
+PIXELS = "npy"
+IMAGE_EXTS = (*(s.lstrip(".") for s in IMAGE_SUFFIXES), PIXELS)
 INDEX = "index.json"
 CLASSES = "classes.txt"
 BLOCK = 512
@@ -304,6 +307,7 @@ class ShardSet:
     image_sizes: list[tuple[int, int]]  # the (width, height) seen when packing; empty when unknown
     inventory: dict | None = None  # `job shard`'s record of the split (data.json's content), when it packed them
     multilabel: bool = False  # each sample's .labels member: any number of the classes (job shard's index says)
+    stored: dict | None = None  # how a pack holds its images: decoded or as files (its index's record, if any)
 
     def samples(self, split: str) -> int:
         return sum(s.samples for s in self.splits.get(split, []))
@@ -369,7 +373,8 @@ def open_shards(url: str, cache: Path | None, log: Log, hold: HoldOut | None = N
                     f"samples held out for {role} (data.{role}_split {share:g}, by a hash of each sample's key and "
                     "data.split_seed)"
                 )
-    return ShardSet(url, splits, classes, sizes, inventory, bool(index and index.get("multilabel")))
+    stored = index.get("stored") if index else None
+    return ShardSet(url, splits, classes, sizes, inventory, bool(index and index.get("multilabel")), stored)
 
 
 def carving(splits: dict[str, list], inventory: dict | None, hold: HoldOut | None) -> HoldOut | None:
