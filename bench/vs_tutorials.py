@@ -14,7 +14,8 @@ points.
 
 Start-up (with --device cpu): the CPU seconds of a 1-epoch Iris run over those of `python -c "import torch"`, and
 over `import torch` plus making an SGD optimizer, which every training script pays (torch.optim imports torch._dynamo
-on first use: over a second of CPU; the job's own optimizers do not, so this one is below zero). The last line puts the ratios and the start-up overhead together.
+on first use: over a second of CPU; the job's own optimizers do not, so this one is below zero). The last line puts
+the ratios and the start-up overhead together.
 """
 
 from __future__ import annotations

@@ -399,23 +399,25 @@ class CpuTracedStep(EagerStep):
             if fn is None:
                 return super().__call__(x, y)
         # The graph itself, without nn.Module's hooks; none of its inputs requires a gradient, so nothing records one.
-        loss, *grads = fn.forward(*self.args, x, y)
-        self.sums += loss
+        loss, *grads = fn.forward(*self.args, x, y, self.sums)  # the graph adds the loss to the sums
         if not self.whole:
             self.set_grads(grads)
             self.apply()
 
     def joint(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(loss, *gradients) from (*trainable, *frozen, *buffers, x, y): the function that is traced."""
+        """(loss, *gradients) from (*trainable, *frozen, *buffers, x, y, sums), the loss added to the sums in place:
+        the function that is traced (the sums inside it: one call into Python fewer a step)."""
         k, f = len(self.names), len(self.frozen)
         leaves = [t.detach().requires_grad_() for t in tensors[:k]]
         state = dict(zip(self.names, leaves))
         state.update(zip([n for n, _ in self.frozen], tensors[k : k + f]))
-        state.update(zip([n for n, _ in self.buffers], tensors[k + f : -2]))
-        x, y = tensors[-2:]
+        state.update(zip([n for n, _ in self.buffers], tensors[k + f : -3]))
+        x, y, sums = tensors[-3:]
         with torch.enable_grad(), self.amp():
             loss = self.loss(torch.func.functional_call(self.model, state, (x,)), y)
         grads = torch.autograd.grad(loss.float(), leaves)
+        with torch.no_grad():
+            sums.add_(loss.detach().float())
         if not self.whole:
             return (loss.detach().float(), *grads)
         group = self.optimizer.param_groups[0]
@@ -435,8 +437,11 @@ class CpuTracedStep(EagerStep):
                 warnings.simplefilter("ignore")  # TorchScript's deprecation notice: nothing the user can act on
                 # Tracing runs the step for real, so on copies. A model that reads its data's values on the host
                 # (branches on them, calls .item()) cannot be traced, and says so here.
-                graph = without_aliases(make_fx(self.joint, tracing_mode="real")(*[a.clone() for a in self.args], x, y))
-                fn = torch.jit.trace(graph, (*[a.clone() for a in self.args], x, y), check_trace=False)
+                scratch = torch.zeros_like(self.sums)  # what the sums are is the run's: traced on a copy
+                graph = make_fx(self.joint, tracing_mode="real")(*[a.clone() for a in self.args], x, y, scratch)
+                fn = torch.jit.trace(
+                    without_aliases(graph), (*[a.clone() for a in self.args], x, y, scratch), check_trace=False
+                )
             self.check(fn, x, y)
         except Exception as e:  # every way tracing can fail means the same: run this model eagerly
             self.fall_back(f"the step could not be traced: {why_not_traced(e)}")
@@ -469,7 +474,7 @@ class CpuTracedStep(EagerStep):
         put_back()
         try:
             with torch.no_grad():
-                traced = [*fn(*self.args, x, y), *[t.clone() for t in state]]
+                traced = [*fn(*self.args, x, y, torch.zeros_like(self.sums)), *[t.clone() for t in state]]
         finally:
             put_back()
         if len(traced) != len(eager) or not all(

@@ -1,6 +1,7 @@
 """How the step runs on a CPU: traced into one graph where the model allows it, eager otherwise, and either way the
 same run. The CUDA graph path is in test_gpu.py."""
 
+import json
 import sys
 
 import pytest
@@ -39,6 +40,7 @@ def train(tmp_path, name, overrides, capsys):
     ],
 )
 def test_traced_cpu_step_trains_exactly_as_the_eager_step(tmp_path, capsys, overrides):
+    names = ("eager", "traced")
     eager, w_eager, said_eager = train(tmp_path, "eager", [*overrides, "train.step_capture=off"], capsys)
     traced, w_traced, said = train(tmp_path, "traced", [*overrides, "train.step_capture=on"], capsys)  # 150 steps
     assert "step: fp32; eager (train.step_capture off)" in said_eager
@@ -49,6 +51,8 @@ def test_traced_cpu_step_trains_exactly_as_the_eager_step(tmp_path, capsys, over
     for k in w_eager:
         assert torch.equal(w_eager[k], w_traced[k]), k
     assert eager["final_test_loss"] == traced["final_test_loss"]
+    logged = [[json.loads(line)["train_loss"] for line in (tmp_path / run / "metrics.jsonl").open()] for run in names]
+    assert logged[0] == logged[1] and len(logged[0]) == 3  # the losses the traced graph sums, to the bit
 
 
 MODELS = '''
