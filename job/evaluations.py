@@ -4,6 +4,7 @@ sync of an evaluation is in job/evaluate.py's score_split."""
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -73,7 +74,8 @@ def show(loop: Loop, split: str, scored: Scored | MultiScored) -> None:
         return
     f1 = dict(zip(classes, scores.per_class(confusion)["f1"].tolist()))
     loop.report.class_table(split, scores.table(confusion, classes), f1, step)
-    loop.report.image(f"{split}/confusion", lambda: diagnostics.confusion_picture(confusion, classes, split), step)
+    draw = functools.partial(diagnostics.confusion_picture, confusion, classes, split)
+    loop.report.image(f"{split}/confusion", draw, step, of=confusion)
 
 
 def multilabel_table(scored: MultiScored, classes: list[str]) -> str:

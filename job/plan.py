@@ -37,8 +37,8 @@ class StepFacts:
     optimizer: `plain_sgd`, SGD whose step is the same arithmetic every batch with nothing on the host's side between
     steps (no accumulation, schedule, lookahead, EMA or loss scaler; a constant rate): what a captured step may hold
     whole; `bare_sgd`, that and one group without momentum (two operations a tensor, traced on a CPU); `steps`, the
-    run's training steps (all its epochs': the same in every attempt, so a resumed run steps as it began), None when
-    not known."""
+    run's training steps as its first attempt planned them (all its epochs'; kept in its checkpoints, so that a
+    resumed run steps as it began even when train.epochs changes), None when not known."""
 
     device: str
     capture: str = "auto"
@@ -92,8 +92,9 @@ def forward_flops(model: nn.Module, input_shape: tuple[int, ...]) -> float:
     """Floating-point operations of one forward pass per sample, counted on a batch of 2 on the CPU."""
     was_training = model.training
     model.eval()
+    counter = FlopCount()  # outside the try: a counter that cannot count is a bug to see, not a large model
     try:
-        with torch.no_grad(), FlopCount() as counter:
+        with torch.no_grad(), counter:
             model(torch.zeros(2, *input_shape))
         return counter.flops / 2
     except Exception:  # an operation the counter does not know: treat the model as large
@@ -150,13 +151,13 @@ def set_cpu_threads(cfg: Config, r: Recipe, input_shape: tuple[int, ...]) -> flo
     return flops
 
 
-def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float) -> EagerStep:
+def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float, steps: int | None = None) -> EagerStep:
     """The training step as this run takes it: through DDP and torch.compile where they apply, else captured."""
     t = cfg.train
     model = distributed.wrap(r.model, r.device)
     model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
     wrapper = "compile" if t.compile else "ddp" if model is not r.model else "none"
-    facts = step_facts(r, t.step_capture, step_flops, own_class(cfg.model.name), wrapper, t.epochs * len(r.train))
+    facts = step_facts(r, t.step_capture, step_flops, own_class(cfg.model.name), wrapper, steps)
     step = build_step(r, log.sums, plan_step(facts), model=model)
     layout = ", channels-last" if r.channels_last else ""
     compiled = ", torch.compile" if t.compile else ""

@@ -21,6 +21,7 @@ class Progress:
     evals_since_best: int = 0
     stopped_early: str = ""  # why early stopping ended the run; empty while it goes on
     run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
+    planned_steps: int = 0  # the steps its first attempt planned (all epochs'): a resumed run steps as it began
 
 
 def is_best(state) -> bool:

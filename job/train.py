@@ -162,7 +162,8 @@ def train_loop(
         # A stop asked at an evaluation is acted on right after it: the run commits that evaluation's step.
         asks = (lambda record: stop.ask(judge(record))) if judge is not None else None
         report = Report(run_dir, flat_items(cfg), cfg.train.epochs, len(r.train), start, tracker, tuning, asks)
-    step = make_step(cfg, r, log, step_flops)
+    state.planned_steps = state.planned_steps or cfg.train.epochs * len(r.train)  # kept when train.epochs changes
+    step = make_step(cfg, r, log, step_flops, state.planned_steps)
     if step.accumulator is not None and found is not None:
         step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)
     clock, now = TrainClock(device), time.perf_counter()

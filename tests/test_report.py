@@ -1,4 +1,4 @@
-"""job/report.py: what a resumed run keeps of the metrics an earlier attempt wrote."""
+"""job/report.py: what a resumed run keeps of the metrics an earlier attempt wrote; the pictures TensorBoard gets."""
 
 from __future__ import annotations
 
@@ -55,3 +55,32 @@ def test_the_pictures_are_drawn_with_pillow_round_ticks_and_gaps_where_a_value_i
     assert grid.width >= 2 * 96 and grid.height >= 96
     again = Image.open(io.BytesIO(pictures.png(grid)))
     assert again.format == "PNG" and again.size == grid.size
+
+
+def test_a_confusion_matrix_that_has_not_changed_is_not_drawn_again_yet_each_evaluation_has_its_picture(tmp_path):
+    """Drawing and encoding the picture is most of a small evaluation; once the matrix stops changing, the picture
+    drawn for it goes into TensorBoard again as it was encoded: a picture at every step, drawn twice for three."""
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from job import diagnostics
+    from job.report import Report
+
+    report, drawn = Report(RunDir(str(tmp_path / "run")), {}, 3, 1, 0), []
+
+    def draw(confusion):
+        drawn.append(confusion.clone())
+        return diagnostics.confusion_picture(confusion, ["a", "b"], "test")
+
+    first, second = torch.tensor([[3, 1], [0, 4]]), torch.tensor([[4, 0], [0, 4]])
+    for step, confusion in ((1, first), (2, second), (3, second.clone())):
+        report.image("test/confusion", lambda c=confusion: draw(c), step, of=confusion)
+    report.writer.flush()
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    images = events.Images("test/confusion")
+    assert [e.step for e in images] == [1, 2, 3]
+    assert len(drawn) == 2 and torch.equal(drawn[1], second)
+    assert images[1].encoded_image_string == images[2].encoded_image_string != images[0].encoded_image_string
+    pixels = diagnostics.confusion_picture(second, ["a", "b"], "test").numpy()
+    assert (Image.open(io.BytesIO(images[2].encoded_image_string)).convert("RGB") == Image.fromarray(pixels)) is True

@@ -249,6 +249,20 @@ def test_the_step_plan_is_one_pure_decision_with_its_reason():
     assert plan_step(StepFacts("cpu", step_flops=1e5, capture="on", steps=10)).kind is StepKind.CPU_TRACE
 
 
+def test_a_resumed_run_steps_as_it_began_when_its_epochs_change(tmp_path, capsys):
+    """Whether a CPU step is traced depends on the run's steps: a resumed run keeps its first attempt's count (in its
+    checkpoints), so that raising train.epochs does not change how it steps."""
+    out = str(tmp_path / "run")
+    run(load_config("iris", ["train.epochs=10", "train.eval_every_epochs=10"]), out, "cpu", "never", True)
+    assert "step: fp32; eager (a 10-step run: tracing pays for itself from 8,000 steps)" in capsys.readouterr().err
+    longer = ["train.epochs=8000", "train.eval_every_epochs=8000", "train.checkpoint_every_epochs=8000"]
+    run(load_config("iris", longer), out, "cpu", "auto", False)
+    said = capsys.readouterr().err
+    assert "resuming iris from epoch 10" in said and "eager (a 10-step run" in said and "traced" not in said
+    run(load_config("iris", longer), str(tmp_path / "fresh"), "cpu", "never", True)
+    assert "step: fp32; traced on the CPU" in capsys.readouterr().err  # the same settings, begun afresh
+
+
 def test_a_step_that_falls_back_says_so_as_a_value():
     from job.step import EagerStep, StepKind, StepPlan
 
