@@ -285,6 +285,29 @@ def test_jpeg_batches_decoded_on_the_device_match_the_host_decoder(tmp_path):
         assert per_image.max() < 1.5 and diff.max() <= 48, (pre, per_image.max(), per_image.argmax(), diff.max())
 
 
+def test_phone_sized_photos_not_square_decoded_on_the_device_match_the_host_decoder():
+    """A phone's photos are 4:3 (landscape and portrait) and large: host (Pillow, drafting the JPEG) and device
+    (nvJPEG, then resizing on the GPU) must cut the same box out of them and scale it alike, for every way a run
+    holds its images: square by the short side with a centre crop, stretched to a square, and as the files are."""
+    from job.data.decode import Decoder, DeviceDecoder, decoded
+    from job.data.preprocess import Preprocess
+
+    h, w = 1512, 2016
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    # Smooth ramps and a marker off centre, so a box cut elsewhere or turned shows as a large difference.
+    land = np.stack([xx / w * 255, yy / h * 255, ((xx // 96 + yy // 96) % 2) * 200 + 20])
+    land[:, 200:420, 300:600] = 255
+    items = [("land.jpg", "jpg", encode(land.astype(np.uint8), "jpg")),
+             ("port.jpg", "jpg", encode(land.transpose(0, 2, 1).copy().astype(np.uint8), "jpg"))]
+    for pre in (Preprocess((256, 256), True, (224, 224)), Preprocess((224, 224), False), Preprocess((96, 128), True)):
+        for item in items:
+            host = decoded(Decoder(0, pre).submit([item]), ("a", "b"))
+            device = decoded(DeviceDecoder(CUDA, pre).submit([item]), ("a", "b"))
+            assert device.shape == host.shape, (pre, item[0], device.shape, host.shape)
+            diff = (device.cpu().int() - host.int()).abs().float()
+            assert diff.mean() < 2.0 and diff.quantile(0.999) <= 40, (pre, item[0], diff.mean(), diff.max())
+
+
 def test_the_device_decoder_out_of_memory_stops_the_batch_and_is_not_taken_for_a_refusal():
     """A group nvJPEG refuses (a CMYK JPEG) is decoded on the host; running out of device memory is not a refusal:
     it stops the batch as out of memory (the run names the batch size), and does not quietly decode every photo of
