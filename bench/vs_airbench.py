@@ -62,6 +62,7 @@ def job_once(args: argparse.Namespace, out: Path) -> dict:
     return {
         "accuracy": summary["final_accuracy"],
         "seconds": summary["train_seconds"] + summary["test_seconds"],
+        "epochs": summary.get("epoch_seconds"),  # the first holds the set-up paid inside it
         "process": seconds,
         "step": next((line for line in stderr.splitlines() if line.startswith("step:")), ""),
     }

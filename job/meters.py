@@ -44,8 +44,14 @@ class TrainClock:
         self.tests.append(mark(self.cuda))
 
     def summary(self) -> dict[str, float]:
-        """train_seconds: in this process's training epochs; test_seconds: in its test passes."""
-        return {"train_seconds": round(self.seconds(), 4), "test_seconds": round(self.seconds(self.tests), 4)}
+        """train_seconds: in this process's training epochs; test_seconds: in its test passes; epoch_seconds: each
+        stretch of training between evaluations and checkpoints (an epoch's, mostly): the first shows set-up costs
+        paid inside it (kernel tuning, step capture)."""
+        return {
+            "train_seconds": round(self.seconds(), 4),
+            "test_seconds": round(self.seconds(self.tests), 4),
+            "epoch_seconds": [round(s, 4) for s in self.stretches()],
+        }
 
     def start(self) -> None:
         if not self.open:
@@ -58,13 +64,16 @@ class TrainClock:
             self.open = False
 
     def seconds(self, marks: list | None = None) -> float:
+        return sum(self.stretches(marks))
+
+    def stretches(self, marks: list | None = None) -> list[float]:
         self.stop()
         marks = self.marks if marks is None else marks
         pairs = zip(marks[::2], marks[1::2])
         if self.cuda:
             torch.cuda.synchronize()
-            return sum(a.elapsed_time(b) for a, b in pairs) / 1000
-        return sum(b - a for a, b in pairs)
+            return [a.elapsed_time(b) / 1000 for a, b in pairs]
+        return [b - a for a, b in pairs]
 
 
 GIB = 1024**3

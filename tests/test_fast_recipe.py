@@ -235,3 +235,5 @@ def test_the_clock_times_training_and_test_passes_apart():
     time.sleep(0.05)
     timed = clock.summary()
     assert 0.09 < timed["train_seconds"] < 1.0 and 0.09 < timed["test_seconds"] < 1.0  # neither counts the other
+    assert len(timed["epoch_seconds"]) == 2 and all(0.045 < s < 0.5 for s in timed["epoch_seconds"])
+    assert sum(timed["epoch_seconds"]) == pytest.approx(timed["train_seconds"], abs=1e-3)
