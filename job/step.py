@@ -163,9 +163,12 @@ class EagerStep:
     def backward(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         """Forward, loss and backward: fresh gradients in `.grad`, the loss added to the sums."""
         with self.amp():
-            loss = self.loss(self.model(x), y)
-            if weight != 1.0:
-                loss = loss * weight
+            if weight == 0.0:  # padding: the model runs on none of the samples (below)
+                loss = nothing_learnt(self.model(x[:0]))
+            else:
+                loss = self.loss(self.model(x), y)
+                if weight != 1.0:
+                    loss = loss * weight
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler.is_enabled():
             self.scaler.scale(loss).backward()
@@ -191,6 +194,15 @@ class EagerStep:
         if self.params and self.params[0].grad is not grads[0]:
             for p, g in zip(self.params, grads):
                 p.grad = g
+
+
+def nothing_learnt(outputs) -> torch.Tensor:
+    """The loss of a padded step (a process of a group that has run out of samples steps along with the others, so
+    that DDP's all-reduce of gradients happens): the model's outputs on an empty batch summed, 0 with gradients of 0
+    for every parameter it used. Run on no samples, BatchNorm keeps its running statistics and SyncBatchNorm counts
+    none into the other processes' batch statistics, as a weight of 0 on the last batch again would not."""
+    leaves = torch.utils._pytree.tree_leaves(outputs)  # a tensor, or a model's tuple or dict of them
+    return torch.stack([t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()]).sum()
 
 
 def shape_key(x: torch.Tensor, y: torch.Tensor) -> tuple:

@@ -316,3 +316,29 @@ def test_waits_are_reported_for_the_watching_thread_alone_and_warnings_survive_o
         assert len(found) == 2 and all(SYNC_WARNING in f and "test_step.py" in f for f in found), found
         assert seen == ["something else", "a later warning"], seen
         assert [f for f in warnings.filters if f not in before] in ([], [warnings.filters[0]])  # at most the rule
+
+
+def test_a_padded_step_learns_nothing_and_leaves_batch_norm_statistics_alone():
+    """A streamed process that has run out replays its last batch with loss weight 0, so that the group's gradient
+    all-reduce still happens. That batch must count for nothing: no gradient, no loss, and no update of BatchNorm's
+    running statistics (nor, on GPUs, of SyncBatchNorm's batch statistics, which the other processes share): the
+    model runs on none of its samples."""
+    import contextlib
+
+    from job.step import EagerStep
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    scaler, optimizer = torch.amp.GradScaler("cpu", enabled=False), torch.optim.SGD(model.parameters(), lr=0.1)
+    sums = torch.zeros(())
+    step = EagerStep(model, optimizer, None, scaler, contextlib.nullcontext, sums)
+    x, y = torch.randn(6, 4) + 3, torch.tensor([0, 1, 2, 0, 1, 2])
+    step(x, y)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = sums.clone()
+    step(x + 5, y, 0.0)
+    after = model.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k]) and k != "1.num_batches_tracked"]
+    assert not changed, changed
+    assert torch.equal(sums, loss)
+    assert all(p.grad is not None and not p.grad.any() for p in step.params)  # DDP all-reduces zeros
