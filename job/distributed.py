@@ -140,10 +140,12 @@ def wrap(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """
     if not active():
         return model
+    # gradient_as_bucket_view: each gradient is a view into DDP's all-reduce bucket, not a copy of it (one
+    # model's worth of memory less, and one copy less per step).
     if device.type == "cuda":
         model = sync_batchnorm(model)
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index], gradient_as_bucket_view=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     ddp.register_comm_hook(None, rank_ordered_mean)
     return ddp
 
