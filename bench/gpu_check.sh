@@ -33,6 +33,10 @@
 # job's 15-17 s); bench over 125 s with REPEATS=1 (seed_cifar.py's 10 epochs alone are about 65 s); ideal_cifar.py
 # 20-30 s a variant; stream 32 s to make and pack 20,000 photos, then over 75 s of training; predict 58 s to make
 # photos and train, then over 25 s. One 600 s call holds tests, fast and bench, or stream and predict, not all.
+# With 15 minutes of device time, two calls on one warm machine (it waits 30 s after a call: start the second at
+# once): `REPEATS=1 IDEAL=graph bash bench/gpu_check.sh all 560 tests=170 fast=150 bench=225`, then
+# `PARTS="stream predict" STREAM_IMAGES=10000 bash bench/gpu_check.sh all 250 stream=130`. PARTS: the parts `all`
+# runs, in its order.
 set -u
 cd "$(dirname "$0")/.."
 G="$PWD/.gpu"  # absolute: the benchmarks run their baselines from folders of their own
@@ -174,10 +178,10 @@ all)
     for a in "${@:3}"; do cap[${a%%=*}]=${a#*=}; done
     # CIFAR-10's files for fast and bench are made on the CPU while the tests run.
     install
-    cifar_data &
-    prep=$!
-    for part in tests fast bench stream predict; do
-        [ "$part" = fast ] && wait "$prep"
+    prep=
+    case " ${PARTS:-fast} " in *" fast "* | *" bench "*) cifar_data & prep=$! ;; esac
+    for part in ${PARTS:-tests fast bench stream predict}; do
+        [ -n "$prep" ] && wait "$prep"
         part_end=$((SECONDS + ${cap[$part]:-100000}))
         echo "== $part ($((end - SECONDS)) s left)"
         if [ "$(limit 100000)" -lt 30 ]; then
