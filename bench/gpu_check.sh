@@ -96,6 +96,8 @@ tests() {
     install
     python3 -m job info >"$out/info.txt" 2>&1
     note $?
+    # Whether the machine can run the CUDA image (item 3 of the GPU issue): a container engine, or none.
+    { command -v docker podman nvidia-container-cli || echo "no container engine"; } >>"$out/info.txt" 2>&1
     # Four test processes share the GPU where pytest-xdist is installed: most of a test's time is a job's start-up.
     local workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
