@@ -138,6 +138,7 @@ class EagerStep:
         self.accumulator = Accumulator(self.params, accumulate) if accumulate > 1 else None
         self.plan = plan
         self.fallback: StepPlan | None = None  # the eager plan it fell back to, and why
+        self.empty_ok: bool | None = None  # whether the model takes an empty batch (padded steps), once known
 
     @property
     def description(self) -> str:
@@ -163,7 +164,7 @@ class EagerStep:
     def backward(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         """Forward, loss and backward: fresh gradients in `.grad`, the loss added to the sums."""
         with self.amp():
-            if weight == 0.0:  # padding: the model runs on none of the samples (below)
+            if weight == 0.0 and self.takes_empty(x):  # padding: the model runs on none of the samples (below)
                 loss = nothing_learnt(self.model(x[:0]))
             else:
                 loss = self.loss(self.model(x), y)
@@ -175,6 +176,14 @@ class EagerStep:
         else:
             loss.backward()
         self.sums += loss.detach()
+
+    def takes_empty(self, x: torch.Tensor) -> bool:
+        """Whether the model takes an empty batch (padded steps), found once. A compiled model is not asked: a batch
+        of 0 would compile it again."""
+        if self.empty_ok is None:
+            inner = getattr(self.model, "module", self.model)  # DDP's
+            self.empty_ok = not hasattr(inner, "_orig_mod") and runs_empty(inner, x)
+        return self.empty_ok
 
     def update(self) -> None:
         """The optimizer step on the gradients in place, then the schedule."""
@@ -200,9 +209,27 @@ def nothing_learnt(outputs) -> torch.Tensor:
     """The loss of a padded step (a process of a group that has run out of samples steps along with the others, so
     that DDP's all-reduce of gradients happens): the model's outputs on an empty batch summed, 0 with gradients of 0
     for every parameter it used. Run on no samples, BatchNorm keeps its running statistics and SyncBatchNorm counts
-    none into the other processes' batch statistics, as a weight of 0 on the last batch again would not."""
+    none into the other processes' batch statistics, as a weight of 0 on the last batch again would not. Times 0: an
+    output that does not depend on the batch (an auxiliary loss) teaches nothing either."""
     leaves = torch.utils._pytree.tree_leaves(outputs)  # a tensor, or a model's tuple or dict of them
-    return torch.stack([t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()]).sum()
+    return torch.stack([t.float().sum() for t in leaves if torch.is_tensor(t) and t.is_floating_point()]).sum() * 0
+
+
+def runs_empty(model: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `model` takes a batch of none of x's samples and gives a floating-point output for it: asked by a
+    forward in evaluation mode, which touches no batch-norm statistics and makes no collective call of
+    SyncBatchNorm (the other processes of a group take no part). Each module's mode is put back as it was."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad():
+            nothing_learnt(model(x[:0]))
+        return True
+    except Exception:  # a reshape by the batch's size, no floating-point output: whatever the cause, the same answer
+        return False
+    finally:
+        for m, training in modes.items():
+            m.training = training
 
 
 def shape_key(x: torch.Tensor, y: torch.Tensor) -> tuple:

@@ -342,3 +342,35 @@ def test_a_padded_step_learns_nothing_and_leaves_batch_norm_statistics_alone():
     assert not changed, changed
     assert torch.equal(sums, loss)
     assert all(p.grad is not None and not p.grad.any() for p in step.params)  # DDP all-reduces zeros
+
+
+def test_a_padded_step_of_a_model_that_cannot_take_an_empty_batch_steps_as_before():
+    """`x.view(x.size(0), -1)` cannot reshape an empty batch, and a model may return no floating-point tensor for one:
+    such a model's padded step runs on the batch with its loss times 0, as it always did, found out once, without
+    a collective (an evaluation-mode forward) so that the other processes are not kept waiting."""
+    import contextlib
+
+    from job.step import EagerStep
+
+    class Flat(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(3, 4, 3), torch.nn.Linear(4 * 4 * 4, 3)
+
+        def forward(self, x):
+            return self.fc(self.conv(x).view(x.size(0), -1))
+
+    torch.manual_seed(0)
+    model = Flat()
+    scaler, optimizer = torch.amp.GradScaler("cpu", enabled=False), torch.optim.SGD(model.parameters(), lr=0.1)
+    sums = torch.zeros(())
+    step = EagerStep(model, optimizer, None, scaler, contextlib.nullcontext, sums)
+    x, y = torch.randn(5, 3, 6, 6), torch.tensor([0, 1, 2, 0, 1])
+    step(x, y)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss = sums.clone()
+    step(x, y, 0.0)
+    step(x, y, 0.0)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(sums, loss) and model.training
+    assert all(p.grad is not None and not p.grad.any() for p in step.params)
