@@ -27,12 +27,16 @@
 # first failure's. TESTS_K: the tests' -k expression; REPEATS: vs_tutorials.py's; IDEAL: the ideal_cifar.py variants
 # ("" for none); STREAM_IMAGES: stream_gpu.py's --images.
 #
-# What the parts took on one H100 (16 cores), 2026-11-27, with the image's torch 2.11: install 20 s (the wheels
-# and the image's packages do not resolve together, so the wheels of packages it lacks go in alone); tests over
-# 120 s with 4 processes (35 of them run by then); fast 45 s per pair of runs (airbench's process 20-24 s, the
-# job's 15-17 s); bench over 125 s with REPEATS=1 (seed_cifar.py's 10 epochs alone are about 65 s); ideal_cifar.py
-# 20-30 s a variant; stream 32 s to make and pack 20,000 photos, then over 75 s of training; predict 58 s to make
-# photos and train, then over 25 s. One 600 s call holds tests, fast and bench, or stream and predict, not all.
+# What the parts took on one H100 (16 cores), 2026-11-27, with the image's torch 2.11:
+# - install 20 s (the wheels and the image's packages do not resolve together, so the wheels of packages it lacks go
+#   in alone);
+# - tests over 120 s with 4 processes (35 of them run by then);
+# - fast 45 s per pair of runs (airbench's process 19.4-23.6 s, the job's 14.6-17.2 s);
+# - bench over 125 s with REPEATS=1 (seed_cifar.py's 10 epochs alone are about 65 s); ideal_cifar.py 20-30 s a
+#   variant;
+# - stream 32 s to make and pack 20,000 photos, then over 75 s of training;
+# - predict 58 s to make photos and train, then over 25 s.
+# One 600 s call holds tests, fast and bench, or stream and predict, not all.
 # With 15 minutes of device time, two calls on one warm machine (it waits 30 s after a call: start the second at
 # once): `REPEATS=1 IDEAL=graph bash bench/gpu_check.sh all 560 tests=170 fast=150 bench=225`, then
 # `PARTS="stream predict" STREAM_IMAGES=10000 bash bench/gpu_check.sh all 250 stream=130`. PARTS: the parts `all`
@@ -62,7 +66,7 @@ run() {
         echo "$(basename "$2"): not started, ${t} s left" >>"$out/skipped.txt"
         return
     fi
-    # SIGINT first: pytest then writes its summary of what failed so far, a script its traceback.
+    # SIGINT first, to the command's whole process group: a script then writes its traceback.
     timeout -s INT -k 20 "$t" "${@:3}" >>"$2" 2>&1
     note $?
 }
@@ -101,9 +105,11 @@ tests() {
     # Four test processes share the GPU where pytest-xdist is installed: most of a test's time is a job's start-up.
     local workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
-    run 500 "$out/tests.log" python3 -m pytest -q -rfEs --tb=short -p no:benchmark --durations=25 "${workers[@]}" \
+    # -v: each test's result is written as it ends, so a run cut at its limit still names what failed (the group's
+    # SIGINT reaches xdist's workers too, and the summary at the end may not be written).
+    run 500 "$out/tests.log" python3 -m pytest -v -rfEs --tb=short -p no:benchmark --durations=25 "${workers[@]}" \
         tests/test_gpu.py tests/test_distributed.py -k "${TESTS_K:-gpu or cuda or nccl}"
-    grep -E "^(FAILED|ERROR) " "$out/tests.log"
+    grep -E "(FAILED|ERROR) " "$out/tests.log"
     tail -n 2 "$out/tests.log"
 }
 cifar_data() {
@@ -183,7 +189,7 @@ all)
     prep=
     case " ${PARTS:-fast} " in *" fast "* | *" bench "*) cifar_data & prep=$! ;; esac
     for part in ${PARTS:-tests fast bench stream predict}; do
-        [ -n "$prep" ] && wait "$prep"
+        case $part in fast | bench) [ -n "$prep" ] && wait "$prep" ;; esac
         part_end=$((SECONDS + ${cap[$part]:-100000}))
         echo "== $part ($((end - SECONDS)) s left)"
         if [ "$(limit 100000)" -lt 30 ]; then

@@ -43,7 +43,7 @@ class TrainClock:
         yield
         self.tests.append(mark(self.cuda))
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, float | list[float]]:
         """train_seconds: in this process's training epochs; test_seconds: in its test passes; epoch_seconds: each
         stretch of training between evaluations and checkpoints (an epoch's, mostly): the first shows set-up costs
         paid inside it (kernel tuning, step capture)."""

@@ -288,7 +288,8 @@ def test_jpeg_batches_decoded_on_the_device_match_the_host_decoder(tmp_path):
 def test_phone_sized_photos_not_square_decoded_on_the_device_match_the_host_decoder():
     """A phone's photos are 4:3 (landscape and portrait) and large: host (Pillow, drafting the JPEG) and device
     (nvJPEG, then resizing on the GPU) must cut the same box out of them and scale it alike, for every way a run
-    holds its images: square by the short side with a centre crop, stretched to a square, and as the files are."""
+    holds its images: square by the short side with a centre crop, stretched to a square, a box of another aspect
+    (predict's for a model of non-square input), and as the files are."""
     from job.data.decode import Decoder, DeviceDecoder, decoded
     from job.data.preprocess import Preprocess
 
@@ -297,9 +298,16 @@ def test_phone_sized_photos_not_square_decoded_on_the_device_match_the_host_deco
     # Smooth ramps and a marker off centre, so a box cut elsewhere or turned shows as a large difference.
     land = np.stack([xx / w * 255, yy / h * 255, ((xx // 96 + yy // 96) % 2) * 200 + 20])
     land[:, 200:420, 300:600] = 255
-    items = [("land.jpg", "jpg", encode(land.astype(np.uint8), "jpg")),
-             ("port.jpg", "jpg", encode(land.transpose(0, 2, 1).copy().astype(np.uint8), "jpg"))]
-    for pre in (Preprocess((256, 256), True, (224, 224)), Preprocess((224, 224), False), Preprocess((96, 128), True)):
+    items = [
+        ("land.jpg", "jpg", encode(land.astype(np.uint8), "jpg")),
+        ("port.jpg", "jpg", encode(land.transpose(0, 2, 1).copy().astype(np.uint8), "jpg")),
+    ]
+    for pre in (
+        Preprocess((256, 256), True, (224, 224)),
+        Preprocess((224, 224), False),
+        Preprocess((96, 128), True),
+        Preprocess(),
+    ):
         for item in items:
             host = decoded(Decoder(0, pre).submit([item]), ("a", "b"))
             device = decoded(DeviceDecoder(CUDA, pre).submit([item]), ("a", "b"))
