@@ -148,7 +148,7 @@ def train(
             run(cfg, target, device, resume, overwrite, stop, routes, began)
         except Interrupted as e:
             usr1 = stop.signal == getattr(signal, "SIGUSR1", None) and not os.environ.get(LAUNCHER)  # not a worker
-            if usr1 and not follower() and (said := platforms.requeue()):  # Slurm's warning: requeue, to continue
+            if usr1 and not follower() and (said := platforms.requeue(say=say)):  # Slurm's warning: requeue
                 raise Interrupted(f"{e}; {said}") from None
             raise
 

@@ -175,7 +175,7 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
         except ChildFailedError as e:
             code = group_exit_code(e.failures)
             usr1 = getattr(signal, "SIGUSR1", None) in received  # Slurm's warning: the job asks for its requeue
-            if code == 75 and plan.node_rank == 0 and usr1 and (said := platforms.requeue()):
+            if code == 75 and plan.node_rank == 0 and usr1 and (said := platforms.requeue(say=say)):
                 say(said)
             return code
         except (DistError, RendezvousError) as e:  # only the meeting talks to other machines outside the workers

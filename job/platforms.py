@@ -22,7 +22,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from job.errors import ConfigError
@@ -259,14 +259,17 @@ def tasks_per_node(text: str) -> list[int]:
     return out
 
 
-def requeue(env: Mapping[str, str] | None = None) -> str:
+def requeue(env: Mapping[str, str] | None = None, say: Callable[[str], None] | None = None) -> str:
     """Ask Slurm to requeue this batch job (`scontrol requeue`), once its checkpoint is committed after Slurm's
     warning signal: the requeued job runs the same command, which continues. Returns what happened, for the last
-    line ('' off Slurm or outside a batch job)."""
+    line ('' off Slurm or outside a batch job). `say` is told first: Slurm ends a running job's processes when it
+    requeues it, at times before the call returns."""
     env = os.environ if env is None else env
     job = env.get("SLURM_JOB_ID", "").strip()
     if not job or env.get("SLURM_JOB_NAME") == "interactive":
         return ""
+    if say is not None:
+        say(f"asking Slurm to requeue job {job}: it continues when it starts again")
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:

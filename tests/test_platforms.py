@@ -278,3 +278,25 @@ def test_job_info_names_the_platform_and_the_group_or_what_is_wrong():
     assert "platform: Slurm job 23304 step 0: process 1 of 2 (meeting at vm:18304)" in done.stdout
     bad = run_job("info", "--json", env=PYTORCHJOB | {"WORLD_SIZE": "5"}, timeout=120)
     assert bad.returncode == 0 and "PyTorchJob's variables disagree" in json.loads(bad.stdout)["platform"]["error"]
+
+
+def test_the_requeue_is_said_before_slurm_is_asked_since_a_requeue_may_end_the_process_at_once(tmp_path):
+    """`scontrol requeue` on a running job makes Slurm end the job's processes, possibly before the call returns:
+    what the job says of its requeue is said before it asks (the checkpoint is committed and run.json written by
+    then). Here an `scontrol` that ends its caller, as Slurm may, stands in for the race a loaded cluster shows."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nkill -9 $PPID\nsleep 5\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    code = (
+        "import sys; from job import platforms; from job.console import say; "
+        "print(platforms.requeue({'SLURM_JOB_ID': '41', 'SLURM_JOB_NAME': 'train'}, say), file=sys.stderr)"
+    )
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == -9
+    assert "asking Slurm to requeue job 41" in done.stderr
