@@ -186,9 +186,10 @@ all)
     for a in "${@:3}"; do cap[${a%%=*}]=${a#*=}; done
     # CIFAR-10's files for fast and bench are made on the CPU while the tests run.
     install
+    parts=${PARTS:-tests fast bench stream predict}
     prep=
-    case " ${PARTS:-fast} " in *" fast "* | *" bench "*) cifar_data & prep=$! ;; esac
-    for part in ${PARTS:-tests fast bench stream predict}; do
+    case " $parts " in *" fast "* | *" bench "*) cifar_data & prep=$! ;; esac
+    for part in $parts; do
         case $part in fast | bench) [ -n "$prep" ] && wait "$prep" ;; esac
         part_end=$((SECONDS + ${cap[$part]:-100000}))
         echo "== $part ($((end - SECONDS)) s left)"

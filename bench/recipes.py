@@ -154,22 +154,22 @@ def main() -> None:
         print(f"{n} CIFAR-10 images; {a.model}, {a.epochs} epochs, seeds 0..{a.seeds - 1}, device {a.device}", *a.set)
         if "recipe" in recipes:
             print("recipe:", *recipes["recipe"])
-        # --jobs runs at a time, each a process of its own; results printed recipe by recipe, in order, as they come
+        # --jobs runs at a time, each a process of its own; each recipe printed once its seeds are done, in order
         runs = [(name, s) for name in recipes for s in range(a.seeds)]
         with ThreadPoolExecutor(a.jobs) as pool:
-            done = dict(zip(runs, pool.map(lambda r: pool_train(work, data, r, a, recipes), runs)))
-        means = {}
-        for name in recipes:
-            accs = [done[name, s][0] for s in range(a.seeds)]
-            seconds = sum(done[name, s][1] for s in range(a.seeds))
-            means[name] = statistics.mean(accs)
-            gain = "" if name == "plain" else f"  {100 * (means[name] - means['plain']):+.1f} points"
-            spread = f" ± {100 * statistics.stdev(accs):.1f}" if len(accs) > 1 else ""
-            print(
-                f"{name:16s} test accuracy {100 * means[name]:5.1f}%{spread}{gain}  ({seconds:.0f} s)"
-                f"  seeds: {', '.join(f'{100 * x:.1f}' for x in accs)}",
-                flush=True,
-            )
+            results = pool.map(lambda r: pool_train(work, data, r, a, recipes), runs)  # in the order of runs
+            means = {}
+            for name in recipes:
+                got = [next(results) for _ in range(a.seeds)]
+                accs, seconds = [acc for acc, _ in got], sum(t for _, t in got)
+                means[name] = statistics.mean(accs)
+                gain = "" if name == "plain" else f"  {100 * (means[name] - means['plain']):+.1f} points"
+                spread = f" ± {100 * statistics.stdev(accs):.1f}" if len(accs) > 1 else ""
+                print(
+                    f"{name:16s} test accuracy {100 * means[name]:5.1f}%{spread}{gain}  ({seconds:.0f} s)"
+                    f"  seeds: {', '.join(f'{100 * x:.1f}' for x in accs)}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
