@@ -391,7 +391,7 @@ class TrainConfig(Section):
     step_capture: Literal["auto", "on", "off"] = Field(
         "auto",
         description="auto: replay each training step as one CUDA graph on a GPU, and trace small steps into one graph "
-        "on a CPU in a run of 8,000 steps or more, where the model allows it (the run says what it chose and why), "
+        "on a CPU in a run of 1,000 steps or more, where the model allows it (the run says what it chose and why), "
         "for the job's own and torchvision's models; on: the same for a model of your own too (whose forward must not "
         "draw or count in Python) and for a shorter run; off: eager steps.",
     )

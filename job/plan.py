@@ -24,10 +24,10 @@ if TYPE_CHECKING:
 # A CPU step whose forward pass does less arithmetic than this is dominated by per-operation overhead: it is
 # traced, and it runs on one thread (waking a second thread costs more than it saves at this size).
 SMALL_STEP_FLOPS = 2e7
-# Tracing costs about 1.3 s of CPU once (1.1 s of it the import of the compiler its tracer, make_fx, is part of) and
-# saves about 150 us a step on the Iris MLP (eager 8.4 s of CPU for 20,000 steps, traced 5.3 s): a run shorter than
-# this many steps is over before tracing has paid for itself, and steps eagerly.
-TRACE_REPAID_STEPS = 8000
+# Tracing costs about 0.07 s of CPU once (its operations recorded as they run: job/record.py) and saves about 200 us a
+# step on the Iris MLP (2,000 steps: traced 2.2 s of CPU, eager 2.7 s; 500 steps: even): a run shorter than this many
+# steps is over before tracing has paid for itself, and steps eagerly.
+TRACE_REPAID_STEPS = 1000
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from torch import nn
 
 from job.errors import JobError, one_line
 from job.memory import is_out_of_memory
+from job.record import record
 
 
 class StepKind(enum.Enum):
@@ -469,15 +470,13 @@ class CpuTracedStep(EagerStep):
 
     def trace(self, key: tuple, x: torch.Tensor, y: torch.Tensor) -> Callable | None:
         """Trace the step for this batch shape and check it against the eager one; None (and a reason) if not."""
-        from torch.fx.experimental.proxy_tensor import make_fx
-
         try:
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # TorchScript's deprecation notice: nothing the user can act on
                 # Tracing runs the step for real, so on copies. A model that reads its data's values on the host
                 # (branches on them, calls .item()) cannot be traced, and says so here.
                 scratch = torch.zeros_like(self.sums)  # what the sums are is the run's: traced on a copy
-                graph = make_fx(self.joint, tracing_mode="real")(*[a.clone() for a in self.args], x, y, scratch)
+                graph = record(self.joint, *[a.clone() for a in self.args], x, y, scratch)
                 fn = torch.jit.trace(
                     without_aliases(graph), (*[a.clone() for a in self.args], x, y, scratch), check_trace=False
                 )
@@ -524,18 +523,33 @@ class CpuTracedStep(EagerStep):
             raise RuntimeError("the traced step does not compute what the eager step computes")
 
 
+ALIASES = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
+
+
 def without_aliases(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The graph with its aliases' uses reading the tensor itself. make_fx writes each detach() as aten.alias, a view
-    of the whole tensor that changes nothing here, yet TorchScript's interpreter dispatches it like any operation:
-    on a small model's step, a tenth of its time (7 of the Iris MLP's 40). An alias that an in-place operation
-    takes stays: one that changes its shape or strides (t_) would change the tensor itself."""
+    """The graph with its aliases' uses reading the tensor itself. Each detach() is recorded (aten.detach, and autograd
+    detaches what it saves), a view of the whole tensor that changes nothing where nothing records gradients, yet
+    TorchScript's interpreter dispatches it like any operation: on a small model's step, a tenth of its time or more
+    (the Iris MLP's: 12 of 44). An alias that an in-place operation takes stays: one that changes its shape or
+    strides (t_) would change the tensor itself."""
     for node in list(graph.graph.nodes):
-        written = any(getattr(getattr(user.target, "_schema", None), "is_mutable", False) for user in node.users)
-        if node.op == "call_function" and node.target is torch.ops.aten.alias.default and not written:
+        written = any(node in written_by(user) for user in node.users)
+        if node.op == "call_function" and node.target in ALIASES and not written:
             node.replace_all_uses_with(node.args[0])
             graph.graph.erase_node(node)
     graph.recompile()
     return graph
+
+
+def written_by(node: torch.fx.Node) -> list:
+    """The arguments an operation writes in place (by its schema: add_'s self, not its other)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    arguments = [
+        (a, node.args[i] if i < len(node.args) else node.kwargs.get(a.name)) for i, a in enumerate(schema.arguments)
+    ]
+    return [value for a, value in arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
 def why_not_traced(e: Exception) -> str:

@@ -243,9 +243,9 @@ def test_the_step_plan_is_one_pure_decision_with_its_reason():
     own_on = plan_step(StepFacts("cuda", capture="on", own_model=True))
     assert own_on.kind is StepKind.CUDA_GRAPH
     # Tracing costs more than it saves in a short run, unless asked for; a run's steps are all its epochs'.
-    short = plan_step(StepFacts("cpu", step_flops=1e5, bare_sgd=True, steps=7999))
-    assert short.kind is StepKind.EAGER and "a 7,999-step run" in short.reason
-    assert plan_step(StepFacts("cpu", step_flops=1e5, steps=8000)).kind is StepKind.CPU_TRACE
+    short = plan_step(StepFacts("cpu", step_flops=1e5, bare_sgd=True, steps=999))
+    assert short.kind is StepKind.EAGER and "a 999-step run" in short.reason
+    assert plan_step(StepFacts("cpu", step_flops=1e5, steps=1000)).kind is StepKind.CPU_TRACE
     assert plan_step(StepFacts("cpu", step_flops=1e5, capture="on", steps=10)).kind is StepKind.CPU_TRACE
 
 
@@ -254,8 +254,8 @@ def test_a_resumed_run_steps_as_it_began_when_its_epochs_change(tmp_path, capsys
     checkpoints), so that raising train.epochs does not change how it steps."""
     out = str(tmp_path / "run")
     run(load_config("iris", ["train.epochs=10", "train.eval_every_epochs=10"]), out, "cpu", "never", True)
-    assert "step: fp32; eager (a 10-step run: tracing pays for itself from 8,000 steps)" in capsys.readouterr().err
-    longer = ["train.epochs=8000", "train.eval_every_epochs=8000", "train.checkpoint_every_epochs=8000"]
+    assert "step: fp32; eager (a 10-step run: tracing pays for itself from 1,000 steps)" in capsys.readouterr().err
+    longer = ["train.epochs=1000", "train.eval_every_epochs=1000", "train.checkpoint_every_epochs=1000"]
     run(load_config("iris", longer), out, "cpu", "auto", False)
     said = capsys.readouterr().err
     assert "resuming iris from epoch 10" in said and "eager (a 10-step run" in said and "traced" not in said

@@ -1,0 +1,90 @@
+"""job/record.py: a function's operations recorded as they run once, replayed as a graph (a CPU step's tracer)."""
+
+import pytest
+import torch
+from torch import nn
+
+from job.record import NotRecordable, record
+
+
+def training_step(model: nn.Module):
+    """(weights..., buffers..., x, y) -> (loss, *grads): forward, loss and backward, the weights updated in place
+    (plain SGD), the buffers as the model writes them."""
+    weights, buffers = [n for n, _ in model.named_parameters()], [n for n, _ in model.named_buffers()]
+
+    def step(*tensors):
+        k = len(weights)
+        leaves = [t.detach().requires_grad_() for t in tensors[:k]]
+        state = dict(zip(weights, leaves)) | dict(zip(buffers, tensors[k:-2]))
+        x, y = tensors[-2:]
+        loss = nn.functional.cross_entropy(torch.func.functional_call(model, state, (x,)), y)
+        grads = torch.autograd.grad(loss, leaves)
+        with torch.no_grad():
+            for p, g in zip(tensors[:k], grads):
+                p.add_(g, alpha=-0.1)
+        return (loss.detach(), *grads)
+
+    return step
+
+
+def test_a_recorded_step_replays_what_the_step_does_to_the_bit():
+    """Batch norm (its statistics written in place), dropout (a random draw per call), ReLU and Sigmoid (whose
+    backward reads their own results, which autograd saves as new objects) and an in-place update: the graph
+    replays each on new weights and a new batch as the eager step computes it, random draws included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 8),
+                          nn.Sigmoid(), nn.Linear(8, 3))  # fmt: skip
+    state = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    step = training_step(model)
+    x, y = torch.randn(12, 6), torch.randint(0, 3, (12,))
+    graph = record(step, *[t.clone() for t in state], x, y)
+
+    x2, y2 = torch.randn(12, 6), torch.randint(0, 3, (12,))  # another batch, other weights: not the recorded ones
+    start = [t + 0.01 * torch.randn_like(t) if t.is_floating_point() else t.clone() for t in state]
+    eager_state, replay_state = [t.clone() for t in start], [t.clone() for t in start]
+    torch.manual_seed(1)
+    eager = step(*eager_state, x2, y2)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        replayed = graph(*replay_state, x2, y2)
+    assert len(eager) == len(replayed) == 1 + sum(1 for _ in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(eager, replayed))
+    assert all(torch.equal(a, b) for a, b in zip(eager_state, replay_state))  # weights and running statistics
+    assert not torch.equal(eager_state[-3], start[-3])  # running_mean did change
+
+
+def test_a_recorded_step_runs_in_torchscripts_interpreter_as_it_ran():
+    """What the CPU step does with the graph: TorchScript's tracer takes it (batch norm's backward it does not: such
+    a step falls back to eager, and says why: test_step.py)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3))
+    state = [p.detach().clone() for p in model.parameters()]
+    step = training_step(model)
+    x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
+    traced = torch.jit.trace(
+        record(step, *[t.clone() for t in state], x, y), (*[t.clone() for t in state], x, y), check_trace=False
+    )
+    eager_state, replay_state = [t.clone() for t in state], [t.clone() for t in state]
+    torch.manual_seed(1)
+    eager = step(*eager_state, x, y)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        replayed = traced(*replay_state, x, y)
+    assert all(torch.equal(a, b) for a, b in zip(eager, replayed))
+    assert all(torch.equal(a, b) for a, b in zip(eager_state, replay_state))
+
+
+def test_a_tensor_from_outside_is_kept_and_a_value_read_on_the_host_refuses():
+    weight = torch.tensor([1.0, 2.0, 3.0])  # not an input: the graph keeps it
+
+    def scaled(x):
+        return (x * weight,)
+
+    graph = record(scaled, torch.ones(3))
+    assert torch.equal(graph(torch.full((3,), 2.0))[0], torch.tensor([2.0, 4.0, 6.0]))
+
+    def branches(x):
+        return (x * 2,) if x.sum() > 0 else (x,)  # a Python branch on the data: one replay would freeze it
+
+    with pytest.raises(NotRecordable, match="data-dependent"):
+        record(branches, torch.ones(3))
