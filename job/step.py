@@ -477,9 +477,7 @@ class CpuTracedStep(EagerStep):
                 # (branches on them, calls .item()) cannot be traced, and says so here.
                 scratch = torch.zeros_like(self.sums)  # what the sums are is the run's: traced on a copy
                 graph = record(self.joint, *[a.clone() for a in self.args], x, y, scratch)
-                fn = torch.jit.trace(
-                    without_aliases(graph), (*[a.clone() for a in self.args], x, y, scratch), check_trace=False
-                )
+                fn = torch.jit.trace(graph, (*[a.clone() for a in self.args], x, y, scratch), check_trace=False)
             self.check(fn, x, y)
         except Exception as e:  # every way tracing can fail means the same: run this model eagerly
             self.fall_back(f"the step could not be traced: {why_not_traced(e)}")
@@ -521,35 +519,6 @@ class CpuTracedStep(EagerStep):
             torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, traced)
         ):
             raise RuntimeError("the traced step does not compute what the eager step computes")
-
-
-ALIASES = (torch.ops.aten.alias.default, torch.ops.aten.detach.default)
-
-
-def without_aliases(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """The graph with its aliases' uses reading the tensor itself. Each detach() is recorded (aten.detach, and autograd
-    detaches what it saves), a view of the whole tensor that changes nothing where nothing records gradients, yet
-    TorchScript's interpreter dispatches it like any operation: on a small model's step, a tenth of its time or more
-    (the Iris MLP's: 12 of 44). An alias that an in-place operation takes stays: one that changes its shape or
-    strides (t_) would change the tensor itself."""
-    for node in list(graph.graph.nodes):
-        written = any(node in written_by(user) for user in node.users)
-        if node.op == "call_function" and node.target in ALIASES and not written:
-            node.replace_all_uses_with(node.args[0])
-            graph.graph.erase_node(node)
-    graph.recompile()
-    return graph
-
-
-def written_by(node: torch.fx.Node) -> list:
-    """The arguments an operation writes in place (by its schema: add_'s self, not its other)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    arguments = [
-        (a, node.args[i] if i < len(node.args) else node.kwargs.get(a.name)) for i, a in enumerate(schema.arguments)
-    ]
-    return [value for a, value in arguments if a.alias_info is not None and a.alias_info.is_write]
 
 
 def why_not_traced(e: Exception) -> str:

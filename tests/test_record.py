@@ -88,3 +88,29 @@ def test_a_tensor_from_outside_is_kept_and_a_value_read_on_the_host_refuses():
 
     with pytest.raises(NotRecordable, match="data-dependent"):
         record(branches, torch.ones(3))
+
+
+def test_views_that_are_their_own_base_are_read_as_it_and_others_kept():
+    """detach, t of t and a view to the same shape read their base; a transpose, a narrowing view and the views of a
+    graph that reshapes a tensor in place stay: the replay computes what the function does either way."""
+
+    def f(w, x):
+        same = w.t().t().detach().view(w.shape)  # w itself, four views later
+        return (x @ same.t(), same[:, :2].sum(), same * 2)
+
+    w, x = torch.randn(3, 4), torch.randn(5, 4)
+    graph = record(f, w, x)
+    ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert sorted(ops) == sorted(["aten.t.default", "aten.mm.default", "aten.slice.Tensor", "aten.sum.default", "aten.mul.Tensor"]), ops  # fmt: skip
+    w2, x2 = torch.randn(3, 4), torch.randn(5, 4)
+    assert all(torch.equal(a, b) for a, b in zip(graph(w2, x2), f(w2, x2)))
+
+    def reshaped(w):
+        v = w.t().t()
+        v.t_()  # in place: v is no longer w's layout
+        return (v * 1,)
+
+    kept = record(reshaped, torch.randn(3, 4))
+    assert [str(n.target) for n in kept.graph.nodes if n.op == "call_function"].count("aten.t.default") == 2
+    w3 = torch.randn(3, 4)
+    assert torch.equal(kept(w3.clone())[0], reshaped(w3.clone())[0])
