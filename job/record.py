@@ -23,6 +23,10 @@ class NotRecordable(RuntimeError):
 
 # Operations whose result is a host value the graph would freeze: the function branches on its data.
 HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal", "item"}
+# Operations whose result's shape follows the data's values (a boolean mask's selection): the graph would freeze it.
+SHAPED_BY_DATA = {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "argwhere",
+                  "repeat_interleave", "bincount", "histc"}  # fmt: skip
+MASKS = (torch.bool, torch.uint8)
 
 
 class Recorder(TorchDispatchMode):
@@ -45,14 +49,16 @@ class Recorder(TorchDispatchMode):
         self.storages.add(storage(t))
         node.meta["layout"] = (storage(t), t.storage_offset(), t.shape, t.stride(), t.dtype)
 
-    def node(self, t: torch.Tensor) -> fx.Node:
+    def node(self, t: torch.Tensor, fresh: bool = False) -> fx.Node:
+        """The node that made t; a tensor from outside the function is kept by the graph as it is (its later values
+        are read), a `fresh` one (made in the function from host data: torch.tensor) as its values are now."""
         known = self.nodes.get(id(t))
         if known is not None:
             return known[1]
         if storage(t) in self.storages:
             raise NotRecordable("an operation took a view of the step's own tensors that was not recorded")
-        name = f"_constant{len(self.root._buffers)}"  # a tensor from outside the function: the graph keeps it
-        self.root.register_buffer(name, t.detach(), persistent=False)
+        name = f"_constant{len(self.root._buffers)}"
+        self.root.register_buffer(name, t.detach().clone() if fresh else t.detach(), persistent=False)
         node = self.graph.get_attr(name)
         self.bind(t, node)
         return node
@@ -68,9 +74,15 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.__name__.split(".")[0] in HOST_READS:
+        name = func.__name__.split(".")[0]
+        if name in HOST_READS:
             raise NotRecordable("data-dependent: the function reads a tensor's value on the host")
-        node = self.graph.call_function(func, self.arg(args), self.arg(kwargs))
+        if name in SHAPED_BY_DATA or (name == "index" and any(masks(args))):
+            raise NotRecordable(f"data-dependent: {func}'s result is shaped by the data's values (a boolean mask)")
+        if func is torch.ops.aten.lift_fresh.default:  # torch.tensor(...): a new tensor at each call, as make_fx has it
+            node = self.graph.call_function(torch.ops.aten.lift_fresh_copy.default, (self.node(args[0], fresh=True),))
+        else:
+            node = self.graph.call_function(func, self.arg(args), self.arg(kwargs))
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             self.bind(out, node)
@@ -83,6 +95,12 @@ class Recorder(TorchDispatchMode):
         elif out is not None:
             raise NotRecordable(f"data-dependent: {func} returned a host value")
         return out
+
+
+def masks(args) -> list[bool]:
+    """Whether each index of aten.index (x[i]) is a boolean mask."""
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return [isinstance(i, torch.Tensor) and i.dtype in MASKS for i in indices]
 
 
 def storage(t: torch.Tensor) -> int:

@@ -473,11 +473,14 @@ class CpuTracedStep(EagerStep):
         try:
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # TorchScript's deprecation notice: nothing the user can act on
-                # Tracing runs the step for real, so on copies. A model that reads its data's values on the host
+                # Tracing runs the step for real, so on copies (of the batch too: a model may write to its input,
+                # and the first step trains on it as it came). A model that reads its data's values on the host
                 # (branches on them, calls .item()) cannot be traced, and says so here.
                 scratch = torch.zeros_like(self.sums)  # what the sums are is the run's: traced on a copy
-                graph = record(self.joint, *[a.clone() for a in self.args], x, y, scratch)
-                fn = torch.jit.trace(graph, (*[a.clone() for a in self.args], x, y, scratch), check_trace=False)
+                graph = record(self.joint, *[a.clone() for a in self.args], x.clone(), y.clone(), scratch)
+                fn = torch.jit.trace(
+                    graph, (*[a.clone() for a in self.args], x.clone(), y.clone(), scratch), check_trace=False
+                )
             self.check(fn, x, y)
         except Exception as e:  # every way tracing can fail means the same: run this model eagerly
             self.fall_back(f"the step could not be traced: {why_not_traced(e)}")
@@ -500,7 +503,7 @@ class CpuTracedStep(EagerStep):
 
         self.optimizer.zero_grad(set_to_none=True)
         with self.amp():
-            loss = self.loss(self.model(x), y)
+            loss = self.loss(self.model(x.clone()), y)
         loss.backward()
         if self.whole:
             self.optimizer.step()
@@ -511,7 +514,7 @@ class CpuTracedStep(EagerStep):
         summed = torch.zeros_like(self.sums)
         try:
             with torch.no_grad():
-                traced = [*fn(*self.args, x, y, summed), *[t.clone() for t in state], summed]
+                traced = [*fn(*self.args, x.clone(), y.clone(), summed), *[t.clone() for t in state], summed]
         finally:
             put_back()
         eager.append(loss.detach().float().expand_as(summed))  # the graph adds the loss to the sums it is given
