@@ -9,8 +9,10 @@ see each operation below autograd, backward's included) and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import fx
@@ -25,7 +27,9 @@ class NotRecordable(RuntimeError):
 HOST_READS = {"_local_scalar_dense", "is_nonzero", "equal", "item"}
 # Operations whose result's shape follows the data's values (a boolean mask's selection): the graph would freeze it.
 SHAPED_BY_DATA = {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "argwhere",
-                  "repeat_interleave", "bincount", "histc"}  # fmt: skip
+                  "repeat_interleave", "bincount"}  # fmt: skip
+# Tensor methods that copy its values to the host without an operation a dispatch mode sees.
+HOST_COPIES = ("tolist", "numpy", "__array__")
 MASKS = (torch.bool, torch.uint8)
 
 
@@ -47,7 +51,7 @@ class Recorder(TorchDispatchMode):
     def bind(self, t: torch.Tensor, node: fx.Node) -> None:
         self.nodes[id(t)] = (t, node)
         self.storages.add(storage(t))
-        node.meta["layout"] = (storage(t), t.storage_offset(), t.shape, t.stride(), t.dtype)
+        node.meta["layout"] = (storage(t), t.storage_offset(), t.shape, t.stride(), t.dtype, t.is_conj(), t.is_neg())
 
     def node(self, t: torch.Tensor, fresh: bool = False) -> fx.Node:
         """The node that made t; a tensor from outside the function is kept by the graph as it is (its later values
@@ -78,7 +82,7 @@ class Recorder(TorchDispatchMode):
         if name in HOST_READS:
             raise NotRecordable("data-dependent: the function reads a tensor's value on the host")
         if name in SHAPED_BY_DATA or (name == "index" and any(masks(args))):
-            raise NotRecordable(f"data-dependent: {func}'s result is shaped by the data's values (a boolean mask)")
+            raise NotRecordable(f"data-dependent: {func}'s result is shaped by the data's values")
         if func is torch.ops.aten.lift_fresh.default:  # torch.tensor(...): a new tensor at each call, as make_fx has it
             node = self.graph.call_function(torch.ops.aten.lift_fresh_copy.default, (self.node(args[0], fresh=True),))
         else:
@@ -95,6 +99,33 @@ class Recorder(TorchDispatchMode):
         elif out is not None:
             raise NotRecordable(f"data-dependent: {func} returned a host value")
         return out
+
+
+@contextlib.contextmanager
+def host_copies_refused() -> Iterator[None]:
+    """While recording, on the recording thread, .tolist(), .numpy() and NumPy's conversion refuse as .item() does:
+    they read values a graph would freeze, past the dispatcher. Other threads (a decoding pool) are not refused."""
+    here = threading.get_ident()
+    saved = {name: (getattr(torch.Tensor, name), name in torch.Tensor.__dict__) for name in HOST_COPIES}
+
+    def refusing(name: str, original: Callable) -> Callable:
+        def method(self, *args, **kwargs):
+            if threading.get_ident() == here:
+                raise NotRecordable(f"data-dependent: the function reads a tensor's values on the host (.{name}())")
+            return original(self, *args, **kwargs)
+
+        return method
+
+    for name, (original, _) in saved.items():
+        setattr(torch.Tensor, name, refusing(name, original))
+    try:
+        yield
+    finally:
+        for name, (original, own) in saved.items():
+            if own:
+                setattr(torch.Tensor, name, original)
+            else:
+                delattr(torch.Tensor, name)  # torch's own is the base class's again
 
 
 def masks(args) -> list[bool]:
@@ -119,7 +150,7 @@ def record(fn: Callable[..., tuple[torch.Tensor, ...]], *inputs: torch.Tensor) -
         mode.bind(t, graph.placeholder(f"input{i}"))
     # Autograd keeps some saved tensors (a result its own backward reads) as new objects over the same memory; kept as
     # themselves here, backward's operations name the nodes that made them.
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), mode:
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t), host_copies_refused(), mode:
         outputs = fn(*inputs)
     graph.output(tuple(mode.node(t) for t in outputs))
     without_needless_views(graph)

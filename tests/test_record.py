@@ -139,3 +139,27 @@ def test_an_operation_whose_shape_depends_on_the_data_refuses():
     for how in (picked, lambda x: (x.masked_select(x > 0).sum(),), lambda x: (x.nonzero().float().sum(),)):
         with pytest.raises(NotRecordable, match="data-dependent"):
             record(how, torch.tensor([1.0, -1.0, 2.0]))
+
+
+def test_a_value_read_on_the_host_past_the_dispatcher_refuses_too():
+    """.tolist(), .numpy() and NumPy's own conversion read a tensor's memory without an operation the recorder sees:
+    while it records, they refuse as .item() does (a graph would freeze what they read)."""
+    for read in (lambda x: x.tolist(), lambda x: x.numpy(), lambda x: __import__("numpy").asarray(x)):
+
+        def counted(x, read=read):
+            k = sum(1 for v in read(x > 0) if v)
+            return (x * (k + 1),)
+
+        with pytest.raises(NotRecordable, match="data-dependent"):
+            record(counted, torch.tensor([1.0, -1.0, 2.0]))
+    assert torch.tensor([1.0, 2.0]).tolist() == [1.0, 2.0]  # as torch has it again once recording is done
+
+
+def test_a_conjugate_view_is_kept():
+    """A conjugate view has its base's layout but not its values."""
+
+    def imaginary(z):
+        return ((z.conj() * 1).imag,)
+
+    z = torch.randn(3, dtype=torch.complex64)
+    assert torch.equal(record(imaginary, z)(z)[0], imaginary(z)[0])
