@@ -21,6 +21,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from job.record import record  # noqa: E402
+from job.step import interpreted  # noqa: E402
 
 
 def models() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
@@ -62,12 +63,9 @@ def ways(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
     args = [p.detach() for p in model.parameters()] + list(model.buffers())
     graph = record(joint, *[a.clone() for a in args], x, y)
     found = {"eager": eager, "graph as Python": lambda: graph(*args, x, y)}
-    try:
-        traced = torch.jit.trace(graph, (*[a.clone() for a in args], x, y), check_trace=False)
-        found["TorchScript"] = lambda: traced(*args, x, y)
-    except RuntimeError as e:
-        if "unsupported argument type" not in str(e):
-            raise
+    run = interpreted(graph, (*[a.clone() for a in args], x, y))  # as the job's step takes it: TorchScript, or not
+    if run is not graph:
+        found["TorchScript"] = lambda: run(*args, x, y)
     return found
 
 

@@ -78,7 +78,7 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func.__name__.split(".")[0]
+        name = op_name(func)
         if name in HOST_READS:
             raise NotRecordable("data-dependent: the function reads a tensor's value on the host")
         if name in SHAPED_BY_DATA or (name == "index" and any(masks(args))):
@@ -128,6 +128,11 @@ def host_copies_refused() -> Iterator[None]:
                 delattr(torch.Tensor, name)  # torch's own is the base class's again
 
 
+def op_name(target) -> str:
+    """An operation's name without its overload: add_ for aten.add_.Tensor ('' for a Python function)."""
+    return getattr(target, "__name__", "").split(".")[0]
+
+
 def masks(args) -> list[bool]:
     """Whether each index of aten.index (x[i]) is a boolean mask."""
     indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
@@ -173,7 +178,7 @@ def without_needless_views(graph: fx.Graph) -> None:
     of its time (the Iris MLP's step: 44 operations recorded, 27 left). Views are told by their schema (a result that
     aliases an argument); a graph that changes a tensor's shape or strides in place keeps them all."""
     calls = [n for n in graph.nodes if n.op == "call_function"]
-    if any(getattr(n.target, "__name__", "").split(".")[0] in RESHAPED_IN_PLACE for n in calls):
+    if any(op_name(n.target) in RESHAPED_IN_PLACE for n in calls):
         return
     for node in calls:
         layout = node.meta.get("layout")  # None for an operation returning several tensors (split): kept

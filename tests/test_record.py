@@ -27,6 +27,18 @@ def training_step(model: nn.Module):
     return step
 
 
+def both_ways(step, replay, start: list, x: torch.Tensor, y: torch.Tensor) -> tuple:
+    """The step run eagerly and replayed, each on its own copy of `start`, from the same random state: (eager's
+    outputs, the replay's, eager's state after, the replay's)."""
+    eager_state, replay_state = [t.clone() for t in start], [t.clone() for t in start]
+    torch.manual_seed(1)
+    eager = step(*eager_state, x, y)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        replayed = replay(*replay_state, x, y)
+    return eager, replayed, eager_state, replay_state
+
+
 def test_a_recorded_step_replays_what_the_step_does_to_the_bit():
     """Batch norm (its statistics written in place), dropout (a random draw per call), ReLU and Sigmoid (whose
     backward reads their own results, which autograd saves as new objects) and an in-place update: the graph
@@ -41,12 +53,7 @@ def test_a_recorded_step_replays_what_the_step_does_to_the_bit():
 
     x2, y2 = torch.randn(12, 6), torch.randint(0, 3, (12,))  # another batch, other weights: not the recorded ones
     start = [t + 0.01 * torch.randn_like(t) if t.is_floating_point() else t.clone() for t in state]
-    eager_state, replay_state = [t.clone() for t in start], [t.clone() for t in start]
-    torch.manual_seed(1)
-    eager = step(*eager_state, x2, y2)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        replayed = graph(*replay_state, x2, y2)
+    eager, replayed, eager_state, replay_state = both_ways(step, graph, start, x2, y2)
     assert len(eager) == len(replayed) == 1 + sum(1 for _ in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(eager, replayed))
     assert all(torch.equal(a, b) for a, b in zip(eager_state, replay_state))  # weights and running statistics
@@ -55,7 +62,7 @@ def test_a_recorded_step_replays_what_the_step_does_to_the_bit():
 
 def test_a_recorded_step_runs_in_torchscripts_interpreter_as_it_ran():
     """What the CPU step does with the graph: TorchScript's tracer takes it (batch norm's backward it does not: such
-    a step falls back to eager, and says why: test_step.py)."""
+    a step runs as the graph's own Python code, test_step.py)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3))
     state = [p.detach().clone() for p in model.parameters()]
@@ -64,12 +71,7 @@ def test_a_recorded_step_runs_in_torchscripts_interpreter_as_it_ran():
     traced = torch.jit.trace(
         record(step, *[t.clone() for t in state], x, y), (*[t.clone() for t in state], x, y), check_trace=False
     )
-    eager_state, replay_state = [t.clone() for t in state], [t.clone() for t in state]
-    torch.manual_seed(1)
-    eager = step(*eager_state, x, y)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        replayed = traced(*replay_state, x, y)
+    eager, replayed, eager_state, replay_state = both_ways(step, traced, state, x, y)
     assert all(torch.equal(a, b) for a, b in zip(eager, replayed))
     assert all(torch.equal(a, b) for a, b in zip(eager_state, replay_state))
 
