@@ -14,7 +14,7 @@ import torch
 
 from job.config import Config
 from job.console import say
-from job.env import pick_device, resolve_precision
+from job.env import pick_device
 from job.errors import ConfigError, Interrupted
 from job.naive import check_tutorial_recipe, train_naive
 from job.recipe import read_data
@@ -51,11 +51,11 @@ def bench(cfg: Config, devices: list[torch.device]) -> dict:
         say(f"bench: the naive loop on {device}, {cfg.train.epochs} epochs")
         with kept_torch_settings():
             naive = train_naive(cfg, data, device)
-        rows.append(row("naive", device, naive, per_epoch, resolve_precision(cfg.train.precision, device)))
+        rows.append(row("naive", device, naive, per_epoch, naive["precision"]))
         say(f"bench: the job on {device}, {cfg.train.epochs} epochs")
         with kept_torch_settings():
             job = train_job(cfg, device)
-        rows.append(row("job", device, job, per_epoch, resolve_precision(cfg.train.precision, device)))
+        rows.append(row("job", device, job, per_epoch, naive["precision"]))  # both decide it alike
     cpu_naive = next((r for r in rows if r["loop"] == "naive" and r["device"] == "cpu"), None)
     for r in rows:
         same = next(n for n in rows if n["loop"] == "naive" and n["device"] == r["device"])

@@ -380,8 +380,9 @@ class TrainConfig(Section):
     epochs: int = Field(10, gt=0, description="Epochs to train.")
     precision: Literal["fp32", "bf16", "fp16", "auto"] = Field(
         "fp32",
-        description="fp32, or autocast to bf16 or fp16 (fp16 with a gradient scaler); auto: bf16 on a GPU that "
-        "computes it natively (compute capability 8.0 on), else fp32.",
+        description="fp32, or autocast to bf16 or fp16 (fp16 with a gradient scaler); auto: bf16 where the hardware "
+        "computes it natively, on a GPU from compute capability 8.0 and, for a step bound by arithmetic, on a CPU with "
+        "AMX (Intel Xeon from Sapphire Rapids on); else fp32. The run says what it came to and why.",
     )
     channels_last: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -49,15 +49,6 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
-def resolve_precision(precision: str, device: torch.device) -> str:
-    """The precision `auto` stands for on this device: bf16 where the GPU computes it natively, else fp32."""
-    if precision != "auto":
-        return precision
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
-        return "bf16"
-    return "fp32"
-
-
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

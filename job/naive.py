@@ -21,9 +21,10 @@ from torchvision.transforms import v2
 from job.config import Config, parse_warmup
 from job.data.augment import channel_stats
 from job.data.dataset import Dataset, Split
-from job.env import resolve_precision, seed_everything
+from job.env import seed_everything
 from job.errors import ConfigError
 from job.models import build_model
+from job.plan import forward_flops, precision_on
 from job.recipe import make_optimizer
 from job.schedule import make_scheduler
 
@@ -124,11 +125,13 @@ def train_naive(cfg: Config, data: Dataset, device: torch.device) -> dict:
     """Train the recipe with the tutorials' loop on `device`; returns seconds spent in training epochs (the
     device waited for at each epoch's end; test passes excluded), the epochs and the final test accuracy."""
     seed_everything(cfg.seed, cfg.train.deterministic)
-    model = build_model(cfg.model, data.input_shape, len(data.classes)).to(device)
+    model = build_model(cfg.model, data.input_shape, len(data.classes))
     train_loader, test_loader = make_data_loaders(cfg, data)
+    flops = forward_flops(model, data.input_shape) * train_loader.batch_size if device.type == "cpu" else float("inf")
+    precision = precision_on(cfg.train.precision, device, flops).name  # as the job's run decides it
+    model = model.to(device)
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer, cfg.train.epochs * len(train_loader))
-    precision = resolve_precision(cfg.train.precision, device)
     half = torch.bfloat16 if precision == "bf16" else torch.float16
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     step, train_seconds, logged, result = 0, 0.0, [], {}
@@ -152,7 +155,8 @@ def train_naive(cfg: Config, data: Dataset, device: torch.device) -> dict:
         train_seconds += time.perf_counter() - t0
         if (epoch + 1) % cfg.train.eval_every_epochs == 0 or epoch + 1 == cfg.train.epochs:
             result = test_pass(model, test_loader, device, precision, half)
-    return {"train_seconds": train_seconds, "epochs_run": cfg.train.epochs, "final_accuracy": result["test_accuracy"]}
+    epochs, accuracy = cfg.train.epochs, result["test_accuracy"]
+    return {"train_seconds": train_seconds, "epochs_run": epochs, "final_accuracy": accuracy, "precision": precision}
 
 
 def wait_for(device: torch.device) -> None:

@@ -1,6 +1,7 @@
-"""How a run takes its training step, decided once: the facts (device, precision, a forward pass's FLOPs, the model,
-what wraps it, the optimizer), the plan they give with its reason (a pure function: job/step.py holds each way a
-step runs), the CPU threads a step of that size should use, and the step built as planned."""
+"""How a run takes its training step, decided once: the precision `auto` comes to, the facts (device, precision, a
+forward pass's FLOPs, the model, what wraps it, the optimizer), the plan they give with its reason (pure functions:
+job/step.py holds each way a step runs), the CPU threads a step of that size should use, and the step built as
+planned."""
 
 from __future__ import annotations
 
@@ -28,6 +29,55 @@ SMALL_STEP_FLOPS = 2e7
 # step on the Iris MLP (2,000 steps: traced 2.2 s of CPU, eager 2.7 s; 500 steps: even): a run shorter than this many
 # steps is over before tracing has paid for itself, and steps eagerly.
 TRACE_REPAID_STEPS = 1000
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What train.precision comes to on a device: fp32, bf16 or fp16, and why when it was `auto` ("" when named)."""
+
+    name: str
+    why: str = ""
+
+
+def choose_precision(
+    setting: str,
+    device_type: str,
+    step_flops: float,
+    gpu_capability: tuple[int, int] | None = None,
+    cpu_bf16: bool = False,
+) -> Precision:
+    """`auto`: bf16 autocast (fp32 weights) where the hardware computes bf16 natively and the step is bound by
+    arithmetic, else fp32. From the facts alone: a GPU's compute capability, whether the CPU has AMX (cpu_bf16), and a
+    training step's forward FLOPs."""
+    if setting != "auto":
+        return Precision(setting)
+    if device_type == "cuda" and gpu_capability is not None and gpu_capability >= (8, 0):
+        return Precision("bf16", "auto: bf16 autocast on a GPU that computes it natively")
+    if device_type == "cpu" and cpu_bf16 and step_flops < SMALL_STEP_FLOPS:
+        return Precision("fp32", "auto: a small step is bound by per-operation overhead, not arithmetic")
+    if device_type == "cpu" and cpu_bf16:
+        # Measured: the tutorials' CIFAR-10 step 15 ms against 37 ms in fp32, same test accuracy (docs/benchmarks.md)
+        return Precision("bf16", "auto: this CPU's AMX units compute bf16 natively")
+    return Precision("fp32", "auto: no native bf16 here")
+
+
+def cpu_computes_bf16() -> bool:
+    """Whether this CPU has AMX, matrix units that multiply bf16 natively (Intel Xeon from Sapphire Rapids on). torch's
+    own check (the CPU's flags and the kernel's leave to use AMX's tiles); torch has no public one. A CPU with
+    AVX512-BF16 alone is not counted: bf16 on it is not measured here."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    try:
+        return bool(check()) if check is not None else False
+    except Exception:  # a torch whose check cannot run here: no AMX known
+        return False
+
+
+def precision_on(setting: str, device: torch.device, step_flops: float) -> Precision:
+    """What train.precision comes to on `device` (choose_precision, with this machine's facts)."""
+    if setting != "auto":
+        return Precision(setting)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return choose_precision(setting, device.type, step_flops, capability, device.type == "cpu" and cpu_computes_bf16())
 
 
 @dataclass(frozen=True)
@@ -140,12 +190,12 @@ def build_step(r: Recipe, sums: torch.Tensor, plan: StepPlan, model=None) -> Eag
     return EagerStep(*args, **how)
 
 
-def set_cpu_threads(cfg: Config, r: Recipe, input_shape: tuple[int, ...]) -> float:
+def set_cpu_threads(cfg: Config, r: Recipe) -> float:
     """On a CPU, the threads a step of this size should use; returns the step's forward FLOPs (inf elsewhere: what
     a step costs matters on a CPU only, for threads and tracing)."""
     if r.device.type != "cpu":
         return float("inf")
-    flops = forward_flops(r.model, input_shape) * r.train.batch_size
+    flops = r.sample_flops * r.train.batch_size
     threads = cfg.train.cpu_threads
     torch.set_num_threads(threads if threads != "auto" else 1 if flops < SMALL_STEP_FLOPS else torch.get_num_threads())
     return flops
@@ -162,5 +212,6 @@ def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float, steps: in
     layout = ", channels-last" if r.channels_last else ""
     compiled = ", torch.compile" if t.compile else ""
     accumulated = f"; the optimizer steps every {t.accumulate_steps} batches" if t.accumulate_steps > 1 else ""
-    say(f"step: {r.precision}{layout}{compiled}; {step.description}{accumulated}")
+    why = f" ({r.precision_why})" if r.precision_why else ""
+    say(f"step: {r.precision}{why}{layout}{compiled}; {step.description}{accumulated}")
     return step

@@ -27,11 +27,11 @@ from job.data.placement import HELD, Streaming, hold_on
 from job.data.read import found_kind, load_data
 from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
 from job.ema import ModelEma
-from job.env import resolve_precision
 from job.errors import ConfigError
 from job.memory import available_host_memory
 from job.mix import Mix
 from job.models import build_model
+from job.plan import forward_flops, precision_on
 from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
 
@@ -305,6 +305,8 @@ class Recipe:
     multilabel: bool = False  # sigmoids against multi-hot targets (BCE), scored by mAP; else softmax and accuracy
     ema: ModelEma | None = None  # train.ema's average, updated after each optimizer step (after lookahead's)
     mix: Mix | None = None  # train.mixup / train.cutmix: the training batches mixed before the step
+    precision_why: str = ""  # why `auto` came to this precision ("" when named)
+    sample_flops: float = float("inf")  # one sample's forward FLOPs, counted on a CPU only (inf elsewhere)
 
     @property
     def evaluated(self) -> nn.Module:
@@ -343,7 +345,10 @@ def build(
     model = build_model(cfg.model, input_shape, len(data.classes))
     if pretrained:
         weights.load_pretrained(cfg.model, model, len(data.classes), cache_dir("weights"))
-    precision = resolve_precision(cfg.train.precision, device)
+    sample_flops = forward_flops(model, input_shape) if device.type == "cpu" else float("inf")  # what a CPU step costs
+    batch = data.samples("train") if cfg.data.batch_size == "full" else cfg.data.batch_size
+    chosen = precision_on(cfg.train.precision, device, sample_flops * batch)
+    precision = chosen.name
     channels_last = use_channels_last(cfg.train.channels_last, model, device, precision)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = not cfg.train.deterministic
@@ -397,6 +402,8 @@ def build(
         data.multilabel,
         ema,
         mix,
+        chosen.why,
+        sample_flops,
     )
 
 

@@ -136,7 +136,7 @@ def train_loop(
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
     tuning = hypertune.trial(cfg.track.hp_metric_tag, evaluation_fields(r))  # every rank refuses a bad tag alike
     resumption.begin()
-    step_flops = set_cpu_threads(cfg, r, r.input_shape)
+    step_flops = set_cpu_threads(cfg, r)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
     chooser = Chooser(cfg.train, r.evaluated_on, r.multilabel)
     params, stem = sum(p.numel() for p in r.model.parameters()), describe_model(cfg.model, r.input_shape)

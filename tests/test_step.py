@@ -398,3 +398,38 @@ def test_a_padded_step_of_a_model_that_cannot_take_an_empty_batch_steps_as_befor
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(sums, loss) and model.training
     assert all(p.grad is not None and not p.grad.any() for p in step.params)
+
+
+def test_auto_precision_is_one_pure_decision_with_its_reason():
+    """train.precision auto: bf16 where the hardware computes it natively, for a step bound by arithmetic: a GPU from
+    compute capability 8.0, and a CPU with AMX's matrix units (the tutorials' CIFAR-10 step about twice as fast there);
+    a small CPU step stays fp32, where it is traced."""
+    from job.plan import SMALL_STEP_FLOPS, choose_precision
+
+    big, small = SMALL_STEP_FLOPS * 10, SMALL_STEP_FLOPS / 10
+    assert choose_precision("fp16", "cpu", big, cpu_bf16=True).name == "fp16"  # named: as asked, no reason given
+    assert choose_precision("fp32", "cuda", big, gpu_capability=(9, 0)).why == ""
+    for args, name, why in [
+        (("cuda", big, (9, 0), False), "bf16", "computes it natively"),
+        (("cuda", big, (7, 5), False), "fp32", "no native bf16"),
+        (("cpu", big, None, True), "bf16", "AMX"),
+        (("cpu", small, None, True), "fp32", "small step"),
+        (("cpu", big, None, False), "fp32", "no native bf16"),
+        (("mps", big, None, False), "fp32", "no native bf16"),
+    ]:
+        device, flops, capability, amx = args
+        chosen = choose_precision("auto", device, flops, gpu_capability=capability, cpu_bf16=amx)
+        assert chosen.name == name and why in chosen.why and chosen.why.startswith("auto"), (args, chosen)
+
+
+def test_a_cpu_run_with_precision_auto_says_what_it_came_to(tmp_path, capsys):
+    """The decision wired into a real run: bf16 on this CPU when it has AMX, else fp32; the Iris step stays fp32."""
+    from job.plan import cpu_computes_bf16
+
+    root = write_image_folder(tmp_path / "imgs", n_classes=2, per_class=8, size=32)
+    sets = ["data.kind=folder", f"data.path={root}", "train.epochs=1", "train.precision=auto", "data.val_split=0"]
+    run(load_config("cifar10", sets), str(tmp_path / "cnn"), "cpu", "never", True)
+    expected = "bf16 (auto: this CPU's AMX" if cpu_computes_bf16() else "fp32 (auto: no native bf16"
+    assert f"step: {expected}" in capsys.readouterr().err
+    run(load_config("iris", ["train.epochs=2", "train.precision=auto"]), str(tmp_path / "iris"), "cpu", "never", True)
+    assert "step: fp32 (auto: " in capsys.readouterr().err
