@@ -505,6 +505,11 @@ class CpuTracedStep(EagerStep):
         loss.backward()
         if self.whole:
             self.optimizer.step()
+        if replaced := self.put_back_buffers():
+            self.optimizer.zero_grad(set_to_none=True)
+            put_back()
+            names = ", ".join(replaced)
+            raise RuntimeError(f"the model's forward replaces its buffer {names} (a graph updates buffers in place)")
         eager = [loss.detach().float(), *([] if self.whole else [p.grad for p in self.params])]
         eager += [t.clone() for t in state]
         self.optimizer.zero_grad(set_to_none=True)
@@ -520,6 +525,16 @@ class CpuTracedStep(EagerStep):
             torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(eager, traced)
         ):
             raise RuntimeError("the traced step does not compute what the eager step computes")
+
+    def put_back_buffers(self) -> list[str]:
+        """The buffers the eager step replaced with new tensors (self.seen = self.seen + 1), each put back in its
+        place: a graph updates the tensors it was given, and a count kept so would stay frozen."""
+        now = dict(self.model.named_buffers())
+        replaced = [n for n, b in self.buffers if now.get(n) is not b]
+        for name, b in self.buffers:
+            owner, _, leaf = name.rpartition(".")
+            self.model.get_submodule(owner)._buffers[leaf] = b
+        return replaced
 
 
 def interpreted(graph: torch.fx.GraphModule, example: tuple) -> Callable:

@@ -112,6 +112,19 @@ class Halving(nn.Module):
     def forward(self, x):
         x /= 2
         return self.fc(x)
+
+
+class Counting(nn.Module):
+    """Counts its forward passes in a buffer it replaces rather than updates in place."""
+
+    def __init__(self, num_classes=3):
+        super().__init__()
+        self.fc = nn.Linear(4, num_classes)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen = self.seen + 1
+        return self.fc(x)
 '''
 
 
@@ -141,6 +154,17 @@ def test_a_model_that_writes_to_its_input_trains_the_same_traced_or_not(tmp_path
     assert "step: fp32; traced on the CPU" in said and "could not be traced" not in said
     for k in w_eager:
         assert torch.equal(w_eager[k], w_traced[k]), k
+
+
+def test_a_model_that_replaces_a_buffer_in_its_forward_trains_the_same_asked_to_trace(tmp_path, capsys, user_models):
+    """A graph updates the tensors it was given; a forward that puts a new tensor in a buffer's place (self.seen =
+    self.seen + 1) would have its count frozen by a traced step: such a step runs eagerly, and says why."""
+    _, w_eager, _ = train(tmp_path, "eager", ["model.name=stepmodels:Counting", "train.step_capture=off"], capsys)
+    _, w_on, said = train(tmp_path, "on", ["model.name=stepmodels:Counting", "train.step_capture=on"], capsys)
+    assert "could not be traced: the model's forward replaces its buffer seen" in said
+    assert float(w_eager["seen"]) > 100  # one a step, and one an evaluation's batch
+    for k in w_eager:
+        assert torch.equal(w_eager[k], w_on[k]), k
 
 
 def test_batch_norm_and_dropout_train_the_same_captured_or_not(tmp_path, capsys, user_models):
