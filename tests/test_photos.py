@@ -454,7 +454,8 @@ def test_weights_of_the_chosen_epoch_are_in_model_pt(tmp_path):
     code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
     assert code == 0, err
     rows = [r for r in metrics(str(out)) if "train_loss" in r]
-    best = rows.index(max(rows, key=lambda r: r["val_accuracy"]))  # the first of the best: later ties do not win
+    # The best accuracy; a tie goes to the lower loss (job/choose.py), and then to the first
+    best = rows.index(min(rows, key=lambda r: (-r["val_accuracy"], r["val_loss"])))
     ckpt = next((out / "checkpoints").glob(f"e{best + 1:05d}-*.pt"))
     saved_best = torch.load(ckpt, weights_only=True)["model"]
     final = weights(str(out))
