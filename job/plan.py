@@ -53,6 +53,8 @@ def choose_precision(
         return Precision(setting)
     if device_type == "cuda" and gpu_capability is not None and gpu_capability >= (8, 0):
         return Precision("bf16", "auto: bf16 autocast on a GPU that computes it natively")
+    if device_type == "cpu" and cpu_bf16 and not step_flops < float("inf"):  # a forward the counter could not run
+        return Precision("fp32", "auto: the step's FLOPs could not be counted")
     if device_type == "cpu" and cpu_bf16 and step_flops < SMALL_STEP_FLOPS:
         return Precision("fp32", "auto: a small step is bound by per-operation overhead, not arithmetic")
     if device_type == "cpu" and cpu_bf16:
@@ -73,11 +75,13 @@ def cpu_computes_bf16() -> bool:
 
 
 def precision_on(setting: str, device: torch.device, step_flops: float) -> Precision:
-    """What train.precision comes to on `device` (choose_precision, with this machine's facts)."""
+    """What train.precision comes to on `device` (choose_precision, with this machine's facts). In a group of CPU
+    processes every one decides alike: bf16 only where all of them have AMX."""
     if setting != "auto":
         return Precision(setting)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return choose_precision(setting, device.type, step_flops, capability, device.type == "cpu" and cpu_computes_bf16())
+    amx = device.type == "cpu" and all(distributed.gather_objects(cpu_computes_bf16()))
+    return choose_precision(setting, device.type, step_flops, capability, amx)
 
 
 @dataclass(frozen=True)
@@ -195,7 +199,7 @@ def set_cpu_threads(cfg: Config, r: Recipe) -> float:
     a step costs matters on a CPU only, for threads and tracing)."""
     if r.device.type != "cpu":
         return float("inf")
-    flops = r.sample_flops * r.train.batch_size
+    flops = (r.sample_flops or forward_flops(r.model, r.input_shape)) * r.train.batch_size
     threads = cfg.train.cpu_threads
     torch.set_num_threads(threads if threads != "auto" else 1 if flops < SMALL_STEP_FLOPS else torch.get_num_threads())
     return flops

@@ -306,7 +306,7 @@ class Recipe:
     ema: ModelEma | None = None  # train.ema's average, updated after each optimizer step (after lookahead's)
     mix: Mix | None = None  # train.mixup / train.cutmix: the training batches mixed before the step
     precision_why: str = ""  # why `auto` came to this precision ("" when named)
-    sample_flops: float = float("inf")  # one sample's forward FLOPs, counted on a CPU only (inf elsewhere)
+    sample_flops: float | None = None  # one sample's forward FLOPs, when counted (on a CPU, for precision auto)
 
     @property
     def evaluated(self) -> nn.Module:
@@ -345,9 +345,10 @@ def build(
     model = build_model(cfg.model, input_shape, len(data.classes))
     if pretrained:
         weights.load_pretrained(cfg.model, model, len(data.classes), cache_dir("weights"))
-    sample_flops = forward_flops(model, input_shape) if device.type == "cpu" else float("inf")  # what a CPU step costs
-    batch = data.samples("train") if cfg.data.batch_size == "full" else cfg.data.batch_size
-    chosen = precision_on(cfg.train.precision, device, sample_flops * batch)
+    sample_flops = None  # counted where auto's choice depends on what a step costs: on a CPU
+    if device.type == "cpu" and cfg.train.precision == "auto":
+        sample_flops = forward_flops(model, input_shape)
+    chosen = precision_on(cfg.train.precision, device, (sample_flops or 0.0) * train_batch(cfg, data))
     precision = chosen.name
     channels_last = use_channels_last(cfg.train.channels_last, model, device, precision)
     if device.type == "cuda":
@@ -501,6 +502,12 @@ def optimizer_steps(cfg: Config, batches: int, epochs: int | None = None) -> int
     """Optimizer steps in `epochs` (default: the run's) of `batches` batches: one per train.accumulate_steps
     batches, and one at each epoch's end for the batches left over."""
     return (cfg.train.epochs if epochs is None else epochs) * math.ceil(batches / cfg.train.accumulate_steps)
+
+
+def train_batch(cfg: Config, data: Dataset) -> int:
+    """A training batch's samples: data.batch_size, at most the training split ("full": all of it)."""
+    n = data.samples("train")
+    return n if cfg.data.batch_size == "full" else min(cfg.data.batch_size, n)
 
 
 def autocast(precision: str, device: torch.device) -> Callable[[], Any]:

@@ -138,6 +138,7 @@ def test_cifar10_subset_two_processes_equal_one(tmp_path):
             "data.random_hflip=true",
             "train.epochs=2",
             "train.log_every_steps=4",
+            "train.precision=fp32",  # auto would be bf16 on a CPU with AMX, which rounds each process's slice alone
         ),
     ]
     one = run_job("train", *args, "--output", str(tmp_path / "one"))

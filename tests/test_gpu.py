@@ -112,9 +112,10 @@ def test_train_on_cuda_end_to_end(tmp_path, precision):
     assert all(t.device.type == "cpu" for t in weights.values())
 
 
-@pytest.mark.parametrize(
-    "overrides", [["train.precision=fp32"], ["optim.momentum=0.9", "optim.schedule=cosine"], ["train.precision=fp16"]]
-)
+SCHEDULED = ["optim.momentum=0.9", "optim.schedule=cosine", "train.precision=fp32"]
+
+
+@pytest.mark.parametrize("overrides", [["train.precision=fp32"], SCHEDULED, ["train.precision=fp16"]])
 def test_cuda_graph_steps_train_as_eager_steps(tmp_path, overrides):
     """The same run replayed as CUDA graphs and run eagerly ends with the same weights (up to cuDNN's choices)."""
     root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=30, size=32)

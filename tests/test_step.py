@@ -243,7 +243,7 @@ def test_a_cnn_on_a_cpu_trains_channels_last_by_default_and_learns_the_same(tmp_
     root = write_image_folder(tmp_path / "images", size=32)
     weights, said = {}, {}
     for layout in ("auto", "off"):
-        sets = [f"data.path={root}", "data.kind=folder", "data.batch_size=8", "train.epochs=3"]
+        sets = [f"data.path={root}", "data.kind=folder", "data.batch_size=8", "train.epochs=3", "train.precision=fp32"]
         cfg = load_config("cifar10", [*sets, f"train.channels_last={layout}"])
         run(cfg, str(tmp_path / layout), "cpu", "never", True)
         said[layout] = capsys.readouterr().err
