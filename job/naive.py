@@ -24,8 +24,7 @@ from job.data.dataset import Dataset, Split
 from job.env import seed_everything
 from job.errors import ConfigError
 from job.models import build_model
-from job.plan import forward_flops, precision_on
-from job.recipe import make_optimizer, train_batch
+from job.recipe import make_optimizer, precision_for
 from job.schedule import make_scheduler
 
 
@@ -127,9 +126,7 @@ def train_naive(cfg: Config, data: Dataset, device: torch.device) -> dict:
     seed_everything(cfg.seed, cfg.train.deterministic)
     model = build_model(cfg.model, data.input_shape, len(data.classes))
     train_loader, test_loader = make_data_loaders(cfg, data)
-    counted = device.type == "cpu" and cfg.train.precision == "auto"  # as the job's run decides it (recipe.build)
-    flops = forward_flops(model, data.input_shape) * train_batch(cfg, data) if counted else 0.0
-    precision = precision_on(cfg.train.precision, device, flops).name
+    precision = precision_for(cfg, device, model, data.input_shape, data)[0].name  # as the job's run decides it
     model = model.to(device)
     optimizer = make_optimizer(cfg, model)
     scheduler = make_scheduler(cfg, optimizer, cfg.train.epochs * len(train_loader))

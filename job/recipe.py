@@ -31,7 +31,7 @@ from job.errors import ConfigError
 from job.memory import available_host_memory
 from job.mix import Mix
 from job.models import build_model
-from job.plan import forward_flops, precision_on
+from job.plan import Precision, forward_flops, precision_on
 from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
 
@@ -345,10 +345,7 @@ def build(
     model = build_model(cfg.model, input_shape, len(data.classes))
     if pretrained:
         weights.load_pretrained(cfg.model, model, len(data.classes), cache_dir("weights"))
-    sample_flops = None  # counted where auto's choice depends on what a step costs: on a CPU
-    if device.type == "cpu" and cfg.train.precision == "auto":
-        sample_flops = forward_flops(model, input_shape)
-    chosen = precision_on(cfg.train.precision, device, (sample_flops or 0.0) * train_batch(cfg, data))
+    chosen, sample_flops = precision_for(cfg, device, model, input_shape, data)
     precision = chosen.name
     channels_last = use_channels_last(cfg.train.channels_last, model, device, precision)
     if device.type == "cuda":
@@ -504,10 +501,15 @@ def optimizer_steps(cfg: Config, batches: int, epochs: int | None = None) -> int
     return (cfg.train.epochs if epochs is None else epochs) * math.ceil(batches / cfg.train.accumulate_steps)
 
 
-def train_batch(cfg: Config, data: Dataset) -> int:
-    """A training batch's samples: data.batch_size, at most the training split ("full": all of it)."""
+def precision_for(
+    cfg: Config, device: torch.device, model: nn.Module, input_shape: tuple[int, ...], data: Dataset
+) -> tuple[Precision, float | None]:
+    """What train.precision comes to for this model on `device` (job/plan.py decides), and one sample's forward FLOPs
+    when auto needed them counted: on a CPU, where its choice depends on what a training batch's step costs."""
+    flops = forward_flops(model, input_shape) if device.type == "cpu" and cfg.train.precision == "auto" else None
     n = data.samples("train")
-    return n if cfg.data.batch_size == "full" else min(cfg.data.batch_size, n)
+    batch = n if cfg.data.batch_size == "full" else min(cfg.data.batch_size, n)
+    return precision_on(cfg.train.precision, device, (flops or 0.0) * batch), flops
 
 
 def autocast(precision: str, device: torch.device) -> Callable[[], Any]:
