@@ -382,7 +382,8 @@ class TrainConfig(Section):
         "fp32",
         description="fp32, or autocast to bf16 or fp16 (fp16 with a gradient scaler); auto: bf16 where the hardware "
         "computes it natively, on a GPU from compute capability 8.0 and, for a step bound by arithmetic, on a CPU with "
-        "AMX (Intel Xeon from Sapphire Rapids on); else fp32. The run says what it came to and why.",
+        "AMX (Intel Xeon from Sapphire Rapids on); else fp32. The run says what it came to and why; a resumed run "
+        "computes as its checkpoint did on the same kind of device.",
     )
     channels_last: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -5,7 +5,7 @@ planned."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +37,17 @@ class Precision:
 
     name: str
     why: str = ""
+    device: str = ""  # the kind of device it was decided for, as a checkpoint records it
+
+    def saved(self) -> dict:
+        return {"name": self.name, "why": self.why, "device": self.device}
+
+
+def saved_precision(saved: object) -> Precision | None:
+    """The precision a checkpoint recorded (None from one that recorded none)."""
+    if not isinstance(saved, dict) or saved.get("name") not in ("fp32", "bf16", "fp16"):
+        return None
+    return Precision(saved["name"], str(saved.get("why", "")), str(saved.get("device", "")))
 
 
 def choose_precision(
@@ -74,14 +85,31 @@ def cpu_computes_bf16() -> bool:
         return False
 
 
-def precision_on(setting: str, device: torch.device, step_flops: float) -> Precision:
-    """What train.precision comes to on `device` (choose_precision, with this machine's facts). In a group of CPU
-    processes every one decides alike: bf16 only where all of them have AMX."""
+def kept_precision(fresh: Precision, started: Precision | None, gpu_capability: tuple[int, int] | None) -> Precision:
+    """`auto` decides once a run: a resumed run computes as its checkpoint did (its arithmetic goes on unchanged, and
+    so its resume is exact) on the same kind of device, bf16 on a GPU only where that computes it natively; else, and
+    for a run that starts, the `fresh` decision. Where the two differ it says what the fresh one would have been."""
+    if started is None or started.device != fresh.device or started.name == fresh.name:
+        return fresh
+    if started.name == "bf16" and fresh.device == "cuda" and (gpu_capability or (0, 0)) < (8, 0):
+        return fresh
+    began = started.why.removeprefix("auto: ") if started.why else f"train.precision={started.name} there"
+    afresh = fresh.why.removeprefix("auto: ")
+    return Precision(
+        started.name, f"auto, as the run's checkpoint computed: {began}; afresh here: {fresh.name}, {afresh}"
+    )
+
+
+def precision_on(setting: str, device: torch.device, step_flops: float, started: Precision | None = None) -> Precision:
+    """What train.precision comes to on `device` (choose_precision, with this machine's facts; a resumed run's
+    `started` precision kept, kept_precision). In a group of CPU processes every one decides alike: bf16 only where
+    all of them have AMX."""
     if setting != "auto":
-        return Precision(setting)
+        return Precision(setting, "", device.type)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     amx = device.type == "cpu" and all(distributed.gather_objects(cpu_computes_bf16()))
-    return choose_precision(setting, device.type, step_flops, capability, amx)
+    fresh = replace(choose_precision(setting, device.type, step_flops, capability, amx), device=device.type)
+    return replace(kept_precision(fresh, started, capability), device=device.type)
 
 
 @dataclass(frozen=True)
@@ -216,6 +244,6 @@ def make_step(cfg: Config, r: Recipe, log: LossLog, step_flops: float, steps: in
     layout = ", channels-last" if r.channels_last else ""
     compiled = ", torch.compile" if t.compile else ""
     accumulated = f"; the optimizer steps every {t.accumulate_steps} batches" if t.accumulate_steps > 1 else ""
-    why = f" ({r.precision_why})" if r.precision_why else ""
+    why = f" ({r.precision_decided.why})" if r.precision_decided.why else ""
     say(f"step: {r.precision}{why}{layout}{compiled}; {step.description}{accumulated}")
     return step

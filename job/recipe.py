@@ -31,7 +31,7 @@ from job.errors import ConfigError
 from job.memory import available_host_memory
 from job.mix import Mix
 from job.models import build_model
-from job.plan import Precision, forward_flops, precision_on
+from job.plan import Precision, forward_flops, precision_on, saved_precision
 from job.schedule import Lookahead, make_scheduler
 from job.storage import cache_dir
 
@@ -305,7 +305,7 @@ class Recipe:
     multilabel: bool = False  # sigmoids against multi-hot targets (BCE), scored by mAP; else softmax and accuracy
     ema: ModelEma | None = None  # train.ema's average, updated after each optimizer step (after lookahead's)
     mix: Mix | None = None  # train.mixup / train.cutmix: the training batches mixed before the step
-    precision_why: str = ""  # why `auto` came to this precision ("" when named)
+    precision_decided: Precision = Precision("fp32")  # the precision with why `auto` came to it, as checkpoints keep it
     sample_flops: float | None = None  # one sample's forward FLOPs, when counted (on a CPU, for precision auto)
 
     @property
@@ -338,14 +338,15 @@ def build(
     """Everything the config asks for, on `device`. `loaders`: the training and test loaders at the config's batch
     size (the schedule spans their steps); `memory_limit`: bytes the data may take on the device at most;
     `pretrained`: load model.weights (not when a checkpoint's weights replace them); `started`: the checkpoint a run
-    continues from, whose normalisation statistics it keeps."""
+    continues from, whose normalisation statistics it keeps, and the precision `auto` came to."""
     cfg = resolved(cfg)
     input_shape, view = model_input(cfg, data.input_shape, data.is_image)
     check_image_settings(cfg, input_shape, data.is_image)
     model = build_model(cfg.model, input_shape, len(data.classes))
     if pretrained:
         weights.load_pretrained(cfg.model, model, len(data.classes), cache_dir("weights"))
-    chosen, sample_flops = precision_for(cfg, device, model, input_shape, data)
+    kept = saved_precision((started or {}).get("precision"))
+    chosen, sample_flops = precision_for(cfg, device, model, input_shape, data, kept)
     precision = chosen.name
     channels_last = use_channels_last(cfg.train.channels_last, model, device, precision)
     if device.type == "cuda":
@@ -400,7 +401,7 @@ def build(
         data.multilabel,
         ema,
         mix,
-        chosen.why,
+        chosen,
         sample_flops,
     )
 
@@ -502,14 +503,20 @@ def optimizer_steps(cfg: Config, batches: int, epochs: int | None = None) -> int
 
 
 def precision_for(
-    cfg: Config, device: torch.device, model: nn.Module, input_shape: tuple[int, ...], data: Dataset
+    cfg: Config,
+    device: torch.device,
+    model: nn.Module,
+    input_shape: tuple[int, ...],
+    data: Dataset,
+    started: Precision | None = None,
 ) -> tuple[Precision, float | None]:
-    """What train.precision comes to for this model on `device` (job/plan.py decides), and one sample's forward FLOPs
-    when auto needed them counted: on a CPU, where its choice depends on what a training batch's step costs."""
+    """What train.precision comes to for this model on `device` (job/plan.py decides; a resumed run's `started`
+    precision kept there), and one sample's forward FLOPs when auto needed them counted: on a CPU, where its choice
+    depends on what a training batch's step costs."""
     flops = forward_flops(model, input_shape) if device.type == "cpu" and cfg.train.precision == "auto" else None
     n = data.samples("train")
     batch = n if cfg.data.batch_size == "full" else min(cfg.data.batch_size, n)
-    return precision_on(cfg.train.precision, device, (flops or 0.0) * batch), flops
+    return precision_on(cfg.train.precision, device, (flops or 0.0) * batch, started), flops
 
 
 def autocast(precision: str, device: torch.device) -> Callable[[], Any]:
