@@ -292,7 +292,9 @@ class CudaGraphStep(EagerStep):
 
     def last_warmup(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """The last eager step before a capture, watched for the host waiting on the GPU (`.item()`, a Python
-        branch on a tensor's value): a step that does cannot be a graph, and is known as such before capturing."""
+        branch on a tensor's value) and for a buffer replaced by a new tensor (self.seen = self.seen + 1): a step that
+        does either cannot be a graph, and is known as such before capturing."""
+        before = dict(self.model.named_buffers())
         with host_waits() as waits:
             self.backward(x, y)
             if self.whole:
@@ -301,6 +303,8 @@ class CudaGraphStep(EagerStep):
             self.apply()
         if waits:
             self.fall_back(f"the step waits for the GPU on the host ({waits[0]}; a .item() or a branch on a value)")
+        elif replaced := replaced_buffers(self.model, before):  # a graph would replay into the tensor it replaced
+            self.fall_back(f"the model's forward replaces its buffer {', '.join(replaced)} (a graph updates in place)")
 
     def fall_back(self, reason: str) -> None:
         """Every shape runs eagerly from now on; the graphs' memory goes back to the allocator."""
@@ -529,12 +533,17 @@ class CpuTracedStep(EagerStep):
     def put_back_buffers(self) -> list[str]:
         """The buffers the eager step replaced with new tensors (self.seen = self.seen + 1), each put back in its
         place: a graph updates the tensors it was given, and a count kept so would stay frozen."""
-        now = dict(self.model.named_buffers())
-        replaced = [n for n, b in self.buffers if now.get(n) is not b]
+        replaced = replaced_buffers(self.model, dict(self.buffers))
         for name, b in self.buffers:
             owner, _, leaf = name.rpartition(".")
             self.model.get_submodule(owner)._buffers[leaf] = b
         return replaced
+
+
+def replaced_buffers(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    """The names of `before`'s buffers that `model` no longer holds as those tensors: a forward replaced them."""
+    now = dict(model.named_buffers())
+    return [name for name, b in before.items() if now.get(name) is not b]
 
 
 def interpreted(graph: torch.fx.GraphModule, example: tuple) -> Callable:

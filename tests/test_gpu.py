@@ -173,6 +173,40 @@ def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_and_says_why(tmp_pat
     assert last["test_accuracy"] >= 0.9
 
 
+def test_a_model_that_replaces_a_buffer_in_its_forward_runs_eagerly_and_counts_every_step(tmp_path):
+    """A forward that puts a new tensor in a buffer's place (self.seen = self.seen + 1) would replay into the tensor it
+    replaced, its count frozen: the last warm-up step finds it, and the run goes on eagerly, counting as it does with
+    capture off."""
+    (tmp_path / "counting.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(4, num_classes)\n"
+        "        self.register_buffer('seen', torch.zeros(()))\n"
+        "    def forward(self, x):\n"
+        "        self.seen = self.seen + 1\n"
+        "        return self.fc(x)\n"
+    )
+    seen = {}
+    for capture in ("on", "off"):
+        out = tmp_path / capture
+        sets = [
+            "model.name=counting:Net",
+            "train.epochs=40",
+            "train.eval_every_epochs=20",
+            f"train.step_capture={capture}",
+        ]
+        args = ["--device", "cuda", *sum((["--set", s] for s in sets), []), "--output", str(out)]
+        r = run_job("train", *args, env={"PYTHONPATH": str(tmp_path)})
+        assert r.returncode == 0, r.stderr[-2000:]
+        seen[capture] = float(torch.load(out / "model.pt", weights_only=True)["seen"])
+        if capture == "on":
+            assert "could not be captured as a CUDA graph: the model's forward replaces its buffer seen" in r.stderr
+    assert seen["on"] == seen["off"] > 40, seen
+
+
 def model_failing_at_capture(folder, name: str, act: str) -> str:
     """model.name of an Iris model whose forward does `act` at its fourth training call alone (three eager warm-up
     steps, then the capture): what the host-wait probe before the capture cannot see."""
