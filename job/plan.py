@@ -86,18 +86,17 @@ def cpu_computes_bf16() -> bool:
 
 
 def kept_precision(fresh: Precision, started: Precision | None, gpu_capability: tuple[int, int] | None) -> Precision:
-    """`auto` decides once a run: a resumed run computes as its checkpoint did (its arithmetic goes on unchanged, and
-    so its resume is exact) on the same kind of device, bf16 on a GPU only where that computes it natively; else, and
-    for a run that starts, the `fresh` decision. Where the two differ it says what the fresh one would have been."""
+    """`auto` decides once a run: a resumed run computes as it began (`started`, as its checkpoints record it: its
+    arithmetic goes on unchanged, and so its resume is exact) on the same kind of device, bf16 on a GPU only where
+    that computes it natively; else, and for a run that starts, the `fresh` decision. Where the two differ it says
+    what the fresh one would have been."""
     if started is None or started.device != fresh.device or started.name == fresh.name:
         return fresh
     if started.name == "bf16" and fresh.device == "cuda" and (gpu_capability or (0, 0)) < (8, 0):
         return fresh
-    began = started.why.removeprefix("auto: ") if started.why else f"train.precision={started.name} there"
+    began = started.why.removeprefix("auto: ") if started.why else f"train.precision={started.name} at its start"
     afresh = fresh.why.removeprefix("auto: ")
-    return Precision(
-        started.name, f"auto, as the run's checkpoint computed: {began}; afresh here: {fresh.name}, {afresh}"
-    )
+    return Precision(started.name, f"auto, as the run began: {began}; afresh here: {fresh.name}, {afresh}")
 
 
 def precision_on(setting: str, device: torch.device, step_flops: float, started: Precision | None = None) -> Precision:

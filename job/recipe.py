@@ -305,7 +305,8 @@ class Recipe:
     multilabel: bool = False  # sigmoids against multi-hot targets (BCE), scored by mAP; else softmax and accuracy
     ema: ModelEma | None = None  # train.ema's average, updated after each optimizer step (after lookahead's)
     mix: Mix | None = None  # train.mixup / train.cutmix: the training batches mixed before the step
-    precision_decided: Precision = Precision("fp32")  # the precision with why `auto` came to it, as checkpoints keep it
+    precision_decided: Precision = Precision("fp32")  # this attempt's precision, and why `auto` came to it
+    precision_began: Precision = Precision("fp32")  # the run's precision as it began: what its checkpoints record
     sample_flops: float | None = None  # one sample's forward FLOPs, when counted (on a CPU, for precision auto)
 
     @property
@@ -402,6 +403,7 @@ def build(
         ema,
         mix,
         chosen,
+        kept or chosen,  # a resumed run's first decision, whatever an attempt between computed
         sample_flops,
     )
 

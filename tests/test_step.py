@@ -461,8 +461,9 @@ def test_a_cpu_run_with_precision_auto_says_what_it_came_to(tmp_path, capsys):
 
 def test_a_resumed_run_keeps_the_precision_auto_came_to_at_its_start(tmp_path, capsys, monkeypatch):
     """auto decides once a run: a run that began in bf16 on a CPU with AMX goes on in bf16 when it is resumed on a CPU
-    without (the arithmetic of the run it continues), and says what a fresh decision would have been; a precision
-    named on resume is taken. The CPU's AMX is the one fact stood in for: the machine cannot change under a test."""
+    without (the arithmetic of the run it continues), and says what a fresh decision would have been, once however
+    often the run resumes; a precision named on resume is taken for that attempt. The CPU's AMX is the one fact
+    stood in for: the machine cannot change under a test."""
     import job.plan
 
     root = write_image_folder(tmp_path / "imgs", n_classes=2, per_class=8, size=32)
@@ -474,11 +475,13 @@ def test_a_resumed_run_keeps_the_precision_auto_came_to_at_its_start(tmp_path, c
     monkeypatch.setattr(job.plan, "cpu_computes_bf16", lambda: False)
     run(load_config("cifar10", [*sets, "train.epochs=2"]), out, "cpu")
     said = capsys.readouterr().err
-    began = "auto, as the run's checkpoint computed: this CPU's AMX units compute bf16 natively"
-    assert f"step: bf16 ({began}; afresh here: fp32, no native bf16 here)" in said
+    began = "step: bf16 (auto, as the run began: this CPU's AMX units compute bf16 natively; afresh here: fp32, no "
+    assert began + "native bf16 here)" in said
     run(load_config("cifar10", [*sets, "train.epochs=3", "train.precision=fp32"]), out, "cpu")
     assert "step: fp32, channels-last;" in capsys.readouterr().err
+    for epochs in (4, 5):  # the run's start, not the attempt between; said once, however often the run resumes
+        run(load_config("cifar10", [*sets, f"train.epochs={epochs}"]), out, "cpu")
+        assert began + "native bf16 here)," in capsys.readouterr().err
     monkeypatch.setattr(job.plan, "cpu_computes_bf16", lambda: True)
-    run(load_config("cifar10", [*sets, "train.epochs=4"]), out, "cpu")  # as the last attempt computed
-    began = "auto, as the run's checkpoint computed: train.precision=fp32 there; afresh here: bf16, this CPU's AMX"
-    assert f"step: fp32 ({began}" in capsys.readouterr().err
+    run(load_config("cifar10", [*sets, "train.epochs=6"]), out, "cpu")
+    assert "step: bf16 (auto: this CPU's AMX units compute bf16 natively)," in capsys.readouterr().err
