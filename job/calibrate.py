@@ -16,6 +16,13 @@ import torch.nn.functional as F
 BINS = 15  # the usual count for the expected calibration error (Guo et al., torchmetrics' default)
 FIT_STEPS = 50
 LOWEST, HIGHEST = 0.05, 20.0  # the temperatures a fit may reach: beyond them a val split says nothing more
+# The rule for fitting at all. The temperature is one parameter of a model of whether each prediction is right, and
+# what moves it is the wrong and the right ones: the rule of ten events per parameter of a logistic model (Peduzzi et
+# al. 1996) asks for MIN_EACH of the rarer outcome (with none wrong, the likelihood's best is as sharp as allowed), and
+# MIN_SAMPLES gives the calibration error that checks the fit (BINS bins) about 7 samples a bin. At these counts a
+# perfectly calibrated model's fitted temperature falls within about 25% of 1 nine times in ten; below them: 1.
+MIN_SAMPLES = 100
+MIN_EACH = 10
 
 
 def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -41,13 +48,25 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return min((LOWEST, 1.0, HIGHEST), key=lambda c: float(F.cross_entropy(logits / c, labels)))
 
 
+def too_small(samples: int, wrong: int) -> bool:
+    """Whether a val split of `samples` with `wrong` mispredicted ones is too small to fit a temperature on (the rule
+    beside MIN_SAMPLES)."""
+    return samples < MIN_SAMPLES or min(wrong, samples - wrong) < MIN_EACH
+
+
+def rule() -> str:
+    return f"at least {MIN_SAMPLES} samples, {MIN_EACH} of them wrong and {MIN_EACH} right"
+
+
 def calibrating_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    """The temperature a run keeps: fit_temperature's where it lowers the val split's expected calibration error, else
-    1. On a small val split of a barely trained model, the likelihood's best temperature can sharpen probabilities
-    past what the split supports and raise its calibration error: the run's probabilities are left as they are then."""
-    t = fit_temperature(logits, labels)
+    """The temperature a run keeps: 1 on a val split too small to fit one on (too_small), else fit_temperature's
+    where it lowers the split's expected calibration error, else 1 (the likelihood's best of a barely trained model
+    can sharpen probabilities past what the split supports: they are left as they are then)."""
     p = logits.detach().double().cpu()
     y = labels.detach().long().cpu()
+    if len(y) == 0 or too_small(len(y), int((p.argmax(1) != y).sum())):
+        return 1.0
+    t = fit_temperature(p, y)
     after = expected_calibration_error(torch.softmax(p / t, 1), y)
     return t if after < expected_calibration_error(torch.softmax(p, 1), y) else 1.0
 
@@ -110,6 +129,13 @@ def describe(temperature: float | None, metrics: dict) -> str:
         return ""
     split = "test" if "test_ece" in metrics else "val"
     before, after = metrics[f"{split}_ece"], metrics[f"{split}_ece_calibrated"]
+    samples, wrong = int(metrics.get("val_calibration_samples", 0)), int(metrics.get("val_calibration_wrong", 0))
+    if temperature == 1.0 and "val_calibration_samples" in metrics and too_small(samples, wrong):
+        return (
+            f"calibration: val split too small to fit a temperature on ({samples} samples, {wrong} wrong; the rule: "
+            f"{rule()}), the probabilities are left as they are (temperature 1 in model.json); {split} expected "
+            f"calibration error {before:.4f}"
+        )
     if temperature == 1.0:
         return (
             f"calibration: no temperature fitted on val lowered its expected calibration error, the probabilities are "

@@ -68,17 +68,23 @@ def write_splits(
 
 
 def calibrated(passes: dict[str, Passed], put: Callable[[str, str, bytes], None]) -> dict[str, float]:
-    """The temperature fitted on val's logits (1 without a val split, or where it would not lower val's calibration
-    error: calibrate.calibrating_temperature), and each split's expected calibration error before and after it, with
-    its reliability diagram."""
+    """The temperature fitted on val's logits (1 without a val split, on one too small to fit on, or where it would
+    not lower val's calibration error: calibrate.calibrating_temperature), and each split's expected calibration
+    error before and after it, with its reliability diagram; the val split's samples and wrong ones, as the rule
+    judged them."""
     from job import calibrate
 
     def counted(s: Passed) -> tuple[torch.Tensor, torch.Tensor]:
         keep = s.labels != IGNORED
         return s.logits[keep], s.labels[keep]
 
-    t = calibrate.calibrating_temperature(*counted(passes["val"])) if "val" in passes else 1.0
-    out = {"temperature": t}
+    t, out = 1.0, {}
+    if "val" in passes:
+        logits, labels = counted(passes["val"])
+        t = calibrate.calibrating_temperature(logits, labels)
+        wrong = int((logits.argmax(1) != labels).sum()) if len(labels) else 0
+        out = {"val_calibration_samples": len(labels), "val_calibration_wrong": wrong}  # what the rule judged
+    out["temperature"] = t
     for split, s in passes.items():
         logits, labels = counted(s)
         if not len(labels):

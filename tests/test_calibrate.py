@@ -14,10 +14,14 @@ from sklearn.calibration import calibration_curve
 from job.calibrate import (
     BINS,
     LOWEST,
+    MIN_EACH,
+    MIN_SAMPLES,
     calibrating_temperature,
+    describe,
     expected_calibration_error,
     fit_temperature,
     reliability_png,
+    too_small,
 )
 
 
@@ -82,17 +86,42 @@ def test_the_reliability_diagram_is_a_picture_of_both():
 
 def test_a_temperature_that_would_worsen_vals_calibration_is_not_kept():
     """On a small val split of a barely trained model the likelihood's best temperature can sharpen the probabilities
-    past what the split supports: its expected calibration error rises (here 0.21 to 0.29). The run keeps 1 then;
-    an over-sure model's temperature, which lowers it, is kept."""
-    g = torch.Generator().manual_seed(6)
-    n = int(torch.randint(8, 40, (1,), generator=g))
+    past what the split supports: its expected calibration error rises (here 0.133 to 0.142, on a split big enough to
+    fit on). The run keeps 1 then; an over-sure model's temperature, which lowers it, is kept."""
+    g = torch.Generator().manual_seed(9)
+    n = 120
     logits = torch.randn(n, 3, generator=g) * 0.3
     labels = torch.randint(0, 3, (n,), generator=g)
     right = torch.rand(n, generator=g) < 0.6
     logits[right, labels[right]] += 0.5
     fitted = fit_temperature(logits, labels)
     ece = lambda t: expected_calibration_error(torch.softmax(logits.double() / t, 1), labels)  # noqa: E731
+    assert not too_small(n, int((logits.argmax(1) != labels).sum()))  # big enough to fit on
     assert ece(fitted) > ece(1.0)  # the case: the fit would worsen it
     assert calibrating_temperature(logits, labels) == 1.0
     sure, drawn_labels = drawn(2_000, 10, seed=1)
     assert calibrating_temperature(sure * 3, drawn_labels) == fit_temperature(sure * 3, drawn_labels) > 2
+
+
+def test_a_temperature_is_fitted_only_on_a_val_split_big_enough_to_fit_it():
+    """Three images, all right and a little sure: the likelihood's best is the sharpest temperature allowed (20x
+    sharper) and it lowers those same three images' calibration error, yet says nothing of any other image. Below
+    the rule (MIN_SAMPLES samples, MIN_EACH of them wrong and MIN_EACH right) the temperature stays 1."""
+    three = torch.tensor([[2.0, 0.5, 0.0], [0.3, 1.5, 0.0], [0.0, 0.4, 1.2]]), torch.tensor([0, 1, 2])
+    assert fit_temperature(*three) == LOWEST  # the case: a fit would make every prediction 20x sharper
+    assert calibrating_temperature(*three) == 1.0
+    sure, labels = drawn(2_000, 10, seed=3)
+    assert calibrating_temperature(sure * 3, labels) > 2  # a split big enough: fitted
+    few = slice(0, MIN_SAMPLES - 1)
+    assert calibrating_temperature(sure[few] * 3, labels[few]) == 1.0  # the same model, one sample short of the rule
+    right = sure.argmax(1) == labels
+    almost_all_right = torch.cat([right.nonzero()[:, 0][:500], (~right).nonzero()[:, 0][: MIN_EACH - 1]])
+    assert calibrating_temperature(sure[almost_all_right] * 3, labels[almost_all_right]) == 1.0  # too few wrong
+
+
+def test_the_runs_last_word_says_a_val_split_too_small_to_fit_a_temperature_on():
+    said = describe(1.0, {"val_ece": 0.2, "val_ece_calibrated": 0.2, "val_calibration_samples": 3})
+    assert "val split too small to fit a temperature on (3 samples" in said and "temperature 1" in said
+    counts = {"val_calibration_samples": 5_000, "val_calibration_wrong": 900}
+    kept = describe(1.0, {"val_ece": 0.2, "val_ece_calibrated": 0.2, **counts})
+    assert "too small" not in kept and "lowered" in kept

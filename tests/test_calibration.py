@@ -18,16 +18,16 @@ from PIL import Image
 from job.bundle import Served, load_predictor, recipe_input
 
 
-def noisy_folder(root: Path, per_class: int = 40, test_per_class: int = 12) -> Path:
+def noisy_folder(root: Path, per_class: int = 160, test_per_class: int = 12) -> Path:
     """train/ and test/ folders of 3 classes told apart by a faint tint in noise: learnable, never certain, so the
-    val split has a best temperature."""
+    val split (a quarter of train: about 120, above calibrate.MIN_SAMPLES) has a best temperature."""
     rng = np.random.default_rng(0)
     for split, count in (("train", per_class), ("test", test_per_class)):
         for k in range(3):
             (root / split / f"class{k}").mkdir(parents=True)
             for i in range(count):
                 img = rng.integers(0, 200, (32, 32, 3))
-                img[..., k] += 40
+                img[..., k] += 8  # faint: about 15 of the val split wrong, enough to fit on
                 Image.fromarray(img.astype(np.uint8)).save(root / split / f"class{k}" / f"{i:03d}.png")
     return root
 
@@ -133,3 +133,15 @@ def test_evaluate_of_a_checkpoint_reports_with_the_runs_test_time_views_as_its_m
         rows = list(csv.DictReader(f))
     right = sum(round(float(r["recall"]) * int(r["support"])) for r in rows)
     assert right / sum(int(r["support"]) for r in rows) == pytest.approx(said["test_accuracy"], abs=1e-9)
+
+
+def test_a_val_split_too_small_to_fit_on_leaves_the_temperature_at_one_and_says_so(tmp_path):
+    """Iris with 3 val rows: no temperature is fitted on them (job/calibrate.py's rule); model.json holds 1, the
+    probabilities served are the model's own, and the run's last lines say why."""
+    over = sets("data.val_split=0.02", "train.epochs=300")
+    code, out = invoke(["train", "--device", "cpu", "--config", "iris", "--output", str(tmp_path / "run"), *over])
+    assert code == 0, out
+    card = json.loads((tmp_path / "run" / "model.json").read_text())
+    assert card["metrics"]["val_calibration_samples"] == 3
+    assert card["temperature"] == 1.0
+    assert "val split too small to fit a temperature on (3 samples" in out, out[-1500:]
