@@ -1,12 +1,15 @@
 """What a run chooses on its evaluations, and what it says of the chosen model at the end.
 
-Every evaluation reports the val split when the data has one; the run chooses on it: the best val accuracy and its
-epoch, its weights (kept on the host, and in checkpoints while the model has moved past them, so a resumed run
-chooses exactly as an uninterrupted one), train.keep_best, and early stopping. The test split is then only
-reported, once, at the end: on the chosen model (which model.pt holds), and on the final one when they differ.
+Every evaluation reports the val split when the data has one; the run chooses on it, on train.choose_on (val
+accuracy by default, mAP for multi-label; val_loss lowest, any other score highest): the best value and its epoch,
+its weights (kept on the host, and in checkpoints while the model has moved past them, so a resumed run chooses
+exactly as an uninterrupted one), its multi-label thresholds, train.keep_best, and early stopping, which counts the
+evaluations since that value was last bettered. The test split is then only reported, once, at the end: on the
+chosen model (which model.pt holds), and on the final one when they differ.
 
 Without a val split every evaluation reports the test split as it always has, the final weights are the run's
-result, and the summary says that its best test accuracy was picked on the test split itself.
+result, and the summary says that its best test accuracy was picked on the test split itself. Nothing is fitted on
+test: multi-label thresholds stay at 0.5 (UNFITTED).
 """
 
 from __future__ import annotations
@@ -22,56 +25,75 @@ from job.progress import Progress, is_best
 if TYPE_CHECKING:
     from job.config import TrainConfig
 
+UNFITTED = 0.5  # a multi-label class's threshold where no val split fits one: the sigmoid's midpoint
+
 
 class Chooser:
     """The best evaluation so far, its weights and its confusion matrix. `on`: the split evaluations report (val, or
     test). A model that predicts one class for every sample is never chosen over one that tells classes apart,
-    whatever their accuracies (always saying the largest class can score the higher)."""
+    whatever their scores (always saying the largest class can score the higher). `written`: the fields of the run's
+    evaluation records (evaluations.evaluation_fields), which train.choose_on must name."""
 
-    def __init__(self, t: TrainConfig, on: str, multilabel: bool = False) -> None:
+    def __init__(self, t: TrainConfig, on: str, multilabel: bool = False, written: list[str] | None = None) -> None:
         if t.early_stopping_patience and on != "val":
             raise ConfigError(
-                "train.early_stopping_patience: stops on the val split's accuracy, and this data has none; hold some "
+                "train.early_stopping_patience: stops on the val split's scores, and this data has none; hold some "
                 "images out with data.val_split (stopping on the test split would report a score chosen on it)"
             )
+        self.metric_key = chosen_metric(t.choose_on, on, multilabel, written)  # accuracy, map, loss, macro_f1, ...
+        self.lowest = self.metric_key == "loss"  # the one score that is better lower
         self.on, self.patience, self.min_delta = on, t.early_stopping_patience, t.early_stopping_min_delta
         self.weights: dict[str, torch.Tensor] | None = None  # the best model's, on the host; None: the model's own
         self.best_confusion: torch.Tensor | None = None  # the best evaluation's
         self.latest_confusion: torch.Tensor | None = None
         self.test_confusion: torch.Tensor | None = None  # the chosen model's on test, at the end
-        self.multilabel = multilabel  # chooses on mAP (state.best_accuracy holds it), not accuracy
+        self.multilabel = multilabel
         self.thresholds: list[float] | None = None  # multi-label: the best evaluation's, each class's best F1 there
+        self.latest_thresholds: list[float] | None = None  # the latest evaluation's: a checkpoint's weights' own
 
-    @property
-    def metric_key(self) -> str:
-        """What the run chooses on, as metrics.jsonl names it after the split: map (multi-label) or accuracy."""
-        return "map" if self.multilabel else "accuracy"
+    def fitted_thresholds(self, classes: int) -> list[float] | None:
+        """The thresholds an evaluation scores a multi-label model at: None to fit each class's best-F1 cut on the
+        split (val), or UNFITTED for all where the split is test, which only reports."""
+        return None if self.on == "val" else [UNFITTED] * classes
+
+    def model_thresholds(self, classes: int, state=None) -> list[float] | None:
+        """Multi-label: the thresholds of the weights the model holds. At the end (no `state`), model.pt's: the
+        chosen evaluation's. At a checkpoint (the run's `state`), its weights' own: the chosen one's where the model
+        stands at its best, else the latest evaluation's (mid-epoch: the one before). UNFITTED without val."""
+        if self.on != "val":
+            return [UNFITTED] * classes
+        if state is None or is_best(state):
+            return self.thresholds
+        return self.latest_thresholds or self.thresholds
 
     def judge(
         self,
         state,
-        accuracy: float,
+        value: float,
         loss: float,
         model: torch.nn.Module,
         confusion: torch.Tensor | None,
         thresholds: list[float] | None = None,
     ) -> str:
-        """Record an evaluation (its accuracy, or multi-label its mAP with its thresholds, loss and confusion matrix,
-        None for multi-label) in the run's state (best_accuracy,
-        best_loss, best_epoch, best_one_class, evals_since_best); the reason to stop early, or ''. A tie in accuracy
-        (a small val split is often right on every sample from the first epochs on) goes to the lower loss, unless
-        early_stopping_min_delta asks for a gain; early stopping counts the evaluations since the accuracy improved."""
-        self.latest_confusion = confusion
+        """Record an evaluation (`value`: its score of metric_key; its loss, confusion matrix, None for multi-label,
+        and multi-label thresholds) in the run's state (best_accuracy holds the best value, best_loss, best_epoch,
+        best_one_class, evals_since_best); the reason to stop early, or ''. A tie in a score (a small val split is
+        often right on every sample from the first epochs on) goes to the lower loss, unless
+        early_stopping_min_delta asks for a gain; early stopping counts the evaluations since the value improved. A
+        value that is not a number is never chosen."""
+        self.latest_confusion, self.latest_thresholds = confusion, thresholds
         one = confusion is not None and scores.one_class(confusion) is not None
-        better = accuracy > state.best_accuracy + (self.min_delta if state.best_epoch else 0.0)
+        delta, best = (self.min_delta if state.best_epoch else 0.0), state.best_accuracy
+        if not state.best_epoch:
+            better = value == value  # the first evaluation, unless NaN
+        else:
+            better = value < best - delta if self.lowest else value > best + delta
         # min_delta asks that only a gain of that much counts: no tie then
-        tie = (
-            bool(state.best_epoch) and not self.min_delta and accuracy == state.best_accuracy and loss < state.best_loss
-        )
+        tie = bool(state.best_epoch) and not self.min_delta and value == best and loss < state.best_loss
         if state.best_epoch and one != state.best_one_class:
             better, tie = not one, False  # telling classes apart beats any accuracy of saying one class
         if better or tie:
-            state.best_accuracy, state.best_loss, state.best_epoch = accuracy, loss, state.epoch
+            state.best_accuracy, state.best_loss, state.best_epoch = value, loss, state.epoch
             state.best_one_class, self.best_confusion, self.thresholds = one, confusion, thresholds
             if self.on == "val":
                 self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
@@ -81,9 +103,9 @@ class Chooser:
         state.evals_since_best += 1
         if self.patience and state.evals_since_best >= self.patience:
             gain = f" by more than {self.min_delta:g}" if self.min_delta else ""
-            said = "mAP" if self.multilabel else "accuracy"
             return (
-                f"early stopping: val {said} has not improved{gain} in {state.evals_since_best} evaluations "
+                f"early stopping: val {said(self.metric_key)} has not improved{gain} in {state.evals_since_best} "
+                "evaluations "
                 f"(best {state.best_accuracy:.4f} at epoch {state.best_epoch})"
             )
         return ""
@@ -92,7 +114,7 @@ class Chooser:
         """What a checkpoint holds of the choice: the best and the latest evaluations' confusion matrices, and the
         best weights while the model has moved past them."""
         kept = {"best_confusion": self.best_confusion, "latest_confusion": self.latest_confusion}
-        kept |= {"best_thresholds": self.thresholds}
+        kept |= {"best_thresholds": self.thresholds, "latest_thresholds": self.latest_thresholds}
         out = {k: v for k, v in kept.items() if v is not None}
         if self.on != "val" or self.weights is None or is_best(state):
             return out
@@ -102,8 +124,9 @@ class Chooser:
         """The best weights from the checkpoint a run continues from: its own copy, or the model's where the
         checkpoint was taken at the best evaluation."""
         self.best_confusion, self.latest_confusion = payload.get("best_confusion"), payload.get("latest_confusion")
-        self.thresholds = payload.get("best_thresholds")
-        if self.on != "val":
+        self.thresholds, self.latest_thresholds = payload.get("best_thresholds"), payload.get("latest_thresholds")
+        if self.on != "val":  # an earlier version fitted them on test: not kept
+            self.thresholds = self.latest_thresholds = None
             return
         best, progress = payload.get("best_model"), payload.get("progress", {})
         if best is not None:
@@ -132,14 +155,37 @@ class Chooser:
         return scores.one_class(self.best_confusion)
 
 
-def outcome(on: str, final: dict, state: Progress, metric: str = "accuracy") -> str:
-    """The run's result in words: what it chose on (`metric`: accuracy, or map), and what the test split says of
-    the choice."""
-    said = "mAP" if metric == "map" else metric
-    best = f"best {on} {said} {state.best_accuracy:.4f} (epoch {state.best_epoch})"
+def chosen_metric(choose_on: str, on: str, multilabel: bool, written: list[str] | None) -> str:
+    """What a run chooses on, as its records name it after the split: train.choose_on's (auto: accuracy, or map for
+    multi-label), checked against what its evaluations write (`written`, when known)."""
+    if choose_on == "auto":
+        return "map" if multilabel else "accuracy"
+    if on != "val":
+        raise ConfigError(
+            f"train.choose_on={choose_on}: chooses on the val split, and this data has none; hold some out with "
+            "data.val_split, or leave train.choose_on at auto (the final weights are kept)"
+        )
+    if written is not None and choose_on not in written:
+        may = ", ".join(k for k in written if k.startswith("val_"))
+        raise ConfigError(f"train.choose_on: this run's evaluations never write {choose_on}; it may choose on {may}")
+    return choose_on.removeprefix("val_")
+
+
+def said(metric: str) -> str:
+    """A metric's name in a sentence: mAP, accuracy, loss, macro_f1."""
+    return "mAP" if metric == "map" else metric
+
+
+def outcome(on: str, final: dict, state: Progress, metric: str = "accuracy", multilabel: bool = False) -> str:
+    """The run's result in words: what it chose on (`metric`: accuracy, map, loss, ...), and what the test split says
+    of the choice."""
+    best = f"best {on} {said(metric)} {state.best_accuracy:.4f} (epoch {state.best_epoch})"
     if on == "test":  # no val split: the test split is all there is, and the best epoch was picked on it
-        return f"{best}, final {final[f'final_{metric}']:.4f} (no val split: evaluations report the test split)"
-    tested = f"; test {said} {final[f'test_{metric}']:.4f}" if f"test_{metric}" in final else ""
+        unfitted = f"; multi-label thresholds {UNFITTED} (none fitted without val)" if multilabel else ""
+        return (
+            f"{best}, final {final[f'final_{metric}']:.4f} (no val split: evaluations report the test split{unfitted})"
+        )
+    tested = f"; test {said(metric)} {final[f'test_{metric}']:.4f}" if f"test_{metric}" in final else ""
     return f"{best}, its weights in model.pt{tested}"
 
 

@@ -464,19 +464,29 @@ class TrainConfig(Section):
     )
     checkpoint_every_epochs: int = Field(1, gt=0, description="Commit a checkpoint every this many epochs.")
     keep_last: int = Field(3, gt=0, description="Checkpoints to keep; older ones are deleted after a commit.")
+    choose_on: Literal[
+        "auto", "val_loss", "val_accuracy", "val_top5", "val_macro_precision", "val_macro_recall", "val_macro_f1",
+        "val_weighted_precision", "val_weighted_recall", "val_weighted_f1", "val_map", "val_micro_f1",
+        "val_exact_match",
+    ] = Field(
+        "auto",
+        description="The val metric the run chooses its model on (the chosen epoch, model.pt, train.keep_best, early "
+        "stopping): any score its evaluations write for the val split, val_loss lowest, the others highest; auto: "
+        "val_accuracy, val_map for multi-label. Without a val split only auto (the final weights are kept).",
+    )  # fmt: skip
     keep_best: bool = Field(
         False,
-        description="Also keep the checkpoint of the chosen model: the best val accuracy (test accuracy when there is "
-        "no val), by more than train.early_stopping_min_delta.",
+        description="Also keep the checkpoint of the chosen model: the best of train.choose_on (test accuracy when "
+        "there is no val), by more than train.early_stopping_min_delta.",
     )
     early_stopping_patience: int = Field(
         0,
         ge=0,
-        description="End the run after this many evaluations without a val accuracy better than the best by "
+        description="End the run after this many evaluations without a train.choose_on better than the best by "
         "train.early_stopping_min_delta (0: off); model.pt then holds the best-on-val weights.",
     )
     early_stopping_min_delta: float = Field(
-        0.0, ge=0, description="early_stopping_patience: the least gain in val accuracy that counts as better."
+        0.0, ge=0, description="early_stopping_patience: the least gain in train.choose_on that counts as better."
     )
     class_weights: Literal["none", "balanced"] = Field(
         "none",

@@ -32,7 +32,8 @@ def test_and_report(loop: Loop, last: bool = False) -> str:
         log.close_window(
             state.step, r.optimizer.param_groups[0]["lr"], min(state.step % log.every, state.steps_since_eval)
         )
-    scored = score(loop, on, extra=log.sums[1:], keep=last)
+    fitted = loop.chooser.fitted_thresholds(len(r.classes))  # multi-label: fitted on val, never on test
+    scored = score(loop, on, extra=log.sums[1:], thresholds=fitted, keep=last)
     (train_sum,) = scored.extra
     now = time.perf_counter()
     for window in log.ready(wait=True):
@@ -48,7 +49,8 @@ def test_and_report(loop: Loop, last: bool = False) -> str:
     }
     show(loop, on, scored)
     thresholds = scored.thresholds if isinstance(scored, MultiScored) else None
-    reason = loop.chooser.judge(state, scored.accuracy, scored.loss, r.evaluated, scored.confusion, thresholds)
+    value = record[f"{on}_{loop.chooser.metric_key}"]  # what the run chooses on (train.choose_on)
+    reason = loop.chooser.judge(state, value, scored.loss, r.evaluated, scored.confusion, thresholds)
     state.steps_since_eval = state.samples_since_eval = 0
     loop.report.evaluation(record)
     if scored.confusion is not None and (only := scores.one_class(scored.confusion)) is not None:  # under its epoch
@@ -122,10 +124,12 @@ def final_test(loop: Loop) -> dict:
     scored = score(loop, "test", thresholds=chooser.thresholds, keep=True)  # multi-label: at the val's thresholds
     chooser.test_confusion = scored.confusion  # the weakest classes are the chosen model's on test
     show(loop, "test", scored)
-    metric = chooser.metric_key
+    metric, shown = chooser.metric_key, "map" if r.multilabel else "accuracy"
     record = {"epoch": state.epoch, "step": state.step, "chosen_epoch": state.best_epoch}
     record |= {f"val_{metric}": state.best_accuracy, **scored.record("test")}
-    record |= {"final_test_loss": final.loss, f"final_test_{metric}": final.accuracy} if final else {}
+    if final:  # the final model's loss, the score chosen on, and the one the console shows
+        named = {f"test_{k}" for k in ("loss", metric, shown)}
+        record |= {f"final_{k}": v for k, v in final.record("test").items() if k in named}
     loop.report.tested(record)
     return record
 
@@ -140,7 +144,7 @@ def write_reports(loop: Loop) -> tuple[float | None, dict[str, float]]:
 
     group = (distributed.rank(), distributed.world())
     views = loop.cfg.train.test_time_augmentation
-    chosen = loop.chooser.thresholds
+    chosen = loop.chooser.model_thresholds(len(loop.r.classes))
     kept, loop.kept = loop.kept, {}
     calibration = diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer, chosen, views, kept) or {}
     return calibration.pop("temperature", None), calibration

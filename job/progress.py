@@ -14,7 +14,7 @@ class Progress:
     step: int = 0  # optimizer steps in the whole run
     steps_since_eval: int = 0
     samples_since_eval: int = 0
-    best_accuracy: float = -1.0  # of the split evaluations report: val, else test (job/choose.py)
+    best_accuracy: float = -1.0  # the best value of what the run chooses on (train.choose_on; job/choose.py)
     best_loss: float = float("inf")  # the best evaluation's loss: what breaks a tie in accuracy
     best_epoch: int = 0
     best_one_class: bool = False  # whether the best evaluation's model predicted one class for every sample

@@ -138,7 +138,7 @@ def train_loop(
     resumption.begin()
     step_flops = set_cpu_threads(cfg, r)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
-    chooser = Chooser(cfg.train, r.evaluated_on, r.multilabel)
+    chooser = Chooser(cfg.train, r.evaluated_on, r.multilabel, evaluation_fields(r))
     params, stem = sum(p.numel() for p in r.model.parameters()), describe_model(cfg.model, r.input_shape)
     say(f"model {cfg.model.name}{stem}: {params:,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
@@ -191,7 +191,7 @@ def train_loop(
             save(loop)
         if loop.ray is not None:  # in Ray Train's worker: the evaluation and the checkpoint reported to Ray
             args = state, loop.report.records, saved, loop.r.evaluated, run_dir.url
-            loop.ray.after_epoch(*args, lambda metrics: model_json(loop, metrics))
+            loop.ray.after_epoch(*args, lambda metrics: model_json(loop, metrics, at=state))
         if state.stopped_early:
             say(state.stopped_early)
             break
@@ -270,7 +270,7 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     payload |= loop.chooser.saved(state)
     payload |= {"placement": r.feed.streaming_choice.saved(), "precision": r.precision_began.saved()}
     payload |= {"split": r.feed.inventory.digest()} if r.feed.inventory is not None else {}
-    payload |= {"model_json": model_json(loop, metrics)}  # any checkpoint describes its model as model.json does
+    payload |= {"model_json": model_json(loop, metrics, at=state)}  # any checkpoint describes its model as model.json
     payload |= {"mlflow_run_id": report.tracker.run_id} if report.tracker is not None else {}
     if r.feed.mean is not None:
         payload |= {"normalization": {"mean": r.feed.mean.tolist(), "std": r.feed.std.tolist()}}
@@ -291,12 +291,15 @@ def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None,
     return loop.attempt.over(loop.budget) if loop.budget is not None else ""
 
 
-def model_json(loop: Loop, metrics: dict, temperature: float | None = None) -> dict:
+def model_json(loop: Loop, metrics: dict, temperature: float | None = None, at: Progress | None = None) -> dict:
+    """model.json's description of the model: `at`, the run's state, for a checkpoint's weights as they stand (its
+    multi-label thresholds are its own evaluation's); without it, model.pt's, the chosen model's."""
     r = loop.r
     card = bundle.describe(loop.cfg, r.classes, r.input_shape, r.feed.stats_cpu(), r.feed.features, metrics)
     card |= {"temperature": temperature} if temperature is not None else {}  # calibrated probabilities (calibrate.py)
     # Multi-label: a class is in an image's label set where its probability is above its threshold.
-    return card | (bundle.multilabel_entry(r.classes, loop.chooser.thresholds) if r.multilabel else {})
+    thresholds = loop.chooser.model_thresholds(len(r.classes), at) if r.multilabel else None
+    return card | (bundle.multilabel_entry(r.classes, thresholds) if r.multilabel else {})
 
 
 def write_results(loop: Loop, final: dict, temperature: float | None) -> None:
@@ -352,7 +355,7 @@ def finish(loop: Loop, first_epoch: int, resumed: dict) -> dict:
         say(said)
     say(
         f"done: {state.epoch} epochs, {state.step} steps in {summary['seconds']:.1f} s; "
-        f"{outcome(on, final, state, metric)}; "
+        f"{outcome(on, final, state, metric, loop.r.multilabel)}; "
         f"{describe_cost(cost)}; outputs in {run_dir.url}"
         + (f" (attempt {loop.attempt.number}: run.json)" if loop.attempt.number > 1 else "")
     )

@@ -282,3 +282,77 @@ def test_a_streamed_manifest_reads_its_labels_as_the_held_one_does_and_repacks_f
         and listed.inventory.to_json()["splits"]
         == (load_manifest(one.model_copy(update={"task": "multilabel"}), None, print).inventory.to_json()["splits"])
     )
+
+
+def predicted(tmp_path: Path, out: Path, data: Path, files: list[str], name: str) -> tuple[np.ndarray, np.ndarray]:
+    """`job predict` of the run's model.pt on `files` (paths relative to the data folder): each file's probabilities
+    and its 0/1 targets, in class order."""
+    from conftest import invoke
+
+    listed = tmp_path / f"{name}.jsonl"
+    listed.write_text("".join(json.dumps({"path": str(data / p)}) + "\n" for p in files))
+    pred = tmp_path / f"{name}-predicted.jsonl"
+    code, err = invoke(["predict", "--model", str(out), "--device", "cpu", str(listed), "--output", str(pred)])
+    assert code == 0, err
+    got = {Path(r["path"]).name: r for r in map(json.loads, pred.read_text().splitlines())}
+    truth = {Path(r["path"]).name: set(r["labels"]) for r in map(json.loads, (data / "labels.jsonl").open())}
+    names = [Path(p).name for p in files]
+    classes = sorted(COLOURS)
+    p = np.array([[got[n]["probabilities"][c] for c in classes] for n in names])
+    y = np.array([[c in truth[n] for c in classes] for n in names], dtype=int)
+    return p, y
+
+
+def test_with_no_val_split_thresholds_stay_at_one_half_and_nothing_is_fitted_on_test(tmp_path):
+    """data.val_split=0: no threshold is the best cut on the test split. model.json's, the report's and the
+    evaluations' test F1 and exact match are at 0.5, and the end line says so."""
+    from sklearn.metrics import f1_score
+
+    out = tmp_path / "run"
+    code, err, data = multilabel_run(tmp_path, out, "data.val_split=0", "data.test_split=0.3", "train.epochs=2")
+    assert code == 0, err
+    card = json.loads((out / "model.json").read_text())
+    assert card["thresholds"] == {c: 0.5 for c in sorted(COLOURS)}
+    last = [r for r in metrics_of(out) if "train_loss" in r][-1]
+    held = json.loads((out / "data.json").read_text())["held_out"]["test"]
+    p, y = predicted(tmp_path, out, data, held, "test")  # model.pt: the final weights, which the last evaluation had
+    assert abs(last["test_micro_f1"] - f1_score(y, p > 0.5, average="micro")) < 1e-9
+    assert abs(last["test_exact_match"] - float(((p > 0.5) == y).all(1).mean())) < 1e-9
+    with open(out / "report" / "test" / "classes.csv", newline="") as f:
+        assert {float(r["threshold"]) for r in csv.DictReader(f)} == {0.5}
+    end = err.strip().splitlines()[-1]
+    assert "thresholds 0.5" in end, end
+    ckpt = torch.load(sorted((out / "checkpoints").glob("*.pt"))[-1], weights_only=True)
+    assert set(ckpt["model_json"]["thresholds"].values()) == {0.5}
+
+
+def test_thresholds_are_those_of_the_evaluation_whose_weights_model_pt_and_each_checkpoint_hold(tmp_path):
+    """Chosen on val loss: model.pt is the evaluation of the lowest val loss, and model.json's thresholds are each
+    class's best-F1 cut on val of that model's own probabilities; each checkpoint's are its own evaluation's."""
+    from job.multilabel import best_threshold
+
+    out = tmp_path / "run"
+    code, err, data = multilabel_run(tmp_path, out, "train.choose_on=val_loss", "train.epochs=3")
+    assert code == 0, err
+    evals = [r for r in metrics_of(out) if "train_loss" in r]
+    lowest = min(evals, key=lambda r: r["val_loss"])
+    held = json.loads((out / "data.json").read_text())["held_out"]["val"]
+    p, y = predicted(tmp_path, out, data, held, "val")
+    bce = -(y * np.log(p) + (1 - y) * np.log1p(-p)).mean()
+    assert abs(bce - lowest["val_loss"]) < 1e-4  # model.pt is the lowest val loss's model
+    card = json.loads((out / "model.json").read_text())
+    want = [best_threshold(y[:, i], p[:, i]) for i in range(len(COLOURS))]
+    assert np.allclose([card["thresholds"][c] for c in sorted(COLOURS)], want, atol=1e-5)
+    for path in sorted((out / "checkpoints").glob("*.pt")):
+        ckpt = torch.load(path, weights_only=True)
+        epoch = ckpt["progress"]["epoch"]
+        here = next(r for r in evals if r["epoch"] == epoch)
+        assert ckpt["model_json"]["metrics"].get("val_loss") == here["val_loss"]
+        if epoch != lowest["epoch"]:  # another epoch's weights: other thresholds than model.pt's
+            assert ckpt["model_json"]["thresholds"] != card["thresholds"], epoch
+
+
+def metrics_of(out: Path) -> list[dict]:
+    from conftest import metrics
+
+    return metrics(str(out))

@@ -1,0 +1,122 @@
+"""What a run chooses its model on (train.choose_on): the chosen epoch, model.pt, keep_best, early stopping and
+resume follow the named val metric, in its direction (loss lowest, the rest highest)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from conftest import invoke, metrics, run_job, sets
+
+
+def noisy_table(path: Path) -> Path:
+    """240 rows of 8 features and 3 classes that overlap, 15% of labels redrawn: a wide MLP overfits it, so its val
+    loss is lowest at another epoch than its val accuracy is highest."""
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 3, 240)
+    x = rng.normal(0, 1, (240, 8))
+    x[:, 0] += y * 1.0
+    x[:, 1] -= y * 0.7
+    y = np.where(rng.random(240) < 0.15, rng.integers(0, 3, 240), y)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow([*(f"f{i}" for i in range(8)), "kind"])
+        w.writerows([*(f"{v:.4f}" for v in row), "abc"[k]] for row, k in zip(x, y))
+    return path
+
+
+def noisy_run(tmp_path: Path, out: Path, *extra: str) -> tuple[int, str]:
+    table = tmp_path / "noisy.csv"
+    if not table.exists():
+        noisy_table(table)
+    over = sets(
+        f"data.path={table}",
+        "data.target=kind",
+        "data.val_split=0.3",
+        "data.test_split=0",  # job evaluate then scores the val split
+        "data.batch_size=32",
+        "model.hidden=[128]",
+        "optim.name=adamw",
+        "optim.lr=0.01",
+        "train.eval_every_epochs=5",
+        "train.checkpoint_every_epochs=5",
+        *extra,
+    )
+    return invoke(["train", "--device", "cpu", "--output", str(out), *over])
+
+
+def evaluations(out: Path) -> list[dict]:
+    return [r for r in metrics(str(out)) if "train_loss" in r]
+
+
+def test_a_run_chosen_on_val_loss_keeps_the_weights_of_its_lowest_val_loss_and_stops_on_it(tmp_path):
+    """model.pt is the evaluation of the lowest val loss (job evaluate of it gives that record's val_loss), not the
+    best accuracy's, whose epoch differs here; keep_best keeps that epoch's checkpoint; early stopping counts the
+    evaluations since the val loss was lowest."""
+    out = tmp_path / "run"
+    extra = ("train.choose_on=val_loss", "train.epochs=60", "train.early_stopping_patience=3")
+    code, err = noisy_run(tmp_path, out, *extra, "train.keep_best=true", "train.keep_last=1")
+    assert code == 0, err
+    records = evaluations(out)
+    lowest = min(records, key=lambda r: r["val_loss"])
+    most_accurate = max(records, key=lambda r: (r["val_accuracy"], -r["val_loss"]))
+    assert lowest["epoch"] != most_accurate["epoch"]  # the case this test is about
+    got = run_job("evaluate", "--model", str(out), "--device", "cpu", "--json")
+    assert got.returncode == 0, got.stderr
+    evaluated = json.loads(got.stdout)
+    assert evaluated["split"] == "val" and abs(evaluated["val_loss"] - lowest["val_loss"]) < 1e-6
+    assert records[-1]["epoch"] == lowest["epoch"] + 3 * 5  # three evaluations without a lower val loss
+    assert "early stopping: val loss has not improved in 3 evaluations" in err, err
+    assert f"best val loss {lowest['val_loss']:.4f} (epoch {lowest['epoch']}), its weights in model.pt" in err, err
+    kept = sorted(p.name for p in (out / "checkpoints").glob("*.pt"))
+    assert any(name.startswith(f"e{lowest['epoch']:05d}-") for name in kept), kept
+    card = json.loads((out / "model.json").read_text())
+    assert card["metrics"]["best_val_loss"] == lowest["val_loss"]
+
+
+def test_a_run_chosen_on_val_loss_resumes_to_the_same_choice(tmp_path):
+    """Stopped after its lowest val loss and continued with more epochs, a run stops and chooses exactly as one that
+    ran through: the chooser's state (its metric, best value, weights, evaluations since) is in its checkpoints."""
+    extra = ("train.choose_on=val_loss", "train.early_stopping_patience=3")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    code, err = noisy_run(tmp_path, whole, *extra, "train.epochs=60")
+    assert code == 0, err
+    lowest = min(evaluations(whole), key=lambda r: r["val_loss"])["epoch"]
+    code, err = noisy_run(tmp_path, parts, *extra, f"train.epochs={lowest + 5}")  # ends past it: model.pt chosen
+    assert code == 0, err
+    changed = noisy_run(
+        tmp_path, parts, "train.choose_on=val_macro_f1", "train.early_stopping_patience=3", "train.epochs=60"
+    )
+    assert changed[0] == 2 and "train.choose_on" in changed[1] and "Traceback" not in changed[1], changed[1]
+    code, err = noisy_run(tmp_path, parts, *extra, "train.epochs=60")
+    assert code == 0, err
+    assert "resuming" in err and "early stopping: val loss" in err, err
+    assert [r["val_loss"] for r in evaluations(parts)] == [r["val_loss"] for r in evaluations(whole)]
+    a = torch.load(whole / "model.pt", weights_only=True)
+    b = torch.load(parts / "model.pt", weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_what_a_run_may_choose_on_is_checked_in_one_line(tmp_path):
+    """A name no evaluation writes, a multi-label score on one-label data, and a val metric without a val split:
+    exit 2, one line naming what may be chosen."""
+    code, err = noisy_run(tmp_path, tmp_path / "a", "train.choose_on=val_acc")
+    assert code == 2 and "train.choose_on" in err and "val_loss" in err and "val_macro_f1" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    code, err = noisy_run(tmp_path, tmp_path / "b", "train.choose_on=val_map", "train.epochs=1")
+    assert code == 2 and "train.choose_on" in err and "val_accuracy" in err and "Traceback" not in err, err
+    assert "val_top5" not in err.splitlines()[-1], err  # 3 classes: no top-5 written
+    code, err = noisy_run(
+        tmp_path,
+        tmp_path / "c",
+        "train.choose_on=val_loss",
+        "data.val_split=0",
+        "data.test_split=0.2",
+        "train.epochs=1",
+    )
+    assert code == 2 and "train.choose_on" in err and "val split" in err and "Traceback" not in err, err
+    code, err = noisy_run(tmp_path, tmp_path / "d", "train.choose_on=val_accuracy", "train.epochs=5")
+    assert code == 0, err  # the default, named
