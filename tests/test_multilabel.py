@@ -327,29 +327,42 @@ def test_with_no_val_split_thresholds_stay_at_one_half_and_nothing_is_fitted_on_
 
 
 def test_thresholds_are_those_of_the_evaluation_whose_weights_model_pt_and_each_checkpoint_hold(tmp_path):
-    """Chosen on val loss: model.pt is the evaluation of the lowest val loss, and model.json's thresholds are each
-    class's best-F1 cut on val of that model's own probabilities; each checkpoint's are its own evaluation's."""
+    """Chosen on val micro F1: model.json's thresholds are each class's best-F1 cut on val of model.pt's own
+    probabilities, and model.pt at them scores the chosen evaluation's val micro F1; a checkpoint of a later epoch
+    holds its own weights' thresholds, not the chosen model's."""
+    from sklearn.metrics import f1_score
+
     from job.multilabel import best_threshold
 
     out = tmp_path / "run"
-    code, err, data = multilabel_run(tmp_path, out, "train.choose_on=val_loss", "train.epochs=3")
+    over = ("train.choose_on=val_micro_f1", "train.epochs=4", "optim.lr=0.01")
+    code, err, data = multilabel_run(tmp_path, out, *over)
     assert code == 0, err
     evals = [r for r in metrics_of(out) if "train_loss" in r]
-    lowest = min(evals, key=lambda r: r["val_loss"])
+    chosen = max(evals, key=lambda r: r["val_micro_f1"])
+    assert chosen["epoch"] != evals[-1]["epoch"]  # the case this test is about: model.pt is not the final model
     held = json.loads((out / "data.json").read_text())["held_out"]["val"]
-    p, y = predicted(tmp_path, out, data, held, "val")
-    bce = -(y * np.log(p) + (1 - y) * np.log1p(-p)).mean()
-    assert abs(bce - lowest["val_loss"]) < 1e-4  # model.pt is the lowest val loss's model
+    classes = sorted(COLOURS)
+
+    def thresholds_fit(model: Path, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        p, y = predicted(tmp_path, model, data, held, name)
+        return np.array([best_threshold(y[:, i], p[:, i]) for i in range(len(classes))]), p, y
+
     card = json.loads((out / "model.json").read_text())
-    want = [best_threshold(y[:, i], p[:, i]) for i in range(len(COLOURS))]
-    assert np.allclose([card["thresholds"][c] for c in sorted(COLOURS)], want, atol=1e-5)
-    for path in sorted((out / "checkpoints").glob("*.pt")):
-        ckpt = torch.load(path, weights_only=True)
-        epoch = ckpt["progress"]["epoch"]
-        here = next(r for r in evals if r["epoch"] == epoch)
-        assert ckpt["model_json"]["metrics"].get("val_loss") == here["val_loss"]
-        if epoch != lowest["epoch"]:  # another epoch's weights: other thresholds than model.pt's
-            assert ckpt["model_json"]["thresholds"] != card["thresholds"], epoch
+    t = np.array([card["thresholds"][c] for c in classes])
+    want, p, y = thresholds_fit(out, "val")
+    assert np.allclose(t, want, atol=1e-5)
+    assert abs(f1_score(y, p > t, average="micro") - chosen["val_micro_f1"]) < 1e-6
+    last = torch.load(sorted((out / "checkpoints").glob("*.pt"))[-1], weights_only=True)
+    assert last["progress"]["epoch"] == evals[-1]["epoch"]
+    alone = tmp_path / "last"  # the checkpoint's weights as a model folder of their own
+    alone.mkdir()
+    torch.save(last["model"], alone / "model.pt")
+    (alone / "model.json").write_text(json.dumps(last["model_json"]))
+    (alone / "config.yaml").write_text((out / "config.yaml").read_text())
+    own, _, _ = thresholds_fit(alone, "last")
+    got = np.array([last["model_json"]["thresholds"][c] for c in classes])
+    assert np.allclose(got, own, atol=1e-5) and not np.allclose(got, t, atol=1e-5)
 
 
 def metrics_of(out: Path) -> list[dict]:
