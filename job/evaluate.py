@@ -21,6 +21,7 @@ from job.env import pick_device
 from job.errors import CheckpointError, DataError
 from job.memory import memory_guard
 from job.multilabel import MultiScored, multilabel_outputs
+from job.recorded import TOP5, split_scores
 from job.sync import send
 
 
@@ -302,9 +303,8 @@ class Scored:
 
     def record(self, on: str) -> dict:
         """metrics.jsonl's fields of it: loss, accuracy, macro and weighted F1 (and precision, recall), top-5."""
-        out = {f"{on}_loss": self.loss, f"{on}_accuracy": self.accuracy}
-        out |= {f"{on}_{k}": v for k, v in scores.averages(self.confusion).items()}
-        return out | ({f"{on}_top5": self.top5} if len(self.confusion) > 5 else {})  # not *acc*: accuracy is top-1
+        values = {"loss": self.loss, "accuracy": self.accuracy, TOP5: self.top5, **scores.averages(self.confusion)}
+        return {f"{on}_{k}": values[k] for k in split_scores(False, len(self.confusion))}  # top5, not *acc*: top-1
 
 
 def score_split(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from job.data.augment import viewed_logits
 from job.data.batches import Loader
+from job.recorded import split_scores
 
 
 def ranked(y: np.ndarray, p: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -78,13 +79,9 @@ class MultiScored:
 
     def record(self, on: str) -> dict:
         """metrics.jsonl's fields of it."""
-        return {
-            f"{on}_loss": self.loss,
-            f"{on}_map": self.accuracy,
-            f"{on}_micro_f1": self.micro_f1,
-            f"{on}_macro_f1": self.macro_f1,
-            f"{on}_exact_match": self.exact_match,
-        }
+        values = {"map": self.accuracy, "loss": self.loss, "micro_f1": self.micro_f1, "macro_f1": self.macro_f1}
+        values["exact_match"] = self.exact_match
+        return {f"{on}_{k}": values[k] for k in split_scores(True, len(self.ap))}
 
     def table(self, classes: list[str]) -> list[tuple]:
         """(class, ap, threshold, precision, recall, f1, support) of each class, in class order."""

@@ -9,15 +9,10 @@ from typing import Any
 
 from job.config import Config, load_config, read_yaml
 from job.errors import ConfigError
+from job.recorded import possible_scores
 
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("none", "median", "hyperband")
-# The fields of an evaluation record in metrics.jsonl (job/evaluate.py Scored.record), after the split's name.
-SPLIT_METRICS = ("loss", "accuracy", "top5") + tuple(
-    f"{avg}_{name}" for avg in ("macro", "weighted") for name in ("precision", "recall", "f1")
-)
-
-
 @dataclass(frozen=True)
 class Range:
     """A parameter drawn from [low, high]: integers when both ends are, on a log scale when `log`."""
@@ -110,11 +105,15 @@ def read_param(key: str, v: Any) -> Range | list:
 
 
 def metrics_written(cfg: Config) -> list[str]:
-    """The keys of the run's evaluation records: train_loss and the evaluated split's scores (val when the config
-    holds one out; a folder's own val/ cannot be known before reading it, so both then)."""
+    """The keys of the run's evaluation records (job/recorded.py): train_loss and the evaluated split's scores (val
+    when the config holds one out; a folder's own val/ cannot be known before reading it, so both then), for the task
+    and number of classes where the config says them (else all a run of it may write)."""
     tables = cfg.data.kind in ("csv", "cifar10")  # no val of their own: val only when val_split holds one out
     splits = ["val"] if cfg.data.val_split else ["test"] if tables else ["val", "test"]
-    scores = [m for m in SPLIT_METRICS if not (m == "top5" and cfg.data.kind == "csv")]  # top-5 of over 5 classes
+    task = {"multiclass": False, "multilabel": True}.get(cfg.data.task)
+    if tables:
+        task = False
+    scores = possible_scores(task, 10 if cfg.data.kind == "cifar10" else None)
     return ["train_loss", *(f"{s}_{m}" for s in splits for m in scores)]
 
 

@@ -1,6 +1,6 @@
 """Sweeps: an Optuna study whose trials are ordinary runs in <output>/trials/<n>/. Each `job sweep` is one worker, a
-loop that takes the next trial (a preempted one first, continued from its checkpoint with its parameters) until the
-study holds its N finished trials; then it writes the results (trials.csv, best.json, best/, a picture)."""
+loop that takes the next trial (a preempted or failed one first, continued from its checkpoint with its parameters)
+until the study's N trials have ended; then it writes the results (trials.csv, best.json, best/, a picture)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,19 @@ import hashlib
 import signal
 import subprocess
 import sys
-import threading
 import time
+import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from job.config import Config, load_config
 from job.console import say
-from job.errors import ConfigError, Interrupted, JobError, StorageError, one_line
+from job.errors import Cancelled, ConfigError, Interrupted, JobError, StorageError, exit_code, one_line
+from job.prune import Judge, Watch
 from job.space import Space, read_space, setting
+from job.study_began import EXTRA, check_began_with, is_original, make_sampler, original_index
 from job.study_storage import HEARTBEAT_S, masked, open_storage, storage_url
 from job.sweep_results import write_results
 
@@ -28,62 +30,55 @@ if TYPE_CHECKING:
     from job.stop import StopRequest
 
 MLFLOW_RUN = "mlflow_run_id"  # study user attr: the study's MLflow run, the trials' runs its children
-EXTRA = "extra"  # user attr: a trial begun by two workers for the study's last slot, ended unrun
+FAILURE = "failure"  # user attr: why a trial's run failed, one line; EXIT: the exit code it failed with
+EXIT = "exit_code"
+PLACE = "trial"  # user attr: the trial's place among the N originals, its folder's name (retries take no place)
+STOPPED = "stopped"  # user attr: why a trial was stopped short (its pruner, a loss not finite)
+TRIES_AFTER_FAILURE = 1  # a failed trial is run once more (a transient cause passes), then ends FAIL
 
 
-def is_original(t: optuna.trial.FrozenTrial) -> bool:
-    """A trial that drew its own parameters: neither a retry of a lost one nor a worker's extra."""
-    return "failed_trial" not in t.system_attrs and not t.user_attrs.get(EXTRA)
+def label(t: optuna.trial.FrozenTrial) -> int:
+    """A trial's place among the study's N, as its folder and the results name it."""
+    return t.user_attrs.get(PLACE, chain(t))
 
 
-def original_index(trials: list, number: int) -> int:
-    """How many original trials come before trial `number`: its place among the N."""
-    return sum(1 for t in trials if t.number < number and is_original(t))
-
-
-def make_sampler(space: Space):
-    """A sampler made afresh for each trial, seeded by the space's seed and the trial's place among the originals: a
-    restarted worker draws what one never stopped would, and two workers never draw alike for their different
-    trials."""
-    import numpy
+def chain(t: optuna.trial.FrozenTrial) -> int:
+    """The number of the original trial `t` retries (its folder's), or its own."""
     import optuna
 
-    if space.sampler == "grid":  # its points are shuffled by its seed once and taken in trial order: one sampler
-        return optuna.samplers.GridSampler(dict(space.params), seed=space.seed)
+    n = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t)
+    return t.number if n is None else n
 
-    class PlaceSeeded(optuna.samplers.BaseSampler):
-        def __init__(self) -> None:
-            self.by_trial: dict[int, optuna.samplers.BaseSampler] = {}
 
-        def of(self, study, trial) -> optuna.samplers.BaseSampler:
-            if trial.number not in self.by_trial:
-                place = original_index(study.get_trials(deepcopy=False), trial.number)
-                # Mixed, not added: generators seeded 0, 1, 2, ... draw alike first values (Mersenne Twister).
-                seed = int(numpy.random.SeedSequence([space.seed, place]).generate_state(1)[0])
-                self.by_trial = {trial.number: inner(seed)}  # one trial at a time per worker
-            return self.by_trial[trial.number]
+@dataclass
+class Standing:
+    """Where a study stands, each original trial by the latest try of it: ended (COMPLETE, PRUNED, or FAIL with no
+    retry queued: failed twice, or from before failures were retried), waiting (a retry queued), or running."""
 
-        def infer_relative_search_space(self, study, trial):
-            return self.of(study, trial).infer_relative_search_space(study, trial)
+    drawn: int = 0
+    ended: int = 0
+    waiting: int = 0
+    running: int = 0
+    failed: list = field(default_factory=list)  # the ended FAIL tries, in trial order
 
-        def sample_relative(self, study, trial, search_space):
-            return self.of(study, trial).sample_relative(study, trial, search_space)
+    @classmethod
+    def of(cls, trials: list) -> Standing:
+        from optuna.trial import TrialState
 
-        def sample_independent(self, study, trial, name, distribution):
-            return self.of(study, trial).sample_independent(study, trial, name, distribution)
-
-        def before_trial(self, study, trial) -> None:
-            self.of(study, trial).before_trial(study, trial)
-
-        def after_trial(self, study, trial, state, values) -> None:
-            self.of(study, trial).after_trial(study, trial, state, values)
-
-    def inner(seed: int) -> optuna.samplers.BaseSampler:
-        if space.sampler == "random":
-            return optuna.samplers.RandomSampler(seed=seed)
-        return optuna.samplers.TPESampler(seed=seed)
-
-    return PlaceSeeded()
+        latest: dict[int, Any] = {}
+        for t in sorted(trials, key=lambda t: t.number):
+            if not t.user_attrs.get(EXTRA):
+                latest[chain(t)] = t
+        s = cls(drawn=sum(map(is_original, trials)))
+        for t in latest.values():
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
+                s.ended += 1
+                s.failed += [t] if t.state == TrialState.FAIL else []
+            elif t.state == TrialState.WAITING:
+                s.waiting += 1
+            else:
+                s.running += 1
+        return s
 
 
 def make_pruner(space: Space):
@@ -143,40 +138,61 @@ class Worker:
     def objective(self, trial: optuna.trial.Trial) -> float:
         import optuna
 
-        self.lost = trial._trial_id
-        frozen = self.study._storage.get_trial(trial._trial_id)
-        first = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
+        self.lost = trial.number
         trials = self.study.get_trials(deepcopy=False)
+        frozen = trials[trial.number]  # a study's trials are numbered from 0, in order
+        first = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
         if first is None and original_index(trials, trial.number) >= self.space.trials:
             trial.set_user_attr(EXTRA, True)
             raise Extra
         params = suggest(trial, self.space)
-        n = trial.number if first is None else first
+        n = original_index(trials, trial.number if first is None else first)  # its place among the N: its folder
         run = f"{self.output.rstrip('/')}/trials/{n}"
+        trial.set_user_attr(PLACE, n)
         trial.set_user_attr("run", run)
-        tries = len(optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(frozen))
-        again = f" (continued from its last checkpoint, try {tries + 1})" if first is not None else ""
+        tries = optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(frozen)
+        again = ""
+        if tries:
+            how = "after a failure" if FAILURE in trials[tries[-1]].user_attrs else "from its last checkpoint"
+            again = f" (continued {how}, try {len(tries) + 1})"
         say(f"trial {n}{again}: {', '.join(f'{k}={v}' for k, v in params.items())}")
-        judge = Judge(trial, self.space, run)
+        try:
+            return self.run_trial(trial, n, params, run)
+        except (Interrupted, Cancelled, optuna.TrialPruned):
+            raise
+        except Exception as e:  # the run failed: its trial ends FAIL with why, and the worker goes on
+            if not isinstance(e, JobError):
+                traceback.print_exc()  # a bug: its traceback, as `job train` would print it
+            why = one_line(e) if isinstance(e, JobError) else f"{type(e).__name__}: {one_line(e)}"
+            trial.set_user_attr(FAILURE, why)
+            trial.set_user_attr(EXIT, exit_code(e))
+            raise TrialError(why) from None
+
+    def run_trial(self, trial: optuna.trial.Trial, n: int, params: dict[str, Any], run: str) -> float:
+        """The trial's run, its evaluations judged as they come; returns its value: the best of its evaluations."""
+        import optuna
+
+        judge = Judge(trial, self.space.metric, self.space.pruner, run)
         for record in judge.records():  # an earlier attempt's evaluations, reported (and judged) before going on
             judge(record)
         try:
-            if not judge.pruned:
+            if not judge.stopped:
                 (self.run_group if self.nproc > 1 else self.run_here)(run, n, params, judge)
         except Interrupted:
-            if not judge.pruned:
+            if not judge.stopped:
                 raise
         records = judge.records()
         for record in records:  # a group's last evaluations, written as its child ended
             judge(record)
         if records:
             trial.set_user_attr("epochs", records[-1].get("epoch"))
-        if judge.pruned:
+        if judge.stopped:
             from job.attempts import write_note
 
-            write_note(run, judge.pruned)
-            say(f"trial {n}: {judge.pruned}")
-            raise optuna.TrialPruned(judge.pruned)
+            write_note(run, judge.stopped)
+            trial.set_user_attr(STOPPED, judge.stopped)
+            say(f"trial {n}: {judge.stopped}")
+            raise optuna.TrialPruned(judge.stopped)
         values = [r[self.space.metric] for r in records if self.space.metric in r]
         if not values:
             raise ConfigError(f"trial {n}: the run wrote no {self.space.metric} (see {run}/metrics.jsonl)")
@@ -220,58 +236,8 @@ class TrialFailed(JobError):
         self.exit_code = code
 
 
-class Judge:
-    """A trial's evaluations reported to the study, each judged by its pruner (the run stays unaware of Optuna): given
-    each evaluation's record, says why the run should stop there, or None."""
-
-    def __init__(self, trial, space: Space, run: str) -> None:
-        self.trial, self.space, self.run = trial, space, run
-        self.reported: set[int] = set()
-        self.pruned = ""  # why the trial was pruned, and where, for its note
-
-    def __call__(self, record: dict[str, Any]) -> str | None:
-        metric, step = self.space.metric, record["step"]
-        if self.pruned or metric not in record or step in self.reported:
-            return None
-        self.reported.add(step)
-        self.trial.report(float(record[metric]), step)
-        if self.space.pruner == "none" or not self.trial.should_prune():
-            return None
-        self.pruned = f"pruned by the {self.space.pruner} pruner at step {step}: {metric} {record[metric]:.4g}"
-        return f"the sweep's pruner ({self.space.pruner}, at step {step})"
-
-    def records(self) -> list[dict[str, Any]]:
-        """The evaluations in the trial's metrics.jsonl, where the run writes it on this machine (a remote run's
-        staging copy, else the store's once the run is over), whole lines only."""
-        from job.cloud import read_url
-        from job.report import METRICS, records_in
-        from job.storage import RunDir
-
-        try:
-            text = RunDir(self.run).path(METRICS).read_text()
-        except (OSError, UnicodeDecodeError):
-            text = (read_url(f"{self.run}/{METRICS}") or b"").decode(errors="replace")
-        return [r for r in records_in(text[: text.rfind("\n") + 1]) if "train_loss" in r]
-
-
-class Watch:
-    """A thread that judges a child process's evaluations as its metrics.jsonl grows, and asks it to stop when
-    pruned."""
-
-    def __init__(self, judge: Judge, ask_stop: Callable[[], None]) -> None:
-        self.judge, self.ask_stop = judge, ask_stop
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._follow, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _follow(self) -> None:
-        while not self._stop.wait(0.3):
-            if any(self.judge(record) for record in self.judge.records()):
-                self.ask_stop()
+class TrialError(Exception):
+    """A trial's run failed: the trial ends FAIL with the reason in its user attrs."""
 
 
 def sweep(
@@ -286,7 +252,7 @@ def sweep(
     stop: StopRequest,
     train: Callable[..., dict],
 ) -> dict:
-    """Run trials of the study until it holds its N finished ones, then write the results; returns best.json.
+    """Run trials of the study until its N trials have ended, then write the results; returns best.json.
     `train`: job.train.run, which runs a trial in this process."""
     cfg = load_config(config, overrides)
     output = output or f"runs/{cfg.name}-sweep"
@@ -304,12 +270,13 @@ def sweep(
             storage=storage,
             study_name=space.name,
             direction=space.direction,
-            sampler=make_sampler(space),
             pruner=make_pruner(space),
             load_if_exists=True,
         )
     except Exception as e:
         raise StorageError(f"--study {masked(url)}: cannot open study {space.name}: {one_line(e)}") from None
+    grid = {k: p for k, p in space.params.items() if isinstance(p, list)}
+    study_.sampler = make_sampler(check_began_with(study_, space, cfg), grid)  # as the study began: recorded in it
     worker = Worker(space, cfg, config, overrides, output, device, nproc, train, study_)
     worker.parent_run_id = parent_run(worker, url)
     say(
@@ -317,50 +284,75 @@ def sweep(
         f"{space.direction} {space.metric}; "
         f"study {masked(url)}"
     )
-    from optuna.trial import TrialState
-
     while True:
         if stop.received:  # between trials (during one, the trial's own watch takes the signal)
             raise Interrupted(
                 f"stopped by {stop.describe(stop.received)} between trials: run the same command to go on"
             )
         optuna.storages.fail_stale_trials(study_)
-        ts = study_.get_trials(deepcopy=False)
-        done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in ts)
-        if done >= space.trials:
+        standing = Standing.of(study_.get_trials(deepcopy=False))
+        if standing.ended >= space.trials:
             break
-        running = sum(t.state == TrialState.RUNNING for t in ts)
-        if any(t.state == TrialState.WAITING for t in ts) or done + running < space.trials:
+        if standing.waiting or standing.drawn < space.trials:
             run_one(worker)
-        else:  # another worker runs the last trials; one of them may yet be lost
+        elif standing.running:  # another worker runs the last trials; one of them may yet be lost
             time.sleep(HEARTBEAT_S)
+        else:
+            break
     best = write_results(study_, space, output, trial_rows(worker))
     end_parent_run(worker, best)
+    failed = Standing.of(study_.get_trials(deepcopy=False)).failed
+    if failed:
+        whys = "; ".join(
+            f"trial {label(t)} (exit {t.user_attrs.get(EXIT, 1)}: {t.user_attrs.get(FAILURE)})" for t in failed
+        )
+        say(f"sweep {space.name}: {len(failed)} of {space.trials} trials failed: {whys}")
+        if not best:
+            raise TrialFailed(f"sweep {space.name}: no trial completed", failed[0].user_attrs.get(EXIT, 1))
     return best
 
 
 def run_one(worker: Worker) -> None:
-    """One trial; a stop or failure of its run ends it FAIL with a retry queued (same params, same folder), and ends
-    this worker with the run's error. A fault in the config or the data (exit 2, 3) is not retried: it would fail
-    again."""
-    import optuna
-
+    """One trial. A failed run ends it FAIL with its reason, retried once (a transient cause passes), and the worker
+    goes on; a stop ends it FAIL with a retry queued (same params, same folder) and ends this worker."""
     worker.lost = None
     try:
-        worker.study.optimize(worker.objective, n_trials=1, catch=(Extra,))
-    except BaseException as e:
-        if worker.lost is not None and getattr(e, "exit_code", None) not in (2, 3):
-            frozen = worker.study._storage.get_trial(worker.lost)
-            if frozen.state == optuna.trial.TrialState.FAIL and not frozen.user_attrs.get(EXTRA):
-                optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(worker.study, frozen)
+        worker.study.optimize(worker.objective, n_trials=1, catch=(Extra, TrialError))
+    except BaseException:
+        requeue(worker)
         raise
+    requeue(worker)
+
+
+def requeue(worker: Worker) -> None:
+    """A retry of the worker's last trial where it ended FAIL: however often it was stopped or lost, once after a
+    failure of its run."""
+    import optuna
+
+    if worker.lost is None:
+        return
+    trials = worker.study.get_trials(deepcopy=False)
+    frozen = trials[worker.lost]
+    if frozen.state != optuna.trial.TrialState.FAIL or frozen.user_attrs.get(EXTRA):
+        return
+    if FAILURE in frozen.user_attrs:
+        history = optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(frozen)
+        failures = 1 + sum(FAILURE in trials[i].user_attrs for i in history)
+        why = f"trial {label(frozen)} failed (exit {frozen.user_attrs[EXIT]}): {frozen.user_attrs[FAILURE]}"
+        if failures > TRIES_AFTER_FAILURE:
+            say(f"{why}; it failed before too, and ends FAIL")
+            return
+        say(f"{why}; it is tried once more")
+    optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(worker.study, frozen)
 
 
 def parent_run(worker: Worker, url: str) -> str:
-    """The study's MLflow run (track.mlflow set), made by the first worker (job/track.py: workers starting together
-    agree on one) and kept in the study's user attrs; '' untracked, or when the server does not answer (the trials
-    are then tracked alone, their points kept as ever)."""
-    from job.track import study_run, target
+    """The study's MLflow run (track.mlflow set), made by the first worker (job/track_study.py: workers starting
+    together agree on one), holding the space, the metric and its direction, and kept in the study's user attrs; ''
+    untracked, or when the server does not answer, said at once (the trials are then tracked alone, their points kept
+    as ever)."""
+    from job.track import target
+    from job.track_study import study_run
 
     where = target(worker.cfg, worker.output)
     if where is None:
@@ -368,47 +360,51 @@ def parent_run(worker: Worker, url: str) -> str:
     if known := worker.study.user_attrs.get(MLFLOW_RUN):
         return known
     identity = hashlib.sha256(f"{masked(url)}#{worker.space.name}".encode()).hexdigest()[:16]  # storage and name
-    if run_id := study_run(where, worker.space.name, identity):
+    if run_id := study_run(where, worker.space, identity):
         worker.study.set_user_attr(MLFLOW_RUN, run_id)
     return run_id
 
 
 def end_parent_run(worker: Worker, best: dict) -> None:
-    """The study's MLflow run finished, with the best trial's metric."""
-    from job.track import end_study_run, target
+    """The study's MLflow run finished: the best trial's params and value, and the results written in the output
+    (trials.csv, best.json, params.png), each once however many workers end it."""
+    from job.track import target
+    from job.track_study import end_study_run
 
     where = target(worker.cfg, worker.output)
     if worker.parent_run_id and where is not None:
-        end_study_run(where, worker.parent_run_id, best)
+        end_study_run(where, worker.parent_run_id, best, worker.output)
 
 
 def trial_rows(worker: Worker) -> list[dict[str, Any]]:
-    """One row per trial folder, as its latest attempt in the study left it, in trial order."""
-    import optuna
-
+    """One row per trial folder, as its latest try in the study left it, in trial order: its parameters, value, state,
+    time, and what it cost (device hours, spend at train.price_per_device_hour, training lost to kills)."""
     from job.attempts import history, moment
+    from job.cost import totals
     from job.storage import RunDir
 
-    latest: dict[int, Any] = {}
-    for t in worker.study.get_trials(deepcopy=False):
-        if t.user_attrs.get(EXTRA) or "run" not in t.user_attrs:
-            continue
-        n = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(t)
-        latest[t.number if n is None else n] = t
+    latest = {chain(t): t for t in worker.study.get_trials(deepcopy=False) if "run" in t.user_attrs}
     rows = []
-    for n, t in sorted(latest.items()):
+    for _, t in sorted(latest.items()):
+        if t.user_attrs.get(EXTRA):
+            continue
         attempts = history(RunDir(t.user_attrs["run"]))
         ends = [(a["started"], a.get("ended") or (a.get("last_seen") or {}).get("time")) for a in attempts]
         seconds = sum(moment(end) - moment(start) for start, end in ends if start and end)
+        cost = totals(attempts, worker.cfg.train.price_per_device_hour)
         rows.append(
             {
-                "trial": n,
+                "trial": label(t),
                 **t.params,
                 worker.space.metric: t.value,
                 "state": t.state.name,
                 "epochs": t.user_attrs.get("epochs"),
                 "seconds": round(seconds, 1),
                 "attempts": len(attempts),
+                "device_hours": cost["device_hours"],
+                "spent": cost["spent"],
+                "lost_s": round(sum(a.get("lost_s") or 0.0 for a in attempts), 1),
+                "note": t.user_attrs.get(FAILURE) or t.user_attrs.get(STOPPED) or "",
                 "run": t.user_attrs["run"],
             }
         )

@@ -24,23 +24,25 @@ def write_results(study, space: Space, output: str, rows: list[dict[str, Any]]) 
     out = output.rstrip("/")
     text = io.StringIO()
     fields = list(dict.fromkeys(k for r in rows for k in r))
+    cost = sweep_cost(rows)
+    total = {"trial": "total", "seconds": round(sum(r["seconds"] for r in rows), 1), **cost}
     writer = csv.DictWriter(text, fields)
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows([*rows, total])
     write_url(f"{out}/trials.csv", text.getvalue().encode())
-    print(table(rows, fields[:-1]))
+    print(table([*rows, total], fields[:-1]))
     complete = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
     if not complete:
         say(f"sweep {space.name}: no trial completed; results in {out}/trials.csv")
         return {}
     best_t = study.best_trial
-    n = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(best_t)
-    n = best_t.number if n is None else n
+    n = next(r["trial"] for r in rows if r["run"] == best_t.user_attrs["run"])
     best = {
         "trial": n,
         "values": best_t.params,
         "metric": {space.metric: best_t.value},
         "run": best_t.user_attrs["run"],
+        "cost": cost,
     }
     for name in ("model.pt", "model.json", "config.yaml"):
         data = read_url(f"{best['run']}/{name}")
@@ -55,6 +57,16 @@ def write_results(study, space: Space, output: str, rows: list[dict[str, Any]]) 
         f"{out}/trials.csv, {out}/params.png"
     )
     return best
+
+
+def sweep_cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sweep's totals: device hours, spend (None where a trial's is unpriced), training lost to kills (seconds)."""
+    spent = [r.get("spent") for r in rows]
+    return {
+        "device_hours": round(sum(r.get("device_hours") or 0.0 for r in rows), 6),
+        "spent": None if None in spent or not rows else round(sum(spent), 6),
+        "lost_s": round(sum(r.get("lost_s") or 0.0 for r in rows), 1),
+    }
 
 
 def table(rows: list[dict[str, Any]], fields: list[str]) -> str:

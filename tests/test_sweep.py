@@ -108,7 +108,8 @@ def test_workers_killed_mid_trial_leave_their_trials_to_the_next_which_continue_
     assert_same_run(str(ref), str(run))
     best = json.loads((out / "best.json").read_text())
     assert best["metric"]["val_accuracy"] == max(t.value for t in done)
-    assert study.trials[best["trial"]].params == best["values"]
+    (placed,) = {tuple(t.params.items()) for t in done if t.user_attrs["trial"] == best["trial"]}
+    assert dict(placed) == best["values"]
     assert (out / "trials.csv").read_text().count("COMPLETE") == 3 and (out / "params.png").stat().st_size > 1000
     iris = Path(__file__).parents[1] / "job/presets/iris.csv"
     r = run_job(
@@ -164,7 +165,7 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, space, args, say
     "metric, args, says",
     [
         ("val_accuracy", sets("data.val_split=0"), "test_accuracy"),  # iris holds out no val without val_split
-        ("val_top5", [], "val_accuracy"),  # a table's top-5 of 3 classes is never written
+        ("val_map", [], "val_accuracy"),  # a table's classes are one a row: no mAP
     ],
 )
 def test_a_metric_the_run_will_not_write_is_refused_before_any_trial(tmp_path, metric, args, says):
@@ -270,12 +271,14 @@ def test_a_pruned_trial_stops_at_a_checkpoint_and_says_why(tmp_path):
     run = Path(pruned[0].user_attrs["run"])
     judged = max(pruned[0].intermediate_values)  # the evaluation it was pruned at: its last report
     note = json.loads((run / "run.json").read_text())["note"]
-    assert f"pruned by the median pruner at step {judged}" in note
+    assert f"pruned by the median pruner at epoch {judged}" in note
     assert (run / "checkpoints/latest.json").exists() and not (run / "model.pt").exists()
-    assert attempts(run)[-1]["committed"]["step"] == judged  # stopped at that evaluation, not steps after it
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    (at,) = [r["step"] for r in records if r.get("epoch") == judged and "train_loss" in r]
+    assert attempts(run)[-1]["committed"]["step"] == at  # stopped at that evaluation, not steps after it
     (log,) = tmp_path.glob("worker-*.log")
     stops = [line for line in log.read_text().splitlines() if ": stopping " in line]  # the run's stop line
-    assert stops and stops[-1].startswith(f"the sweep's pruner (median, at step {judged}): stopping"), stops
+    assert stops and stops[-1].startswith(f"the sweep's pruner (median, at epoch {judged}): stopping"), stops
     assert "time limit" not in log.read_text()
 
 
@@ -349,3 +352,100 @@ def test_a_sweep_in_a_bucket_with_its_study_on_local_disk(tmp_path, bucket):
     assert {"best.json", "best/model.pt", "best/model.json", "trials.csv", "trials/0/model.pt"} <= set(names)
     best = json.loads(bucket.fs.cat_file(f"{bucket.name}/S/best.json"))
     assert best["run"] == bucket.url(f"S/trials/{best['trial']}")
+
+
+IRIS_CSV = Path(__file__).parents[1] / "job/presets/iris.csv"
+
+
+def test_a_sweep_whose_trial_failed_goes_on_and_ends_when_run_again(tmp_path):
+    """A trial that fails (exit 3: its data.path is missing) is FAIL with its reason, tried once more with the same
+    parameters, then ended; the worker goes on to the next trial and ends the study with the rest. The same command
+    again ends at once, creating no trial."""
+    missing = tmp_path / "no-such.csv"
+    grid = {"name": "grid", "seed": 0}
+    space = space_file(tmp_path, trials=2, sampler=grid, space={"data.path": [str(IRIS_CSV), str(missing)]})
+    out = tmp_path / "S"
+    argv = ["sweep", str(space), "--output", str(out), *IRIS, *sets("train.epochs=2")]
+    first = run_job(*argv, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "no-such.csv" in first.stderr and "Traceback" not in first.stderr
+    again = run_job(*argv, timeout=120)
+    assert again.returncode == 0, again.stderr
+    study = study_of(f"sqlite:///{out}/study.db")
+    failed = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
+    assert len(study.trials) == 3 and len(failed) == 2, [(t.state, t.params) for t in study.trials]
+    assert all(t.params == {"data.path": str(missing)} and "no-such.csv" in t.user_attrs["failure"] for t in failed)
+    assert "no-such.csv" in again.stderr  # the summary names every failure
+    best = json.loads((out / "best.json").read_text())
+    assert best["values"] == {"data.path": str(IRIS_CSV)}
+    assert "FAIL" in (out / "trials.csv").read_text()
+
+
+def test_a_sweep_whose_every_trial_failed_exits_with_the_first_failure_code(tmp_path):
+    grid = {"name": "grid", "seed": 0}
+    paths = [str(tmp_path / "a.csv"), str(tmp_path / "b.csv")]
+    space = space_file(tmp_path, trials=2, sampler=grid, space={"data.path": paths})
+    out = tmp_path / "S"
+    argv = ["sweep", str(space), "--output", str(out), *IRIS, *sets("train.epochs=2")]
+    for _ in range(2):
+        r = run_job(*argv, timeout=300)
+        assert r.returncode == 3, r.stderr
+        assert "a.csv" in r.stderr and "b.csv" in r.stderr and "Traceback" not in r.stderr
+    assert len(study_of(f"sqlite:///{out}/study.db").trials) == 4  # each tried twice, none created unrun
+    assert not (out / "best.json").exists()
+
+
+def test_the_metric_is_one_the_evaluation_writes_for_the_task():
+    from job.config import load_config
+    from job.space import metrics_written
+
+    multi = metrics_written(
+        load_config("cifar10", ["data.kind=manifest", "data.task=multilabel", "data.val_split=0.2"])
+    )
+    assert {"val_map", "val_micro_f1", "val_exact_match", "val_loss"} <= set(multi)
+    assert not {"val_accuracy", "val_top5"} & set(multi)
+    single = metrics_written(load_config("cifar10", ["data.val_split=0.2"]))
+    assert {"val_accuracy", "val_top5", "val_macro_f1"} <= set(single) and "val_map" not in single
+    either = metrics_written(load_config("cifar10", ["data.kind=folder", "data.val_split=0.2"]))  # task auto
+    assert {"val_accuracy", "val_map"} <= set(either)
+
+
+def test_the_records_hold_the_scores_named_for_them():
+    import numpy as np
+    import torch
+
+    from job.evaluate import Scored
+    from job.multilabel import scored
+    from job.recorded import split_scores
+
+    for k in (3, 10):
+        s = Scored(0.5, 0.5, 0.9, torch.eye(k), [])
+        assert list(s.record("val")) == [f"val_{m}" for m in split_scores(False, k)]
+    y = np.array([[1, 0], [0, 1], [1, 1]])
+    m = scored(y, np.array([[0.9, 0.2], [0.1, 0.8], [0.7, 0.6]]), 0.3)
+    assert list(m.record("val")) == [f"val_{m}" for m in split_scores(True, 2)]
+
+
+def test_a_multilabel_model_is_swept_on_val_map(tmp_path):
+    from test_multilabel import manifests, mosaic_images
+
+    data = tmp_path / "mosaics"
+    manifests(data, mosaic_images(data, 96))
+    over = sets(
+        "data.kind=manifest",
+        f"data.path={data / 'labels.jsonl'}",
+        "data.label_column=labels",
+        "data.image_size=32",
+        "data.val_split=0.25",
+        "optim.name=adamw",
+        "train.epochs=2",
+        "data.batch_size=16",
+    )
+    space = space_file(tmp_path, trials=2, metric="val_map", space={"optim.lr": {"low": 0.001, "high": 0.01}})
+    out = tmp_path / "S"
+    code, err = invoke(["sweep", str(space), "--output", str(out), "--device", "cpu", "--config", "cifar10", *over])
+    assert code == 0, err
+    study = study_of(f"sqlite:///{out}/study.db")
+    assert len(complete(study)) == 2 and all(0 <= t.value <= 1 for t in complete(study))
+    best = json.loads((out / "best.json").read_text())
+    assert best["metric"]["val_map"] == max(t.value for t in complete(study))
