@@ -59,12 +59,12 @@ class Chooser:
     def model_thresholds(self, classes: int, state=None) -> list[float] | None:
         """Multi-label: the thresholds of the weights the model holds. At the end (no `state`), model.pt's: the
         chosen evaluation's. At a checkpoint (the run's `state`), its weights' own: the chosen one's where the model
-        stands at its best, else the latest evaluation's (mid-epoch: the one before). UNFITTED without val."""
+        stands at its best, else the latest evaluation's (mid-epoch: the one before). UNFITTED without val, and
+        before any evaluation (never a split's own cut at the end: the test split would be fitted)."""
         if self.on != "val":
             return [UNFITTED] * classes
-        if state is None or is_best(state):
-            return self.thresholds
-        return self.latest_thresholds or self.thresholds
+        held = self.thresholds if state is None or is_best(state) else self.latest_thresholds or self.thresholds
+        return held or [UNFITTED] * classes
 
     def judge(
         self,

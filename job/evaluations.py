@@ -144,7 +144,7 @@ def write_reports(loop: Loop) -> tuple[float | None, dict[str, float]]:
 
     group = (distributed.rank(), distributed.world())
     views = loop.cfg.train.test_time_augmentation
-    chosen = loop.chooser.model_thresholds(len(loop.r.classes))
+    chosen = loop.chooser.model_thresholds(len(loop.r.classes)) if loop.r.multilabel else None
     kept, loop.kept = loop.kept, {}
     calibration = diagnostics.write_splits(loop.r, put, group, distributed.gather_to_writer, chosen, views, kept) or {}
     return calibration.pop("temperature", None), calibration

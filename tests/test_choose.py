@@ -120,3 +120,35 @@ def test_what_a_run_may_choose_on_is_checked_in_one_line(tmp_path):
     assert code == 2 and "train.choose_on" in err and "val split" in err and "Traceback" not in err, err
     code, err = noisy_run(tmp_path, tmp_path / "d", "train.choose_on=val_accuracy", "train.epochs=5")
     assert code == 0, err  # the default, named
+
+
+def test_choosing_on_loss_takes_the_lowest_never_a_nan_and_counts_only_a_fall_of_min_delta():
+    """In-process, the Chooser alone: val_loss is better lower; a NaN is never chosen; early_stopping_min_delta asks
+    for a fall of that much; a multi-label checkpoint's thresholds are its own evaluation's, after a restore too."""
+    from job.choose import Chooser
+    from job.config import TrainConfig
+    from job.progress import Progress
+
+    t = TrainConfig(choose_on="val_loss", early_stopping_patience=2, early_stopping_min_delta=0.05)
+    model, state = torch.nn.Linear(2, 3), Progress()
+    chooser = Chooser(t, "val", multilabel=True, written=["train_loss", "val_loss", "val_map"])
+    reasons = []
+    for epoch, loss in enumerate([float("nan"), 0.9, 0.5, 0.47, 0.6], start=1):
+        state.epoch = epoch
+        with torch.no_grad():
+            model.weight.fill_(epoch)
+        reasons.append(chooser.judge(state, loss, loss, model, None, [epoch / 10] * 3))
+        if epoch == 4:
+            payload = {"progress": {"best_epoch": state.best_epoch, "epoch": 4, "epoch_step": 0}} | chooser.saved(state)
+    assert state.best_epoch == 3 and state.best_accuracy == 0.5 and float(chooser.weights["weight"][0, 0]) == 3
+    assert reasons[:4] == ["", "", "", ""]
+    assert (
+        reasons[4]
+        == "early stopping: val loss has not improved by more than 0.05 in 2 evaluations (best 0.5000 at epoch 3)"
+    )
+    assert chooser.model_thresholds(3) == [0.3] * 3  # model.pt's: the chosen evaluation's
+    again = Chooser(t, "val", multilabel=True)
+    again.restore(payload, model)
+    assert again.model_thresholds(3, Progress(epoch=4, best_epoch=3)) == [0.4] * 3  # the checkpoint's own weights'
+    assert again.model_thresholds(3) == [0.3] * 3
+    assert Chooser(TrainConfig(), "test", multilabel=True).model_thresholds(2) == [0.5, 0.5]  # none fitted on test
