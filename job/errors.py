@@ -14,6 +14,11 @@ class ConfigError(JobError):
     exit_code = 2
 
 
+class MetricNotWritten(ConfigError):
+    """A run is asked to choose on a score its evaluations never write for its data (found once the data is read): a
+    sweep on that metric can choose no trial, whatever their parameters."""
+
+
 class DataError(JobError):
     """Data missing, unreadable or in an unexpected shape."""
 

@@ -13,6 +13,8 @@ from job.recorded import possible_scores
 
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("none", "median", "hyperband")
+
+
 @dataclass(frozen=True)
 class Range:
     """A parameter drawn from [low, high]: integers when both ends are, on a log scale when `log`."""
@@ -46,13 +48,23 @@ def read_space(url: str, trials: int | None, cfg: Config, config: str, overrides
     known = {"name", "metric", "direction", "trials", "sampler", "pruner", "space"}
     if unknown := sorted(set(raw) - known):
         raise ConfigError(f"space {url}: unknown key {unknown[0]} (known: {', '.join(sorted(known))})")
-    metric = str(raw.get("metric", "val_accuracy"))
-    direction = str(raw.get("direction", "maximize"))
+    written = metrics_written(cfg)
+    if not written:
+        raise ConfigError(
+            "space metric: a sweep chooses its trials on the val split, and this config holds none out (the test "
+            "split is only reported): set data.val_split, e.g. --set data.val_split=0.2"
+        )
+    metric = str(raw.get("metric", written[1]))  # val_accuracy, or val_map for multi-label
+    if metric not in written:
+        raise ConfigError(f"space metric: the run never writes {metric!r} for val; it writes {', '.join(written)}")
+    lowest = "minimize" if metric.endswith("_loss") else "maximize"  # as the run chooses on it (train.choose_on)
+    direction = str(raw.get("direction", lowest))
     if direction not in ("maximize", "minimize"):
         raise ConfigError(f"space direction: expected maximize or minimize, got {direction!r}")
-    written = metrics_written(cfg)
-    if metric not in written:
-        raise ConfigError(f"space metric: the run never writes {metric!r}; it writes {', '.join(written)}")
+    if direction != lowest:
+        raise ConfigError(
+            f"space direction: {metric} is better {'lower' if lowest == 'minimize' else 'higher'}: {lowest}"
+        )
     sampler = raw.get("sampler") or {}
     sampler = {"name": sampler} if isinstance(sampler, str) else sampler
     if not isinstance(sampler, dict) or sampler.get("name", "tpe") not in SAMPLERS:
@@ -105,16 +117,15 @@ def read_param(key: str, v: Any) -> Range | list:
 
 
 def metrics_written(cfg: Config) -> list[str]:
-    """The keys of the run's evaluation records (job/recorded.py): train_loss and the evaluated split's scores (val
-    when the config holds one out; a folder's own val/ cannot be known before reading it, so both then), for the task
-    and number of classes where the config says them (else all a run of it may write)."""
+    """The val scores of the run's evaluation records (job/recorded.py), which a sweep may choose its trials on, as
+    each trial's run chooses its model on it (train.choose_on): for the task and number of classes where the config
+    says them, else all a run of it may write (the run checks again once it has read its data). None where the config
+    holds no val split out (a folder's own val/ cannot be known before reading it)."""
     tables = cfg.data.kind in ("csv", "cifar10")  # no val of their own: val only when val_split holds one out
-    splits = ["val"] if cfg.data.val_split else ["test"] if tables else ["val", "test"]
-    task = {"multiclass": False, "multilabel": True}.get(cfg.data.task)
-    if tables:
-        task = False
-    scores = possible_scores(task, 10 if cfg.data.kind == "cifar10" else None)
-    return ["train_loss", *(f"{s}_{m}" for s in splits for m in scores)]
+    if tables and not cfg.data.val_split:
+        return []
+    task = False if tables else {"multiclass": False, "multilabel": True}.get(cfg.data.task)
+    return [f"val_{m}" for m in possible_scores(task, 10 if cfg.data.kind == "cifar10" else None)]
 
 
 def setting(key: str, value: Any) -> str:

@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 from job.config import Config, load_config
 from job.console import say
-from job.errors import Cancelled, ConfigError, Interrupted, JobError, StorageError, exit_code, one_line
+from job.errors import (
+    Cancelled,
+    ConfigError,
+    Interrupted,
+    JobError,
+    MetricNotWritten,
+    StorageError,
+    exit_code,
+    one_line,
+)
 from job.prune import Judge, Watch
 from job.space import Space, read_space, setting
 from job.study_began import EXTRA, check_began_with, is_original, make_sampler, original_index
@@ -133,7 +142,8 @@ class Worker:
             else []
         )
         parent = [f"track.parent_run_id={self.parent_run_id}"] if self.parent_run_id else []
-        return [*self.overrides, *every, *parent, *(setting(k, v) for k, v in params.items())]
+        chosen = [f"train.choose_on={self.space.metric}"]  # model.pt: the evaluation that gave the trial's value
+        return [*self.overrides, *every, *parent, *chosen, *(setting(k, v) for k, v in params.items())]
 
     def objective(self, trial: optuna.trial.Trial) -> float:
         import optuna
@@ -160,6 +170,10 @@ class Worker:
             return self.run_trial(trial, n, params, run)
         except (Interrupted, Cancelled, optuna.TrialPruned):
             raise
+        except MetricNotWritten as e:  # the space's fault, not the trial's: every trial would fail alike
+            trial.set_user_attr(FAILURE, one_line(e))
+            trial.set_user_attr(EXIT, e.exit_code)
+            raise ConfigError(f"space metric: {self.space.metric}: {one_line(e)}") from None
         except Exception as e:  # the run failed: its trial ends FAIL with why, and the worker goes on
             if not isinstance(e, JobError):
                 traceback.print_exc()  # a bug: its traceback, as `job train` would print it
@@ -319,14 +333,14 @@ def run_one(worker: Worker) -> None:
     try:
         worker.study.optimize(worker.objective, n_trials=1, catch=(Extra, TrialError))
     except BaseException:
-        requeue(worker)
+        requeue(worker, ending=True)
         raise
     requeue(worker)
 
 
-def requeue(worker: Worker) -> None:
+def requeue(worker: Worker, ending: bool = False) -> None:
     """A retry of the worker's last trial where it ended FAIL: however often it was stopped or lost, once after a
-    failure of its run."""
+    failure of its run; none where its failure ends the worker (`ending`: the space's metric is never written)."""
     import optuna
 
     if worker.lost is None:
@@ -336,6 +350,8 @@ def requeue(worker: Worker) -> None:
     if frozen.state != optuna.trial.TrialState.FAIL or frozen.user_attrs.get(EXTRA):
         return
     if FAILURE in frozen.user_attrs:
+        if ending:
+            return
         history = optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(frozen)
         failures = 1 + sum(FAILURE in trials[i].user_attrs for i in history)
         why = f"trial {label(frozen)} failed (exit {frozen.user_attrs[EXIT]}): {frozen.user_attrs[FAILURE]}"

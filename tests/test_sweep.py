@@ -146,6 +146,7 @@ def test_a_worker_stopped_by_sigterm_exits_75_and_the_sweep_goes_on_as_one_never
         ({"space": {"optim.lr": {"low": 0.1, "high": 0.1}}}, [], "empty or reversed range"),
         ({"metric": "val_acc"}, [], "val_accuracy"),
         ({"direction": "up"}, [], "maximize or minimize"),
+        ({"metric": "val_loss", "direction": "maximize"}, [], "val_loss is better lower: minimize"),
         ({"sampler": {"name": "grid"}}, [], "a grid takes lists"),
         ({}, ["--study", "postgresql://nobody@127.0.0.1:1/none"], "cannot open the study's storage"),
         ({}, ["--output", "gs://bucket/sweep"], "--study postgresql://"),
@@ -164,7 +165,7 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, space, args, say
 @pytest.mark.parametrize(
     "metric, args, says",
     [
-        ("val_accuracy", sets("data.val_split=0"), "test_accuracy"),  # iris holds out no val without val_split
+        ("val_accuracy", sets("data.val_split=0"), "set data.val_split"),  # never chosen on test
         ("val_map", [], "val_accuracy"),  # a table's classes are one a row: no mAP
     ],
 )
@@ -449,3 +450,93 @@ def test_a_multilabel_model_is_swept_on_val_map(tmp_path):
     assert len(complete(study)) == 2 and all(0 <= t.value <= 1 for t in complete(study))
     best = json.loads((out / "best.json").read_text())
     assert best["metric"]["val_map"] == max(t.value for t in complete(study))
+
+
+def test_best_holds_the_weights_that_gave_best_json_number_for_val_loss(tmp_path):
+    """A sweep on val_loss (lower is better): each trial's model.pt is the evaluation of its lowest val_loss, so
+    `job evaluate` of best/ on the val images gives best.json's number."""
+    from conftest import write_image_folder
+
+    root = write_image_folder(tmp_path / "images", per_class=16, test_per_class=6)
+    (root / "test").rename(root / "val")
+    write_image_folder(tmp_path / "more", per_class=1, test_per_class=4)
+    (tmp_path / "more/test").rename(root / "test")
+    over = sets(f"data.path={root}", "data.kind=folder", "data.image_size=32", "train.epochs=6", "data.batch_size=8")
+    space = space_file(tmp_path, trials=2, metric="val_loss", direction="minimize", space={"optim.lr": [0.3, 0.05]})
+    out = tmp_path / "S"
+    code, err = invoke(["sweep", str(space), "--output", str(out), "--device", "cpu", "--config", "cifar10", *over])
+    assert code == 0, err
+    best = json.loads((out / "best.json").read_text())
+    r = run_job("evaluate", "--model", str(out / "best"), "--data", str(root / "val"), "--json", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["all_loss"] == pytest.approx(best["metric"]["val_loss"], rel=1e-5)
+    assert yaml.safe_load((out / "best/config.yaml").read_text())["train"]["choose_on"] == "val_loss"
+
+
+def test_trials_sweeping_the_batch_size_are_pruned_at_the_same_epochs(tmp_path):
+    """The pruner compares trials at equal points of training: each reports at its epochs, whatever its batch size
+    (at optimizer steps, a trial of 16 samples a step and one of the whole table never met)."""
+    space = space_file(tmp_path, trials=3, pruner="median", space={"data.batch_size": [16, 64, 128]})
+    out = tmp_path / "S"
+    argv = ["sweep", str(space), "--output", str(out), *IRIS, *sets("train.epochs=4", "train.eval_every_epochs=2")]
+    code, err = invoke(argv)
+    assert code == 0, err
+    reported = [sorted(t.intermediate_values) for t in study_of(f"sqlite:///{out}/study.db").trials]
+    assert reported == [[2, 4]] * 3, reported
+
+
+def test_a_trial_whose_loss_is_not_finite_is_stopped_at_that_evaluation(tmp_path):
+    space = space_file(tmp_path, trials=1, sampler={"name": "grid", "seed": 0}, space={"optim.lr": [1e12]})
+    out = tmp_path / "S"
+    argv = ["sweep", str(space), "--output", str(out), *IRIS, *sets("train.epochs=50", "train.eval_every_epochs=5")]
+    code, err = invoke(argv)
+    (t,) = study_of(f"sqlite:///{out}/study.db").trials
+    assert t.state == optuna.trial.TrialState.PRUNED and "not finite at epoch 5" in t.user_attrs["stopped"], err
+    assert [r["epoch"] for r in map(json.loads, (out / "trials/0/metrics.jsonl").read_text().splitlines())] == [5]
+    assert "not finite" in (out / "trials.csv").read_text()
+
+
+def test_a_changed_space_is_refused_and_a_changed_config_said(tmp_path):
+    out = tmp_path / "S"
+    space = space_file(tmp_path, trials=1)
+    argv = ["sweep", str(space), "--output", str(out), *IRIS, *sets("train.epochs=2")]
+    assert invoke(argv)[0] == 0
+    study = study_of(f"sqlite:///{out}/study.db")
+    tpe = study.user_attrs["began_with"]["sampler"]
+    assert tpe == {"name": "tpe", "seed": 0, "multivariate": True, "constant_liar": True, "n_startup_trials": 10,
+                   "n_ei_candidates": 24}  # fmt: skip
+    wider = space_file(tmp_path, trials=1, space={"optim.lr": {"low": 0.01, "high": 2.0, "log": True}})
+    code, err = invoke(["sweep", str(wider), "--output", str(out), *IRIS, *sets("train.epochs=2")])
+    assert code == 2 and "differs from the one study iris-sweep began with (space.optim.lr" in err, err
+    code, err = invoke(["sweep", str(space), "--output", str(out), *IRIS, *sets("train.epochs=3")])
+    assert code == 0 and "config: differs from the one study iris-sweep began with: train.epochs 2 -> 3" in err, err
+
+
+def test_trials_csv_and_best_json_carry_what_the_sweep_cost(tmp_path):
+    out = tmp_path / "S"
+    space = space_file(tmp_path, trials=2)
+    argv = ["sweep", str(space), "--output", str(out), *IRIS, *sets("train.epochs=2", "train.price_per_device_hour=3")]
+    assert invoke(argv)[0] == 0
+    import csv
+
+    rows = list(csv.DictReader((out / "trials.csv").open()))
+    assert [r["trial"] for r in rows] == ["0", "1", "total"]
+    hours = [float(r["device_hours"]) for r in rows]
+    assert all(h > 0 for h in hours) and hours[2] == pytest.approx(hours[0] + hours[1], abs=2e-6)
+    assert float(rows[2]["spent"]) == pytest.approx(3 * hours[2], rel=1e-3) and rows[2]["lost_s"] == "0.0"
+    cost = json.loads((out / "best.json").read_text())["cost"]
+    assert cost["device_hours"] == pytest.approx(hours[2]) and cost["spent"] == pytest.approx(float(rows[2]["spent"]))
+
+
+def test_the_sweeps_page_example_runs_as_written(tmp_path):
+    import re
+
+    page = (Path(__file__).parents[1] / "docs/sweeps.md").read_text()
+    (example,) = re.findall(r"```yaml\n(.*?)```", page, re.S)
+    (command,) = re.findall(r"^    python -m job sweep space.yaml (.*)$", page, re.M)
+    (tmp_path / "space.yaml").write_text(example)
+    out = tmp_path / "S"
+    argv = ["sweep", str(tmp_path / "space.yaml"), *command.split(), "--output", str(out), "--device", "cpu"]
+    code, err = invoke([*argv, "--trials", "2", *sets("train.epochs=3")])
+    assert code == 0, err
+    assert len(complete(study_of(f"sqlite:///{out}/study.db"))) + err.count("pruned by") == 2
