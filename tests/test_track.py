@@ -4,6 +4,7 @@ a server that is down costs the run nothing, and `job track` sends what waited, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, run_job, sets, start_job
+from conftest import free_port, run_job, sets, start_job, start_mlflow_server, stop_group, wait_healthy
 
 mlflow = pytest.importorskip("mlflow", reason="the MLflow server and client (requirements-test.txt)")
 
@@ -118,11 +119,14 @@ def test_a_server_that_is_down_costs_the_run_nothing_and_job_track_sends_it_late
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"not yet sent to MLflow {down}" in r.stderr and f"python -m job track {out}" in r.stderr
     assert runs_named(server, "C") == []
+    (out / "curves.png").unlink()  # a file gone before it could be sent: said, the rest sent
     sent = run_job("track", str(out), "--mlflow", server)
-    assert sent.returncode == 0, sent.stderr
+    assert sent.returncode == 0 and "curves.png" in sent.stderr, sent.stderr
     (run,) = runs_named(server, "C")
     h = histories(server, run.info.run_id)
     assert computed(h) == computed(uninterrupted[1]["histories"])
+    first_point = min(m.timestamp for key in h for m in client(server).get_metric_history(run.info.run_id, key))
+    assert run.info.start_time <= first_point <= run.info.end_time  # its real start, not the moment it was sent
     assert run.info.status == "FINISHED" and "model/model.pt" in artifacts(server, run.info.run_id)
     again = run_job("track", str(out), "--mlflow", server)
     assert again.returncode == 0 and "tracking: 0 points sent" in again.stderr, again.stderr
@@ -188,7 +192,7 @@ def test_an_export_with_track_joins_the_runs_mlflow_run(server, tmp_path, image_
         str(out),
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    e = run_job("export", "--model", str(out), "--format", "onnx", "--track")
+    e = run_job("export", "--model", "P", "--format", "onnx", "--track", cwd=tmp_path)  # the docs' relative form
     assert e.returncode == 0, e.stderr[-2000:]
     (run,) = runs_named(server, "P")
     assert {"export/model.onnx", "export/model.onnx.check.json"} <= set(artifacts(server, run.info.run_id))
@@ -262,3 +266,118 @@ def test_the_same_command_on_a_finished_run_sends_what_its_end_did_not(server, u
     same_histories(server, "K", uninterrupted)
     (run,) = runs_named(server, "K")
     assert run.info.status == "FINISHED" and "model/model.pt" in artifacts(server, run.info.run_id)
+
+
+@contextlib.contextmanager
+def second_server(root: Path):
+    """Another real MLflow server, as the session's is started."""
+    root.mkdir()
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = start_mlflow_server(root, int(url.rsplit(":", 1)[1]))
+    try:
+        wait_healthy(url, proc, root / "server.log")
+        yield url
+    finally:
+        stop_group(proc)
+
+
+def test_a_run_continued_with_another_server_gets_a_run_there_with_its_whole_history(server, tmp_path):
+    """track.mlflow changed on resume (and train.epochs raised): the second server gets a run of its own with every
+    point from the first step, the raised setting recorded with the step it changed at; the first server's run is
+    left as it was, and `job track` sends to the server the config names."""
+    out = tmp_path / "M"
+    first = sets("data.val_split=0.2", "train.epochs=2000", "train.checkpoint_every_epochs=1000")
+    r = run_job(*JOB, *first, *sets("track.experiment=tests", f"track.mlflow={server}"), "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    (before,) = runs_named(server, "M")
+    h_before = histories(server, before.info.run_id)
+    with second_server(tmp_path / "mlflow2") as other:
+        r = run_job(*JOB, *RUN, *sets(f"track.mlflow={other}"), "--output", str(out))
+        assert r.returncode == 0 and f"tracking: sent to MLflow {other}" in r.stderr, r.stderr[-2000:]
+        (run,) = runs_named(other, "M")
+        h = histories(other, run.info.run_id)
+        assert [s for s, _ in h["train/loss"]] == list(range(200, 4001, 200))
+        assert [s for s, _ in h["val_accuracy"]] == [1000, 2000, 3000, 4000]
+        assert h["val_loss"][:2] == h_before["val_loss"]  # the first server's points, sent from the run's records
+        assert run.info.status == "FINISHED" and "model/model.pt" in artifacts(other, run.info.run_id)
+        assert run.data.params["train.epochs"] == "2000"
+        assert run.data.params["train.epochs/at_step_2000"] == "4000"
+        assert run.data.tags["job.changed/train.epochs"].startswith("4000 at step 2000")
+        again = run_job("track", str(out))
+        assert again.returncode == 0 and "tracking: 0 points sent" in again.stderr and other in again.stderr, (
+            again.stderr
+        )
+    (after,) = runs_named(server, "M")
+    assert histories(server, after.info.run_id) == h_before and after.data.params == before.data.params
+    assert after.info.status == before.info.status == "FINISHED"
+
+
+def test_a_reconnecting_sender_reads_no_metric_history_back(server, uninterrupted):
+    """`job track` on a run the server holds whole: what was sent is known without asking for any metric's
+    history (a 1,000-class run has 2,000 of them)."""
+    from faultproxy import FaultProxy
+
+    out, _ = uninterrupted
+    with FaultProxy(server, hold="get-history") as proxy:
+        proxy.release.set()  # nothing waits: `held` only tells whether a history was asked for
+        r = run_job("track", out, "--mlflow", proxy.url)
+    assert r.returncode == 0 and "tracking: 0 points sent" in r.stderr, r.stderr
+    assert not proxy.held.is_set(), "a metric's history was read back"
+
+
+@pytest.mark.parametrize("path, said", [("", "connection refused"), ("/nothing", "404")])
+def test_a_server_that_refuses_or_answers_404_is_said_in_the_start_lines(server, tmp_path, path, said):
+    uri = f"http://127.0.0.1:{free_port()}" if not path else server + path
+    r = run_job(*JOB, *sets("train.epochs=200", f"track.mlflow={uri}"), "--output", str(tmp_path / "R"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stderr.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step:"))
+    assert any(said in line and uri in line for line in lines[:first_step]), r.stderr
+
+
+def test_a_sweep_worker_with_the_server_down_starts_its_first_trial_within_seconds(tmp_path):
+    down = f"http://127.0.0.1:{free_port()}"
+    space = tmp_path / "space.yaml"
+    space.write_text("trials: 1\nsampler: {name: random, seed: 0}\nspace:\n  optim.lr: [0.01, 0.1]\n")
+    t0 = time.monotonic()
+    r = run_job(
+        "sweep",
+        str(space),
+        "--output",
+        str(tmp_path / "S"),
+        "--device",
+        "cpu",
+        "--config",
+        "iris",
+        *sets("data.val_split=0.2", "train.epochs=200", f"track.mlflow={down}"),
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 90, r.stderr
+    start = r.stderr[: r.stderr.index("trial 0")]
+    assert "connection refused" in start, r.stderr
+
+
+def test_a_tracked_sweep_holds_its_space_best_trial_and_files(server, tmp_path):
+    """The study's MLflow run: the space, metric and direction, the best trial's params and value (one point, however
+    many workers find the study done), trials.csv, best.json and params.png; its children named after the study."""
+    space, out = tmp_path / "space.yaml", tmp_path / "S"
+    space.write_text("name: lr-a\ntrials: 2\nsampler: {name: random, seed: 0}\nspace:\n  optim.lr: [0.01, 0.1]\n")
+    args = ["sweep", str(space), "--output", str(out), "--device", "cpu", "--config", "iris"]
+    args += sets("data.val_split=0.2", "train.epochs=200", f"track.mlflow={server}", "track.experiment=sweep-track")
+    for _ in range(2):  # the second worker finds the study done
+        r = run_job(*args)
+        assert r.returncode == 0, r.stderr[-2000:]
+    c = client(server)
+    runs = c.search_runs([c.get_experiment_by_name("sweep-track").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    best = json.loads((out / "best.json").read_text())
+    p = parent.data.params
+    assert p["sweep.metric"] == "val_accuracy" and p["sweep.direction"] == "maximize" and p["sweep.trials"] == "2"
+    assert json.loads(p["sweep.space.optim.lr"]) == [0.01, 0.1]
+    assert float(p["best.optim.lr"]) == best["values"]["optim.lr"]
+    points = c.get_metric_history(parent.info.run_id, "best_val_accuracy")
+    assert [m.value for m in points] == [best["metric"]["val_accuracy"]]
+    assert {"trials.csv", "best.json", "params.png"} <= set(artifacts(server, parent.info.run_id))
+    children = sorted(r.info.run_name for r in runs if r is not parent)
+    assert children == ["lr-a-0", "lr-a-1"]
