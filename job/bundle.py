@@ -129,6 +129,9 @@ def describe(cfg, classes: list[str], input_shape: tuple[int, ...], feed_stats, 
         "classes": list(classes),
         "input_shape": list(input_shape),
         "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and v is not None},
+        # The run's resolved config (config.yaml's content): model.pt with model.json is a model the job uses with
+        # nothing beside them (a registry's copy, `models:/NAME/N`, holds those two alone).
+        "config": cfg.model_dump(mode="json"),
     }
     if cfg.model.name == "mlp":
         entry["model"]["hidden"] = list(cfg.model.hidden)
@@ -248,7 +251,9 @@ def thresholds_of(card: dict) -> list[float] | None:
 
 
 def model_files(url: str) -> tuple[dict, dict, dict]:
-    """(weights payload, model.json's content, config) of a run folder, its model.pt, or a checkpoint."""
+    """(weights payload, model.json's content, config) of a run folder, its model.pt, or a checkpoint: a checkpoint
+    holds all three; model.pt has model.json beside it, which holds the config (one of an earlier version: the run's
+    config.yaml beside them)."""
     fs, path = filesystem(url)
     try:
         folder = fs.isdir(path)
@@ -260,11 +265,20 @@ def model_files(url: str) -> tuple[dict, dict, dict]:
     if "model_json" in payload and "config" in payload:
         return payload, payload["model_json"], payload["config"]
     beside = weights_url.rsplit("/", 1)[0] if "/" in weights_url else "."
-    card, config_url = read_json(f"{beside}/{MODEL_JSON}"), f"{beside}/config.yaml"
-    if card is None or not exists(config_url):
+    card = read_json(f"{beside}/{MODEL_JSON}")
+    if card is None:
         raise CheckpointError(
-            f"{url}: weights with no model.json and config.yaml beside them (runs of earlier versions wrote none): "
-            "pass the run's checkpoint instead (--model RUN/checkpoints/<name>.pt)"
+            f"{url}: no {MODEL_JSON} beside the weights ({beside}/{MODEL_JSON}; runs of earlier versions wrote none): "
+            "put the run's model.json there, or pass the run's checkpoint instead (--model RUN/checkpoints/<name>.pt)"
+        )
+    if isinstance(card.get("config"), dict):
+        return payload, card, card["config"]
+    config_url = f"{beside}/config.yaml"  # a model.json of an earlier version holds no config: the run's, beside it
+    if not exists(config_url):
+        raise CheckpointError(
+            f"{url}: its {MODEL_JSON} (of an earlier version) holds no config, and there is no config.yaml beside it "
+            f"({config_url}): put the run's config.yaml there, or pass the run's checkpoint (--model "
+            "RUN/checkpoints/<name>.pt)"
         )
     return payload, card, read_yaml(config_url)
 

@@ -149,21 +149,21 @@ def test_predict_from_and_to_a_bucket_and_nothing_readable_exits_3(trained, tmp_
 
 
 def test_a_store_that_fails_beside_the_weights_is_one_line_and_exit_4(trained, bucket, gcs_server):
-    """The store stops answering once it has given the model's weights and model.json: reading config.yaml beside
-    them fails with a storage error, told in one line with exit 4, as reading a config anywhere else is."""
+    """The store stops answering once it has given the model's weights and said model.json is there: reading
+    model.json fails with a storage error, told in one line with exit 4, as reading a store anywhere else is."""
     from conftest import run_job
     from faultproxy import FaultProxy
 
     run, new = trained
-    for name in ("model.pt", "model.json", "config.yaml"):
+    for name in ("model.pt", "model.json"):
         bucket.fs.put_file(str(run / name), f"{bucket.name}/run/{name}")
-    with FaultProxy(gcs_server, kinds=("403",), down_after="run/config.yaml") as proxy:
+    with FaultProxy(gcs_server, kinds=("403",), down_after="run/model.json") as proxy:
         got = run_job("predict", "-m", bucket.url("run"), str(new), "--device", "cpu",
                       env={"STORAGE_EMULATOR_HOST": proxy.url})  # fmt: skip
-        assert proxy.down  # the store went away at config.yaml, as meant
+        assert proxy.down  # the store went away at model.json, as meant
     assert got.returncode == 4, got.stderr[-3000:]
     assert "Traceback" not in got.stderr and len(got.stderr.strip().splitlines()) == 1, got.stderr[-3000:]
-    assert got.stderr.startswith("error: config: cannot read it") and "config.yaml" in got.stderr, got.stderr
+    assert got.stderr.startswith("error: cannot read the model") and "model.json" in got.stderr, got.stderr
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "pt2"])
