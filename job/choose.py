@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from job import scores
-from job.errors import ConfigError
+from job.errors import ConfigError, MetricNotWritten
 from job.progress import Progress, is_best
 
 if TYPE_CHECKING:
@@ -161,13 +161,15 @@ def chosen_metric(choose_on: str, on: str, multilabel: bool, written: list[str] 
     if choose_on == "auto":
         return "map" if multilabel else "accuracy"
     if on != "val":
-        raise ConfigError(
+        raise MetricNotWritten(
             f"train.choose_on={choose_on}: chooses on the val split, and this data has none; hold some out with "
             "data.val_split, or leave train.choose_on at auto (the final weights are kept)"
         )
     if written is not None and choose_on not in written:
         may = ", ".join(k for k in written if k.startswith("val_"))
-        raise ConfigError(f"train.choose_on: this run's evaluations never write {choose_on}; it may choose on {may}")
+        raise MetricNotWritten(
+            f"train.choose_on: this run's evaluations never write {choose_on}; it may choose on {may}"
+        )
     return choose_on.removeprefix("val_")
 
 

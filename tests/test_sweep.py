@@ -540,3 +540,18 @@ def test_the_sweeps_page_example_runs_as_written(tmp_path):
     code, err = invoke([*argv, "--trials", "2", *sets("train.epochs=3")])
     assert code == 0, err
     assert len(complete(study_of(f"sqlite:///{out}/study.db"))) + err.count("pruned by") == 2
+
+
+def test_a_metric_the_data_never_gives_ends_the_sweep_before_training(tmp_path):
+    """top-5 of a folder of 5 classes is never written: known once the first trial's run has read its data, which
+    stops there, and the sweep ends in one line (exit 2), trying no other trial."""
+    from conftest import write_image_folder
+
+    root = write_image_folder(tmp_path / "images", n_classes=5, per_class=6, test_per_class=2)
+    over = sets(f"data.path={root}", "data.kind=folder", "data.image_size=32", "data.val_split=0.3")
+    space = space_file(tmp_path, trials=3, metric="val_top5")
+    out = tmp_path / "S"
+    r = run_job("sweep", str(space), "--output", str(out), "--device", "cpu", "--config", "cifar10", *over)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: space metric: val_top5: train.choose_on"), r.stderr
+    assert len(study_of(f"sqlite:///{out}/study.db").trials) == 1 and not (out / "trials/0/metrics.jsonl").exists()
