@@ -1,9 +1,10 @@
 """One writer per run folder: lease.json in the folder (local or in a bucket) names the process that writes the run
 (its machine, pid and start) and a heartbeat that a thread of that process refreshes every JOB_LEASE_HEARTBEAT_S
-seconds (30). Another run starting on the folder is refused while the lease is live, before it writes anything; it is
-taken over when stale: its holder on this machine is gone (the pid ended, or now names another process), or its
-heartbeat is older than STALE_BEATS of the holder's heartbeats (a holder on another machine, or one that went
-silent). A run releases it when it ends, whatever its exit, short of being killed."""
+seconds (30). Another run starting on the folder is refused while the lease is live; it is taken over when stale: its
+holder on this machine is gone (the pid ended, or now names another process), or, for a holder on another machine,
+its heartbeat has not changed for STALE_BEATS of its beats as this machine's own monotonic clock counts them. Another
+machine's clock is never compared with this one's: its heartbeat time says only that it beat, not when by our clock.
+A run releases it when it ends, whatever its exit, short of being killed."""
 
 from __future__ import annotations
 
@@ -71,48 +72,51 @@ def read(fs, path: str, url: str) -> dict | None:
     return held if isinstance(held, dict) else {}
 
 
-def gone(held: dict, now: float) -> str:
-    """Why the lease's holder is taken for gone (empty: it is live)."""
+def gone(held: dict) -> str | None:
+    """Why the lease's holder is taken for gone (empty: it is live); None for a holder on another machine, which only
+    watching its heartbeat tells (Lease._watch)."""
     if not {"machine", "pid", "pid_started", "heartbeat", "every"} <= held.keys():
         return "an unreadable lease"
-    if held["machine"] == machine():
-        try:
-            p = psutil.Process(held["pid"])
-            # A killed holder its parent has not yet reaped (a zombie) still answers with its pid and start time.
-            alive = abs(p.create_time() - held["pid_started"]) < 1 and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            alive = False
-        return "" if alive else f"its process (pid {held['pid']}) has ended"
-    silent = now - held["heartbeat"]
-    limit = STALE_BEATS * held["every"]
-    return f"its heartbeat stopped {silent:.0f} s ago (more than {limit:.0f} s)" if silent > limit else ""
+    if not isinstance(held["every"], (int, float)) or not held["every"] > 0:
+        return "an unreadable lease"
+    if held["machine"] != machine():
+        return None
+    try:
+        p = psutil.Process(held["pid"])
+        # A killed holder its parent has not yet reaped (a zombie) still answers with its pid and start time.
+        alive = abs(p.create_time() - held["pid_started"]) < 1 and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        alive = False
+    return "" if alive else f"its process (pid {held['pid']}) has ended"
 
 
-def overdue(held: dict, now: float) -> bool:
-    """Whether a live holder on another machine has missed a heartbeat: it may be gone (a container killed and
-    started again is another machine), which only its staleness will tell."""
-    return held.get("machine") != machine() and now - held["heartbeat"] > 1.5 * held["every"]
+def beat(held: dict) -> tuple:
+    """What changes at each of a holder's heartbeats (its count, and its time on its own clock)."""
+    return held.get("token"), held.get("beats"), held.get("heartbeat")
 
 
 def holder(held: dict, now: float) -> str:
-    beat = f"heartbeat {max(0.0, now - held['heartbeat']):.0f} s ago" if "heartbeat" in held else "no heartbeat yet"
-    return f"host {held.get('host', '?')}, pid {held.get('pid', '?')}, {beat}"
+    if held.get("machine") not in (None, machine()):
+        return f"host {held.get('host', '?')}, pid {held.get('pid', '?')}, on another machine, its heartbeat beating"
+    last = f"heartbeat {max(0.0, now - held['heartbeat']):.0f} s ago" if "heartbeat" in held else "no heartbeat yet"
+    return f"host {held.get('host', '?')}, pid {held.get('pid', '?')}, {last}"  # one machine, one clock
 
 
 def refusal(url: str, held: dict, now: float) -> StorageError:
     return StorageError(
         f"{url} is being written by another run ({holder(held, now)}): let it end or stop it, or use another "
         "--output; a run whose process is gone is taken over by the same command (at once on its machine, once "
-        f"its heartbeat has stopped for {STALE_BEATS} beats elsewhere)"
+        f"its heartbeat has not changed for {STALE_BEATS} beats elsewhere)"
     )
 
 
 def check(url: str) -> None:
-    """Refuse, writing nothing, when a live run holds the folder at `url`."""
+    """Refuse, writing nothing, when a live run on this machine holds the folder at `url` (a holder elsewhere is
+    watched by the run's own take)."""
     fs, path = where(url)
-    held, now = read(fs, path, url), time.time()
-    if held and not gone(held, now) and not overdue(held, now):  # an overdue holder: the run's own take waits it out
-        raise refusal(url, held, now)
+    held = read(fs, path, url)
+    if held and gone(held) == "":
+        raise refusal(url, held, time.time())
 
 
 class Lease:
@@ -129,6 +133,7 @@ class Lease:
             "pid_started": me.create_time(),
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "heartbeat": time.time(),
+            "beats": 0,
             "every": heartbeat_s(),
             "token": uuid.uuid4().hex,
         }
@@ -142,13 +147,13 @@ class Lease:
         folder, GCS) two runs starting at once cannot both create it; replacing a stale lease is a delete, then such a
         create, and the read-back below catches most of what is left: two takers of one stale lease within the same
         moment may both pass it, and the next heartbeat of the one that lost stops it (beat)."""
-        held, now = read(self.fs, self.path, self.url), time.time()
-        if held and not gone(held, now) and overdue(held, now):
-            held, now = self._wait_out(held)
+        held = read(self.fs, self.path, self.url)
+        why = gone(held) if held is not None else ""
+        if held is not None and why is None:
+            held, why = self._watch(held)
         if held is not None:
-            why = gone(held, now)
             if not why:
-                raise refusal(self.url, held, now)
+                raise refusal(self.url, held, time.time())
             self.taken_from = f"host {held.get('host', '?')}, pid {held.get('pid', '?')}: {why}"  # said by the caller
             self.taken = held
             self._call(remove, self.fs, self.path)
@@ -170,24 +175,30 @@ class Lease:
         except Exception:  # noqa: BLE001 (ending anyway: a lease left behind goes stale)
             pass
 
-    def _wait_out(self, held: dict) -> tuple[dict | None, float]:
-        """A holder elsewhere that missed a heartbeat, watched until it beats again (live: refused), goes stale
-        (taken over) or lets go; at most STALE_BEATS of its heartbeats."""
+    def _watch(self, held: dict) -> tuple[dict | None, str]:
+        """A holder on another machine, watched until its heartbeat changes (live: '' with the lease), it lets go
+        (None), or its heartbeat has not changed for STALE_BEATS of its beats by this machine's monotonic clock (why
+        it is taken for gone). A lease put there by a third run meanwhile is judged afresh."""
         from job.console import say
 
-        stale_at = held["heartbeat"] + STALE_BEATS * held["every"]
+        seen, since = beat(held), time.monotonic()
+        limit = STALE_BEATS * float(held["every"])
         say(
-            f"storage: {self.url} is held by host {held.get('host', '?')}, pid {held.get('pid', '?')}, whose heartbeat "
-            f"stopped {time.time() - held['heartbeat']:.0f} s ago: waiting up to "
-            f"{max(0, stale_at - time.time()):.0f} s "
-            "for it to beat again or go stale"
+            f"storage: {self.url} is held by host {held.get('host', '?')}, pid {held.get('pid', '?')}, on another "
+            f"machine: watching its heartbeat, taken over if it does not change for {limit:g} s ({STALE_BEATS} beats)"
         )
         while True:
-            time.sleep(min(held["every"], 5.0))
-            now = time.time()
+            time.sleep(min(float(held["every"]) / 2, 5.0))
             again = read(self.fs, self.path, self.url)
-            if not again or gone(again, now) or not overdue(again, now) or again.get("token") != held.get("token"):
-                return again, now
+            if again is None:
+                return None, ""
+            if again.get("token") != held.get("token"):  # another run's lease now
+                why = gone(again)
+                return (again, why) if why is not None else self._watch(again)
+            if beat(again) != seen:
+                return again, ""
+            if time.monotonic() - since > limit:
+                return again, f"its heartbeat did not change for {limit:g} s ({STALE_BEATS} beats) as seen here"
 
     def _bytes(self) -> bytes:
         return json.dumps(self.record, indent=1).encode()
@@ -219,6 +230,7 @@ class Lease:
                     )
                     os._exit(StorageError.exit_code)
                 self.record["heartbeat"] = time.time()
+                self.record["beats"] += 1  # what a watcher elsewhere sees change, whatever this machine's clock says
                 send(self.fs, self.path, self._bytes())
             except Exception:  # noqa: BLE001 (a store that fails now: the next beat tries again)
                 continue
