@@ -503,7 +503,7 @@ def test_a_changed_space_is_refused_and_a_changed_config_said(tmp_path):
     assert invoke(argv)[0] == 0
     study = study_of(f"sqlite:///{out}/study.db")
     tpe = study.user_attrs["began_with"]["sampler"]
-    assert tpe == {"name": "tpe", "seed": 0, "multivariate": True, "constant_liar": True, "n_startup_trials": 10,
+    assert tpe == {"name": "tpe", "seed": 0, "multivariate": False, "constant_liar": True, "n_startup_trials": 10,
                    "n_ei_candidates": 24}  # fmt: skip
     wider = space_file(tmp_path, trials=1, space={"optim.lr": {"low": 0.01, "high": 2.0, "log": True}})
     code, err = invoke(["sweep", str(wider), "--output", str(out), *IRIS, *sets("train.epochs=2")])
