@@ -214,9 +214,9 @@ def sweep(
     ),
 ) -> None:
     """One worker of a hyperparameter sweep (an Optuna study): it runs trials, each an ordinary run in
-    <output>/trials/<n>/, until the study has its N finished trials, then writes the results. Start several against
-    one --study; a worker stopped (SIGTERM: exit 75) or killed leaves its trial to the next, which continues it from
-    its last checkpoint with the same parameters."""
+    <output>/trials/<n>/, until the study's N trials have ended, then writes the results. Start several against one
+    --study; a worker stopped (SIGTERM: exit 75) or killed leaves its trial to the next, which continues it from its
+    last checkpoint with the same parameters; a trial that fails is tried once more, and the worker goes on."""
     from job.stop import StopRequest
 
     with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
