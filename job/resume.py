@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from job.track import Target
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
+# train.choose_on's auto is val_accuracy, or val_map for multi-label (a run checks the one it is named is written): a
+# checkpoint begun on auto, or before the key, continues when named either (a sweep's trials name their metric).
+AUTO_CHOICE = {"auto", "val_accuracy", "val_map"}
 RESUME_SAFE = {
     "name",
     "output.dir",
@@ -160,7 +163,8 @@ def changed_settings(saved: dict, cfg: Config) -> dict[str, tuple]:
     """The settings that change what a checkpoint means (not RESUME_SAFE) and differ between it and `cfg`, in name
     order: each as (the checkpoint's value, `cfg`'s)."""
     old, new = flat_items(Config.model_validate(saved)), flat_items(cfg)
-    return {k: (old.get(k), new[k]) for k in sorted(new) if k not in RESUME_SAFE and old.get(k) != new[k]}
+    same = {k: old.get(k) == new[k] or (k == "train.choose_on" and {old.get(k), new[k]} <= AUTO_CHOICE) for k in new}
+    return {k: (old.get(k), new[k]) for k in sorted(new) if k not in RESUME_SAFE and not same[k]}
 
 
 def check_compatible(changed: dict[str, tuple]) -> None:

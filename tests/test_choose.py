@@ -152,3 +152,14 @@ def test_choosing_on_loss_takes_the_lowest_never_a_nan_and_counts_only_a_fall_of
     assert again.model_thresholds(3, Progress(epoch=4, best_epoch=3)) == [0.4] * 3  # the checkpoint's own weights'
     assert again.model_thresholds(3) == [0.3] * 3
     assert Chooser(TrainConfig(), "test", multilabel=True).model_thresholds(2) == [0.5, 0.5]  # none fitted on test
+
+
+def test_a_run_begun_on_auto_continues_when_named_what_auto_chose(tmp_path):
+    """A checkpoint from before train.choose_on (or begun on auto) and a sweep's trial that now names val_accuracy:
+    the same choice, so the run continues; another metric is refused."""
+    out = tmp_path / "run"
+    assert noisy_run(tmp_path, out, "train.epochs=2")[0] == 0
+    code, err = noisy_run(tmp_path, out, "train.epochs=3", "train.choose_on=val_accuracy")
+    assert code == 0 and "resuming" in err, err
+    code, err = noisy_run(tmp_path, out, "train.epochs=4", "train.choose_on=val_loss")
+    assert code == 2 and "train.choose_on" in err, err
