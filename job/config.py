@@ -18,10 +18,13 @@ from job.cloud import describe_storage_error, filesystem
 from job.cost import parse_budget
 from job.duration import parse_duration
 from job.errors import ConfigError, StorageError
+from job.recorded import possible_scores
 
 PRESETS = ("iris", "cifar10", "cifar10-fast", "finetune", "photos")
 PRESET_LIST = ", ".join(PRESETS)
 USER_MODEL_HINT = "package.module:ClassName"
+
+CHOOSABLE = ("auto", *(f"val_{m}" for m in possible_scores(None, None)))  # train.choose_on: val scores a run writes
 
 
 def positive_int_or(word: str, v: Any) -> Any:
@@ -464,11 +467,7 @@ class TrainConfig(Section):
     )
     checkpoint_every_epochs: int = Field(1, gt=0, description="Commit a checkpoint every this many epochs.")
     keep_last: int = Field(3, gt=0, description="Checkpoints to keep; older ones are deleted after a commit.")
-    choose_on: Literal[
-        "auto", "val_loss", "val_accuracy", "val_top5", "val_macro_precision", "val_macro_recall", "val_macro_f1",
-        "val_weighted_precision", "val_weighted_recall", "val_weighted_f1", "val_map", "val_micro_f1",
-        "val_exact_match",
-    ] = Field(
+    choose_on: Literal[CHOOSABLE] = Field(
         "auto",
         description="The val metric the run chooses its model on (the chosen epoch, model.pt, train.keep_best, early "
         "stopping): any score its evaluations write for the val split, val_loss lowest, the others highest; auto: "
