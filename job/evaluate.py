@@ -68,14 +68,15 @@ def evaluate_checkpoint(
     payload, _ = checkpoint.load_url(url, weights=True)
     if config:
         cfg = load_config(config, overrides)
-    elif "config" not in payload:  # a run's model.pt: the weights alone, the run's config.yaml beside them
-        beside = f"{url.rstrip('/').rsplit('/', 1)[0]}/config.yaml" if "/" in url else "config.yaml"
-        fs, path = filesystem(beside)
-        if not fs.exists(path):
-            raise CheckpointError(f"{url}: the weights alone, with no config beside it: pass --config")
-        cfg = load_config(beside, overrides)
     else:
         raw = payload.get("config")
+        if "config" not in payload:  # a run's model.pt: the weights alone, the config in model.json beside them
+            from job.bundle import model_files
+
+            try:
+                raw = model_files(url)[2]
+            except CheckpointError:
+                raise CheckpointError(f"{url}: the weights alone, with no config beside it: pass --config") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{url}: holds no config; pass --config")
         for item in overrides:

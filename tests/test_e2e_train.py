@@ -188,6 +188,10 @@ def test_evaluate_a_saved_run(tmp_path):
     (tmp_path / "weights/model.pt").write_bytes((run_dir / "model.pt").read_bytes())
     alone = run_job("evaluate", "--checkpoint", str(tmp_path / "weights/model.pt"), "--device", "cpu")
     assert alone.returncode == 5 and "no config beside it: pass --config" in alone.stderr
+    (tmp_path / "weights/model.json").write_bytes((run_dir / "model.json").read_bytes())  # as a registry holds it
+    carded = run_job("evaluate", "--checkpoint", str(tmp_path / "weights/model.pt"), "--json", "--device", "cpu")
+    assert carded.returncode == 0, carded.stderr[-2000:]
+    assert json.loads(carded.stdout)["test_accuracy"] == pytest.approx(last["test_accuracy"])
 
 
 def test_outputs_to_memory_url_in_process():
