@@ -555,3 +555,21 @@ def test_a_metric_the_data_never_gives_ends_the_sweep_before_training(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: space metric: val_top5: train.choose_on"), r.stderr
     assert len(study_of(f"sqlite:///{out}/study.db").trials) == 1 and not (out / "trials/0/metrics.jsonl").exists()
+
+
+def test_two_workers_on_postgresql_go_on_past_a_failed_trial_and_end(tmp_path, postgres):
+    """Two workers on one PostgreSQL study whose grid fails for one data.path: both end 0; each failed trial was tried
+    twice, whichever worker took its retry, and the others completed."""
+    grid = {"name": "grid", "seed": 0}
+    swept = {"data.path": [str(IRIS_CSV), str(tmp_path / "gone.csv")], "optim.lr": [0.01, 0.02]}
+    space = space_file(tmp_path, trials=3, name="failing-pg", sampler=grid, space=swept)
+    out = tmp_path / "S"
+    ws = [worker(space, out, 200, "--study", postgres) for _ in range(2)]
+    assert [w.wait(timeout=600) for w in ws] == [0, 0]
+    study = optuna.load_study(
+        study_name="failing-pg", storage=postgres.replace("postgresql://", "postgresql+psycopg2://")
+    )
+    tried = [t for t in study.trials if not t.user_attrs.get("extra")]
+    failed = [t for t in tried if t.state == optuna.trial.TrialState.FAIL]
+    assert all("gone.csv" in t.user_attrs["failure"] for t in failed) and len(failed) in (2, 4), failed
+    assert len(complete(study)) + len(failed) // 2 == 3
