@@ -38,6 +38,8 @@ class Target:
     parent_run_id: str = ""  # the MLflow run this one is a child of (a sweep's study)
 
     def describe(self) -> str:
+        if self.parent_run_id:  # a sweep's trial, named after its study's run when made: <study>-<n>
+            return f"MLflow {self.uri}, experiment {self.experiment}, trial {self.run_name} of run {self.parent_run_id}"
         return f"MLflow {self.uri}, experiment {self.experiment}, run {self.run_name}"
 
 
