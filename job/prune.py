@@ -45,8 +45,12 @@ class Judge:
         return f"the sweep's pruner ({self.pruner}, at epoch {epoch})"
 
     def records(self) -> list[dict[str, Any]]:
-        """The evaluations in the trial's metrics.jsonl, where the run writes it on this machine (a remote run's
-        staging copy, else the store's once the run is over), whole lines only."""
+        """The evaluations in the trial's metrics.jsonl."""
+        return [r for r in self.lines() if "train_loss" in r]
+
+    def lines(self) -> list[dict[str, Any]]:
+        """The trial's metrics.jsonl, where the run writes it on this machine (a remote run's staging copy, else the
+        store's once the run is over), whole lines only: its evaluations, and the chosen model's test at the end."""
         from job.cloud import read_url
         from job.report import METRICS, records_in
         from job.storage import RunDir
@@ -55,7 +59,7 @@ class Judge:
             text = RunDir(self.run).path(METRICS).read_text()
         except (OSError, UnicodeDecodeError):
             text = (read_url(f"{self.run}/{METRICS}") or b"").decode(errors="replace")
-        return [r for r in records_in(text[: text.rfind("\n") + 1]) if "train_loss" in r]
+        return records_in(text[: text.rfind("\n") + 1])
 
 
 class Watch:

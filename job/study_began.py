@@ -72,6 +72,10 @@ def check_began_with(study: optuna.Study, space: Space, cfg: Config) -> dict[str
     if began["space"] != mine["space"]:
         was, now = flat(began["space"]), flat(mine["space"])
         keys = sorted(k for k in was.keys() | now.keys() if was.get(k) != now.get(k))
+        if all(t.user_attrs.get(EXTRA) for t in study.get_trials(deepcopy=False)):  # none trained: begin again
+            say(f"space: differs from the one study {space.name} began with ({', '.join(keys)}); no trial has run")
+            study.set_user_attr(BEGAN, mine)
+            return mine["sampler"]
         raise ConfigError(
             f"space: differs from the one study {space.name} began with ({', '.join(keys)}): restore it, or give the "
             "space file another name: to begin a new study"

@@ -82,7 +82,7 @@ class Standing:
         for t in latest.values():
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
                 s.ended += 1
-                s.failed += [t] if t.state == TrialState.FAIL else []
+                s.failed += [t] if t.state == TrialState.FAIL and not t.user_attrs.get(EXTRA) else []
             elif t.state == TrialState.WAITING:
                 s.waiting += 1
             else:
@@ -129,7 +129,6 @@ class Worker:
     nproc: int
     train: Callable[..., dict]  # job.train.run, handed in by the command line: a sweep never imports the loop
     study: Any = None
-    lost: int | None = None  # the trial id this worker's last trial had
     parent_run_id: str = ""  # the study's MLflow run, each trial's run a child of it
 
     def trial_overrides(self, n: int, params: dict[str, Any]) -> list[str]:
@@ -148,13 +147,15 @@ class Worker:
     def objective(self, trial: optuna.trial.Trial) -> float:
         import optuna
 
-        self.lost = trial.number
         trials = self.study.get_trials(deepcopy=False)
         frozen = trials[trial.number]  # a study's trials are numbered from 0, in order
         first = optuna.storages.RetryHeartbeatStaleTrialCallback.retried_trial_number(frozen)
         if first is None and original_index(trials, trial.number) >= self.space.trials:
             trial.set_user_attr(EXTRA, True)
             raise Extra
+        for key in (FAILURE, EXIT, STOPPED):  # a retry is made with its failed try's attrs: not this try's
+            if frozen.user_attrs.get(key) is not None:
+                trial.set_user_attr(key, None)
         params = suggest(trial, self.space)
         n = original_index(trials, trial.number if first is None else first)  # its place among the N: its folder
         run = f"{self.output.rstrip('/')}/trials/{n}"
@@ -163,27 +164,47 @@ class Worker:
         tries = optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(frozen)
         again = ""
         if tries:
-            how = "after a failure" if FAILURE in trials[tries[-1]].user_attrs else "from its last checkpoint"
+            how = "after a failure" if trials[tries[-1]].user_attrs.get(FAILURE) else "from its last checkpoint"
             again = f" (continued {how}, try {len(tries) + 1})"
         say(f"trial {n}{again}: {', '.join(f'{k}={v}' for k, v in params.items())}")
+        # Each ending but a completed or stopped-short one queues the trial's retry before the trial is FAIL: a worker
+        # looking at the study never sees a failed trial without the retry it will have.
         try:
             return self.run_trial(trial, n, params, run)
-        except (Interrupted, Cancelled, optuna.TrialPruned):
+        except optuna.TrialPruned:
             raise
-        except MetricNotWritten as e:  # the space's fault, not the trial's: every trial would fail alike
-            trial.set_user_attr(FAILURE, one_line(e))
-            trial.set_user_attr(EXIT, e.exit_code)
+        except MetricNotWritten as e:  # the space's fault, not the trial's: it never trained, and ends unrun
+            trial.set_user_attr(EXTRA, True)
             raise ConfigError(f"space metric: {self.space.metric}: {one_line(e)}") from None
-        except Exception as e:  # the run failed: its trial ends FAIL with why, and the worker goes on
+        except Exception as e:
+            if isinstance(e, (Interrupted, Cancelled)):  # stopped with its checkpoint: continued by the next worker
+                self.retry(trial.number)
+                raise
             if not isinstance(e, JobError):
                 traceback.print_exc()  # a bug: its traceback, as `job train` would print it
             why = one_line(e) if isinstance(e, JobError) else f"{type(e).__name__}: {one_line(e)}"
             trial.set_user_attr(FAILURE, why)
             trial.set_user_attr(EXIT, exit_code(e))
+            failures = 1 + sum(bool(trials[i].user_attrs.get(FAILURE)) for i in tries)
+            if failures > TRIES_AFTER_FAILURE:
+                say(f"trial {n} failed (exit {exit_code(e)}): {why}; it failed before too, and ends FAIL")
+            else:
+                say(f"trial {n} failed (exit {exit_code(e)}): {why}; it is tried once more")
+                self.retry(trial.number)
             raise TrialError(why) from None
+        except BaseException:  # Ctrl-C, a second signal: the trial is left to the next worker as a stopped one is
+            self.retry(trial.number)
+            raise
+
+    def retry(self, number: int) -> None:
+        """Queue trial `number` again: the same parameters and folder, continued from its last checkpoint."""
+        import optuna
+
+        frozen = self.study.get_trials(deepcopy=False)[number]
+        optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(self.study, frozen)
 
     def run_trial(self, trial: optuna.trial.Trial, n: int, params: dict[str, Any], run: str) -> float:
-        """The trial's run, its evaluations judged as they come; returns its value: the best of its evaluations."""
+        """The trial's run, its evaluations judged as they come; returns its value: its chosen evaluation's."""
         import optuna
 
         judge = Judge(trial, self.space.metric, self.space.pruner, run)
@@ -195,7 +216,8 @@ class Worker:
         except Interrupted:
             if not judge.stopped:
                 raise
-        records = judge.records()
+        lines = judge.lines()
+        records = [r for r in lines if "train_loss" in r]
         for record in records:  # a group's last evaluations, written as its child ended
             judge(record)
         if records:
@@ -207,10 +229,12 @@ class Worker:
             trial.set_user_attr(STOPPED, judge.stopped)
             say(f"trial {n}: {judge.stopped}")
             raise optuna.TrialPruned(judge.stopped)
-        values = [r[self.space.metric] for r in records if self.space.metric in r]
+        # The trial's value: its chosen evaluation's (the run chose on the metric: model.pt holds those weights).
+        chosen = next((r["chosen_epoch"] for r in reversed(lines) if "chosen_epoch" in r), None)
+        values = [r[self.space.metric] for r in records if self.space.metric in r and r.get("epoch") == chosen]
         if not values:
-            raise ConfigError(f"trial {n}: the run wrote no {self.space.metric} (see {run}/metrics.jsonl)")
-        return max(values) if self.space.direction == "maximize" else min(values)
+            raise ConfigError(f"trial {n}: the run wrote no {self.space.metric} for its chosen epoch (see {run})")
+        return values[-1]
 
     def run_here(self, run: str, n: int, params: dict[str, Any], judge: Judge) -> None:
         """The trial in this process: no start-up cost per trial; SIGTERM stops it at a committed checkpoint, and so
@@ -323,43 +347,15 @@ def sweep(
         say(f"sweep {space.name}: {len(failed)} of {space.trials} trials failed: {whys}")
         if not best:
             raise TrialFailed(f"sweep {space.name}: no trial completed", failed[0].user_attrs.get(EXIT, 1))
+    if not best:  # every trial stopped short (pruned, or its loss not finite): the config trains nothing usable
+        raise ConfigError(f"sweep {space.name}: no trial completed; each was stopped short (see {output}/trials.csv)")
     return best
 
 
 def run_one(worker: Worker) -> None:
     """One trial. A failed run ends it FAIL with its reason, retried once (a transient cause passes), and the worker
     goes on; a stop ends it FAIL with a retry queued (same params, same folder) and ends this worker."""
-    worker.lost = None
-    try:
-        worker.study.optimize(worker.objective, n_trials=1, catch=(Extra, TrialError))
-    except BaseException:
-        requeue(worker, ending=True)
-        raise
-    requeue(worker)
-
-
-def requeue(worker: Worker, ending: bool = False) -> None:
-    """A retry of the worker's last trial where it ended FAIL: however often it was stopped or lost, once after a
-    failure of its run; none where its failure ends the worker (`ending`: the space's metric is never written)."""
-    import optuna
-
-    if worker.lost is None:
-        return
-    trials = worker.study.get_trials(deepcopy=False)
-    frozen = trials[worker.lost]
-    if frozen.state != optuna.trial.TrialState.FAIL or frozen.user_attrs.get(EXTRA):
-        return
-    if FAILURE in frozen.user_attrs:
-        if ending:
-            return
-        history = optuna.storages.RetryHeartbeatStaleTrialCallback.retry_history(frozen)
-        failures = 1 + sum(FAILURE in trials[i].user_attrs for i in history)
-        why = f"trial {label(frozen)} failed (exit {frozen.user_attrs[EXIT]}): {frozen.user_attrs[FAILURE]}"
-        if failures > TRIES_AFTER_FAILURE:
-            say(f"{why}; it failed before too, and ends FAIL")
-            return
-        say(f"{why}; it is tried once more")
-    optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(worker.study, frozen)
+    worker.study.optimize(worker.objective, n_trials=1, catch=(Extra, TrialError))
 
 
 def parent_run(worker: Worker, url: str) -> str:

@@ -548,13 +548,18 @@ def test_a_metric_the_data_never_gives_ends_the_sweep_before_training(tmp_path):
     from conftest import write_image_folder
 
     root = write_image_folder(tmp_path / "images", n_classes=5, per_class=6, test_per_class=2)
-    over = sets(f"data.path={root}", "data.kind=folder", "data.image_size=32", "data.val_split=0.3")
+    over = sets(f"data.path={root}", "data.kind=folder", "data.image_size=32", "data.val_split=0.3", "train.epochs=1")
     space = space_file(tmp_path, trials=3, metric="val_top5")
     out = tmp_path / "S"
     r = run_job("sweep", str(space), "--output", str(out), "--device", "cpu", "--config", "cifar10", *over)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: space metric: val_top5: train.choose_on"), r.stderr
     assert len(study_of(f"sqlite:///{out}/study.db").trials) == 1 and not (out / "trials/0/metrics.jsonl").exists()
+    space = space_file(tmp_path, trials=2, metric="val_accuracy")  # the space mended: the study takes it
+    r = run_job("sweep", str(space), "--output", str(out), "--device", "cpu", "--config", "cifar10", *over)
+    assert r.returncode == 0 and "no trial has run" in r.stderr, r.stderr
+    assert len(complete(study_of(f"sqlite:///{out}/study.db"))) == 2
+    assert sorted(p.name for p in (out / "trials").iterdir()) == ["0", "1"]
 
 
 def test_two_workers_on_postgresql_go_on_past_a_failed_trial_and_end(tmp_path, postgres):
@@ -573,3 +578,35 @@ def test_two_workers_on_postgresql_go_on_past_a_failed_trial_and_end(tmp_path, p
     failed = [t for t in tried if t.state == optuna.trial.TrialState.FAIL]
     assert all("gone.csv" in t.user_attrs["failure"] for t in failed) and len(failed) in (2, 4), failed
     assert len(complete(study)) + len(failed) // 2 == 3
+
+
+def test_a_retry_after_a_failure_that_is_stopped_is_continued_and_keeps_no_old_failure(tmp_path):
+    """A failed trial's retry is made with the failed try's attributes: stopped by SIGTERM, it is still queued again
+    (a stopped try, not a failed one), and once complete it carries no failure."""
+    out = tmp_path / "S"
+    out.mkdir()
+    storage = f"sqlite:///{out}/study.db"
+    study = optuna.create_study(storage=storage, study_name="iris-sweep", direction="maximize")
+    trial = study.ask({"optim.lr": optuna.distributions.FloatDistribution(0.01, 1.0, log=True)})
+    attrs = {
+        "failure": "data.path x.csv: no such file or folder",
+        "exit_code": 3,
+        "trial": 0,
+        "run": str(out / "trials/0"),
+    }
+    for key, value in attrs.items():
+        trial.set_user_attr(key, value)
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None)(study, study.trials[0])
+    space = space_file(tmp_path, trials=1, space={"optim.lr": {"low": 0.01, "high": 1.0, "log": True}})
+    w = worker(space, out, 6000)
+    wait_for(lambda: evaluations(out) >= 2, what="an evaluation of the retry")
+    os.killpg(w.pid, signal.SIGTERM)
+    assert w.wait(timeout=120) == 75
+    assert [t.state.name for t in study_of(storage).trials] == ["FAIL", "FAIL", "WAITING"]
+    assert worker(space, out, 6000).wait(timeout=600) == 0
+    study = study_of(storage)
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL", "COMPLETE"]
+    assert study.trials[2].user_attrs.get("failure") is None
+    row = (out / "trials.csv").read_text().splitlines()[1]
+    assert "COMPLETE" in row and "no such file" not in row, row
