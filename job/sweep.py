@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from job.stop import StopRequest
 
-MLFLOW_RUN = "mlflow_run_id"  # study user attr: the study's MLflow run, the trials' runs its children
+MLFLOW_RUN = "mlflow_run_id"  # study user attr, with the server's URI: the study's MLflow run, its trials' parent
 FAILURE = "failure"  # user attr: why a trial's run failed, one line; EXIT: the exit code it failed with
 EXIT = "exit_code"
 PLACE = "trial"  # user attr: the trial's place among the N originals, its folder's name (retries take no place)
@@ -369,11 +369,12 @@ def parent_run(worker: Worker, url: str) -> str:
     where = target(worker.cfg, worker.output)
     if where is None:
         return ""
-    if known := worker.study.user_attrs.get(MLFLOW_RUN):
+    key = f"{MLFLOW_RUN} {where.uri}"  # each server its own: a study continued with another track.mlflow
+    if known := worker.study.user_attrs.get(key):
         return known
     identity = hashlib.sha256(f"{masked(url)}#{worker.space.name}".encode()).hexdigest()[:16]  # storage and name
     if run_id := study_run(where, worker.space, identity):
-        worker.study.set_user_attr(MLFLOW_RUN, run_id)
+        worker.study.set_user_attr(key, run_id)
     return run_id
 
 

@@ -284,7 +284,7 @@ def send_run(run_dir: RunDir, uri: str | None = None) -> tuple[str, bool]:
     if not lines:
         raise ConfigError(f"{run_dir.url} holds no {JOURNAL}: it was not run with track.mlflow or MLFLOW_TRACKING_URI")
     headers = [e for e in lines if "server" in e and "run_name" in e]
-    uri = uri or configured_uri(run_dir) or (headers[-1]["server"] if headers else "")
+    uri = uri or configured(run_dir, "mlflow") or (headers[-1]["server"] if headers else "")
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "")
     try:
         tracking_uri(uri)
@@ -293,7 +293,8 @@ def send_run(run_dir: RunDir, uri: str | None = None) -> tuple[str, bool]:
     check_client(uri)
     header = next((e for e in reversed(headers) if e["server"] == uri), headers[-1] if headers else {})
     run_name = header.get("run_name") or run_dir.url.rstrip("/").rsplit("/", 1)[-1]
-    where = Target(uri, header.get("experiment") or "Default", run_name, run_identity(run_dir.url))
+    parent = configured(run_dir, "parent_run_id")  # a sweep's trial: its study's run, where the server holds it
+    where = Target(uri, header.get("experiment") or "Default", run_name, run_identity(run_dir.url), False, parent)
     mark = destination(lines, uri)
     sender = Sender(where, run_dir, mark.get("run_id"), mark.get("through", (-1, 0)))
     sender.started_ms = min((e["t"] for e in lines if "t" in e), default=None)
@@ -305,13 +306,13 @@ def send_run(run_dir: RunDir, uri: str | None = None) -> tuple[str, bool]:
     return f"{said} (run id {sender.run_id}){sender.describe_missing()}", True
 
 
-def configured_uri(run_dir: RunDir) -> str:
-    """track.mlflow of the run's config.yaml; '' when it names none (or cannot be read)."""
+def configured(run_dir: RunDir, key: str) -> str:
+    """track.<key> of the run's config.yaml (mlflow, parent_run_id); '' when it names none (or cannot be read)."""
     import yaml
 
     try:
         cfg = yaml.safe_load(run_dir.read("config.yaml") or b"") or {}
-        return str((cfg.get("track") or {}).get("mlflow") or "")
+        return str((cfg.get("track") or {}).get(key) or "")
     except (yaml.YAMLError, AttributeError):
         return ""
 
@@ -335,6 +336,6 @@ def probe(uri: str, experiment: str) -> str:
     except urllib.error.URLError as e:
         if isinstance(e.reason, ConnectionRefusedError):
             return "refused the connection (connection refused: a typo in the URI, or the server is down)"
-    except OSError:  # no answer in time, a reset: the sender retries
+    except (OSError, ValueError):  # no answer in time, a reset (the sender retries), a URL urllib cannot take
         pass
     return ""

@@ -43,6 +43,20 @@ class Target:
         return f"MLflow {self.uri}, experiment {self.experiment}, run {self.run_name}"
 
 
+def parent_name(c, run_id: str) -> str:
+    """The name of a sweep study's run on this server; '' where it holds no such run (the study's run is on another
+    server, or was deleted): the trial is then a run of its own."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        info = c.get_run(run_id).info
+        return info.run_name if info.lifecycle_stage == "active" else ""
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        return ""
+
+
 def client(uri: str):
     """An MLflow client that fails at once where the server does not answer: its own retries (4 minutes by default)
     are off unless the environment sets them, as the job retries in the background itself."""
@@ -107,9 +121,9 @@ class Sender:
                 self.run_id = found[0].info.run_id
             else:
                 tags, name, parent = {RUN_TAG: self.where.run_url}, self.where.run_name, self.where.parent_run_id
-                if parent:  # a sweep's trial: named after its study, so two sweeps in one experiment do not collide
+                if parent and (study := parent_name(c, parent)):  # a sweep's trial, named after its study
                     tags["mlflow.parentRunId"] = parent
-                    name = f"{c.get_run(parent).info.run_name}-{name}"
+                    name = f"{study}-{name}"
                 made = c.create_run(exp_id, start_time=self.started_ms, run_name=name, tags=tags)
                 self.run_id = made.info.run_id
         if self.params is None:

@@ -33,7 +33,12 @@ def study_run(where: Target, space: Space, study: str) -> str:
         exp = experiment_id(c, where)
         if not (found := study_runs(c, exp, study)):
             tags = {STUDY_TAG: study, "job.study_name": space.name}
-            made = c.create_run(exp, run_name=space.name, tags=tags).info.run_id
+            name = space.name.replace("'", "\\'")
+            if c.search_runs([exp], f"attributes.run_name = '{name}'", max_results=1):  # another sweep's of that name
+                name = f"{space.name}-{study[:6]}"  # its trials are named after it: <study>-<n> must not collide
+            else:
+                name = space.name
+            made = c.create_run(exp, run_name=name, tags=tags).info.run_id
             found = study_runs(c, exp, study)
             if found[0] != made:
                 c.delete_run(made)
@@ -67,7 +72,8 @@ def study_runs(c, experiment: str, study: str) -> list[str]:
 
 def end_study_run(where: Target, run_id: str, best: dict[str, Any], output: str) -> None:
     """The study's MLflow run finished: the best trial (best.json's) with its params as best.KEY and its value as
-    best_<metric>, one point however many workers end it, and the results' files in `output`, each once."""
+    best_<metric>, one point however many workers end it (a new one where a study given more trials found a better
+    one), and the results' files in `output`, as they now are."""
     from job.cloud import read_url
 
     try:
@@ -79,14 +85,13 @@ def end_study_run(where: Target, run_id: str, best: dict[str, Any], output: str)
         params["best.trial"] = str(best.get("trial", ""))
         items = [Param(k, v) for k, v in params.items() if k not in run.data.params]
         metrics = [Metric(f"best_{k}", v, int(time.time() * 1000), 0) for k, v in best.get("metric", {}).items()]
-        metrics = [m for m in metrics if m.key not in run.data.metrics]
+        metrics = [m for m in metrics if run.data.metrics.get(m.key) != m.value]
         if items or metrics:
             c.log_batch(run_id, metrics=metrics, params=items)
         c.set_tag(run_id, "job.best_trial", str(best.get("trial", "")))
-        held = {Path(f.path).name for f in c.list_artifacts(run_id)}
         with tempfile.TemporaryDirectory(prefix="job-track-") as tmp:
-            for name in RESULTS:
-                if name in held or (data := read_url(f"{output.rstrip('/')}/{name}")) is None:
+            for name in RESULTS:  # each worker that ends the study writes them alike: the last upload stands
+                if (data := read_url(f"{output.rstrip('/')}/{name}")) is None:
                     continue
                 (Path(tmp) / name).write_bytes(data)
                 c.log_artifact(run_id, str(Path(tmp) / name))

@@ -381,3 +381,35 @@ def test_a_tracked_sweep_holds_its_space_best_trial_and_files(server, tmp_path):
     assert {"trials.csv", "best.json", "params.png"} <= set(artifacts(server, parent.info.run_id))
     children = sorted(r.info.run_name for r in runs if r is not parent)
     assert children == ["lr-a-0", "lr-a-1"]
+    more = [a if a != str(out) else str(tmp_path / "T") for a in args] + ["--trials", "1"]  # another study named lr-a
+    r = run_job(*more)
+    assert r.returncode == 0, r.stderr[-2000:]
+    names = [r.info.run_name for r in c.search_runs([c.get_experiment_by_name("sweep-track").experiment_id])]
+    assert len(names) == len(set(names)) == 5, names  # its run and trial named apart from the first's
+
+
+def test_a_trial_sent_late_is_its_studys_child_where_the_server_holds_the_study(server, tmp_path):
+    """A sweep's trial run while the server was down, sent by job track: a child of its study's run, named after it;
+    sent where the study's run is not held, a run of its own."""
+    c = client(server)
+    exp = c.get_experiment_by_name("tests") or c.get_experiment(c.create_experiment("tests"))
+    parent = c.create_run(exp.experiment_id, run_name="late-study").info.run_id
+    out, down = tmp_path / "3", f"http://127.0.0.1:{free_port()}"
+    late = sets(f"track.mlflow={down}", f"track.parent_run_id={parent}", "train.epochs=20")
+    r = run_job(*JOB, *RUN, *late, "--output", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    sent = run_job("track", str(out), "--mlflow", server)
+    assert sent.returncode == 0, sent.stderr
+    (run,) = runs_named(server, "late-study-3")
+    assert run.data.tags["mlflow.parentRunId"] == parent
+    c.delete_run(parent)  # the study's run gone: the trial is sent as a run of its own
+    other = tmp_path / "4"
+    r = run_job(*JOB, *RUN, *late, "--output", str(other))
+    sent = run_job("track", str(other), "--mlflow", server)
+    assert sent.returncode == 0 and len(runs_named(server, "4")) == 1, sent.stderr
+
+
+def test_a_tracking_uri_with_credentials_is_probed_without_a_traceback():
+    from job.track import probe
+
+    assert probe(f"http://user:token@127.0.0.1:{free_port()}", "tests") == ""  # urllib takes no userinfo: not probed
