@@ -36,13 +36,15 @@ def write_results(study, space: Space, output: str, rows: list[dict[str, Any]]) 
         say(f"sweep {space.name}: no trial completed; results in {out}/trials.csv")
         return {}
     best_t = study.best_trial
-    n = next(r["trial"] for r in rows if r["run"] == best_t.user_attrs["run"])
+    row = next(r for r in rows if r["run"] == best_t.user_attrs["run"])
+    n = row["trial"]
     best = {
         "trial": n,
         "values": best_t.params,
         "metric": {space.metric: best_t.value},
         "run": best_t.user_attrs["run"],
-        "cost": cost,
+        "cost": cost,  # the whole sweep's; the best trial's own:
+        "trial_cost": {k: row[k] for k in ("device_hours", "spent", "lost_s")},
     }
     for name in ("model.pt", "model.json", "config.yaml"):
         data = read_url(f"{best['run']}/{name}")

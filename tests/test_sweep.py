@@ -490,6 +490,7 @@ def test_a_trial_whose_loss_is_not_finite_is_stopped_at_that_evaluation(tmp_path
     out = tmp_path / "S"
     argv = ["sweep", str(space), "--output", str(out), *IRIS, *sets("train.epochs=50", "train.eval_every_epochs=5")]
     code, err = invoke(argv)
+    assert code == 2 and "each was stopped short" in err, err  # no trial completed, none failed
     (t,) = study_of(f"sqlite:///{out}/study.db").trials
     assert t.state == optuna.trial.TrialState.PRUNED and "not finite at epoch 5" in t.user_attrs["stopped"], err
     assert [r["epoch"] for r in map(json.loads, (out / "trials/0/metrics.jsonl").read_text().splitlines())] == [5]
@@ -524,8 +525,10 @@ def test_trials_csv_and_best_json_carry_what_the_sweep_cost(tmp_path):
     hours = [float(r["device_hours"]) for r in rows]
     assert all(h > 0 for h in hours) and hours[2] == pytest.approx(hours[0] + hours[1], abs=2e-6)
     assert float(rows[2]["spent"]) == pytest.approx(3 * hours[2], rel=1e-3) and rows[2]["lost_s"] == "0.0"
-    cost = json.loads((out / "best.json").read_text())["cost"]
+    best = json.loads((out / "best.json").read_text())
+    cost = best["cost"]
     assert cost["device_hours"] == pytest.approx(hours[2]) and cost["spent"] == pytest.approx(float(rows[2]["spent"]))
+    assert best["trial_cost"]["device_hours"] == pytest.approx(hours[best["trial"]])
 
 
 def test_the_sweeps_page_example_runs_as_written(tmp_path):
