@@ -229,12 +229,15 @@ class Worker:
             trial.set_user_attr(STOPPED, judge.stopped)
             say(f"trial {n}: {judge.stopped}")
             raise optuna.TrialPruned(judge.stopped)
-        # The trial's value: its chosen evaluation's (the run chose on the metric: model.pt holds those weights).
+        # The trial's value: its chosen evaluation's (the run chose on the metric: model.pt holds those weights), as
+        # the test of the chosen model at the end names it; with no test split, the best of its evaluations.
+        metric = self.space.metric
+        values = [r[metric] for r in records if metric in r]
         chosen = next((r["chosen_epoch"] for r in reversed(lines) if "chosen_epoch" in r), None)
-        values = [r[self.space.metric] for r in records if self.space.metric in r and r.get("epoch") == chosen]
+        at = [r[metric] for r in records if metric in r and r.get("epoch") == chosen]
         if not values:
-            raise ConfigError(f"trial {n}: the run wrote no {self.space.metric} for its chosen epoch (see {run})")
-        return values[-1]
+            raise ConfigError(f"trial {n}: the run wrote no {metric} (see {run}/metrics.jsonl)")
+        return at[-1] if at else max(values) if self.space.direction == "maximize" else min(values)
 
     def run_here(self, run: str, n: int, params: dict[str, Any], judge: Judge) -> None:
         """The trial in this process: no start-up cost per trial; SIGTERM stops it at a committed checkpoint, and so
