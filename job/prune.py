@@ -22,10 +22,6 @@ class Judge:
         self.reported: set[int] = set()
         self.stopped = ""
 
-    @property
-    def diverged(self) -> bool:
-        return self.stopped.startswith(NOT_FINITE)
-
     def __call__(self, record: dict[str, Any]) -> str | None:
         metric, epoch = self.metric, record.get("epoch")
         if self.stopped or metric not in record or epoch is None or epoch in self.reported:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from job.config import Config
+from job.config import Config, flat_items
 from job.console import say
 from job.errors import ConfigError
 
@@ -64,7 +64,7 @@ def flat(doc: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def check_began_with(study: optuna.Study, space: Space, cfg: Config) -> dict[str, Any]:
     """Record what the study begins with, or hold this worker's space and config against what it began with: a
     changed space is refused (exit 2), a changed config said in one line. Returns the sampler's recorded settings."""
-    mine = {"space": space_record(space), "config": flat(cfg.model_dump(mode="json")), "sampler": sampler_record(space)}
+    mine = {"space": space_record(space), "config": flat_items(cfg), "sampler": sampler_record(space)}
     began = study.user_attrs.get(BEGAN)
     if began is None:
         study.set_user_attr(BEGAN, mine)

@@ -82,7 +82,7 @@ class Standing:
         for t in latest.values():
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL):
                 s.ended += 1
-                s.failed += [t] if t.state == TrialState.FAIL and not t.user_attrs.get(EXTRA) else []
+                s.failed += [t] if t.state == TrialState.FAIL else []
             elif t.state == TrialState.WAITING:
                 s.waiting += 1
             else:
