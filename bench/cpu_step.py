@@ -1,5 +1,5 @@
 """One small training step on a CPU, three ways: eager (forward, backward, torch's SGD), the step's recorded graph
-(job/record.py) run as its own Python code, and the same graph run by TorchScript's interpreter, as the job's traced
+(recipe/record.py) run as its own Python code, and the same graph run by TorchScript's interpreter, as the job's traced
 CPU step runs it where TorchScript's tracer takes it. Microseconds a step, one thread, the best of `--repeats`.
 
     python bench/cpu_step.py [--steps 3000] [--repeats 3]
@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from job.record import record  # noqa: E402
-from job.step import interpreted  # noqa: E402
+from job.recipe.record import record  # noqa: E402
+from job.recipe.step import interpreted  # noqa: E402
 
 
 def models() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:

@@ -93,7 +93,7 @@ lacking = [str(w) for w in sorted(Path(sys.argv[1]).glob("*.whl")) if not presen
 print("installing without resolving:", " ".join(Path(w).name for w in lacking), flush=True)
 sys.exit(subprocess.call([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *lacking]))
 PY
-    python3 -c "import job.config, job.train, job.recipe, job.cli" >>"$out/install.log" 2>&1
+    python3 -c "import job.config, job.run.train, job.recipe.build, job.cli" >>"$out/install.log" 2>&1
     note $?
 }
 tests() {

@@ -27,11 +27,11 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from job.bundle import load_predictor  # noqa: E402
 from job.data.augment import to_float  # noqa: E402
 from job.data.image import pixels  # noqa: E402
-from job.memory import peak_tree_rss  # noqa: E402
-from job.predict import predict  # noqa: E402
+from job.group.memory import peak_tree_rss  # noqa: E402
+from job.use.bundle import load_predictor  # noqa: E402
+from job.use.predict import predict  # noqa: E402
 
 
 def photos(root: Path, n: int) -> None:

@@ -27,10 +27,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from stream_gpu import PHOTO, make_photos  # noqa: E402
 
-from job.bundle import load_predictor  # noqa: E402
 from job.data.augment import to_float  # noqa: E402
 from job.data.decode import Decoder, decoded  # noqa: E402
-from job.predict import predict  # noqa: E402
+from job.use.bundle import load_predictor  # noqa: E402
+from job.use.predict import predict  # noqa: E402
 
 
 def train(photos: Path, out: Path, device: str) -> None:

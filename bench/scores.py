@@ -20,9 +20,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from job import diagnostics, recipe, scores  # noqa: E402
 from job.config import load_config  # noqa: E402
-from job.evaluate import test_sums  # noqa: E402
+from job.recipe import build as recipe  # noqa: E402
+from job.use import diagnostics, scores  # noqa: E402
+from job.use.evaluate import test_sums  # noqa: E402
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
-from job.memory import peak_tree_rss  # noqa: E402
+from job.group.memory import peak_tree_rss  # noqa: E402
 
 
 def train(

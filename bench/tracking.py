@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = (
-    "import json, sys; from job.config import load_config; from job.train import run; "
+    "import json, sys; from job.config import load_config; from job.run.train import run; "
     "cfg = load_config(sys.argv[1], sys.argv[3:]); print(json.dumps(run(cfg, sys.argv[2], 'cpu', 'never', True)))"
 )
 

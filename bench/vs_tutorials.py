@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # The job in a fresh process, as `python -m job train` runs it, printing the run's summary as JSON.
 JOB = (
-    "import json, sys; from job.config import load_config; from job.train import run; "
+    "import json, sys; from job.config import load_config; from job.run.train import run; "
     "cfg = load_config(sys.argv[1], sys.argv[4:]); print(json.dumps(run(cfg, sys.argv[2], sys.argv[3], 'never', True)))"
 )
 
@@ -114,7 +114,7 @@ def main() -> None:
             seed_epoch.append(statistics.median(json.loads(line)["train_epoch_s"]))
             seed_acc.append(json.loads(line)["test_acc"][-1])
         rows.append(("cifar10, seconds per training epoch", job_epoch, seed_epoch))
-        from job.plan import cpu_computes_bf16
+        from job.recipe.plan import cpu_computes_bf16
 
         if args.device == "cpu" and cpu_computes_bf16():  # precision auto would be bf16 here: timed on its own row
             sets = [f"data.path={args.cifar_python}", f"train.epochs={epochs}", "train.precision=auto"]

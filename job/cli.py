@@ -48,7 +48,7 @@ def user_errors() -> Iterator[None]:
     except BrokenPipeError:  # the reader of standard output has left (`| head`): no fault, and nothing more to say
         quiet_stdout()
         raise typer.Exit(0) from None
-    except KeyboardInterrupt:  # a second Ctrl-C while a run stops (job/stop.py), or one where nothing watches
+    except KeyboardInterrupt:  # a second Ctrl-C while a run stops (job/group/stop.py), or one where nothing watches
         print("stopped at once by Ctrl-C; the last committed checkpoint, if any, is kept", file=sys.stderr)
         raise typer.Exit(130) from None
 
@@ -96,17 +96,17 @@ def train(
 
     Vertex AI tuning's appended --<parameterId>=<value> (or --<parameterId> <value>) sets that config key after --set:
     --optim.lr=0.05, --optim__lr 0.05."""
-    from job.stop import StopRequest
+    from job.group.stop import StopRequest
 
     with user_errors():
         overrides = [*overrides, *tuning_overrides(ctx)]
-        from job.env import torchvision_problem
-        from job.launch import LAUNCHER, end_with_launcher, launch_plan
+        from job.group.env import torchvision_problem
+        from job.group.launch import LAUNCHER, end_with_launcher, launch_plan
 
         if problem := torchvision_problem():  # before anything is made: a mismatched build fails mid-run otherwise
             raise ConfigError(problem)
         limit = [f"train.time_limit={seconds(time_limit)}"] if time_limit else []
-        from job import platforms
+        from job.group import platforms
 
         place = platforms.settle()  # the platform and this process's place in its group, read once
         group = launch_plan(nproc_per_node, nnodes, node_rank, master_addr, master_port, device, place)
@@ -115,8 +115,8 @@ def train(
     if group:  # this process starts the workers and waits for them (under torchrun it is a worker, and trains)
         with user_errors():
             from job.config import load_config
-            from job.launch import launch
-            from job.lease import check
+            from job.group.launch import launch
+            from job.run.lease import check
 
             cfg = load_config(config, [*overrides, *limit])  # a bad config: one line here, not one per worker
             if group.node_rank == 0:  # a busy folder too; the other machines' workers never hold it
@@ -132,7 +132,7 @@ def train(
     with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
         from job.config import load_config
         from job.console import follower, say
-        from job.train import run
+        from job.run.train import run
 
         cfg = load_config(config, [*overrides, *limit])
         target, routes = run_url(cfg, output)
@@ -217,11 +217,11 @@ def sweep(
     <output>/trials/<n>/, until the study's N trials have ended, then writes the results. Start several against one
     --study; a worker stopped (SIGTERM: exit 75) or killed leaves its trial to the next, which continues it from its
     last checkpoint with the same parameters; a trial that fails is tried once more, and the worker goes on."""
-    from job.stop import StopRequest
+    from job.group.stop import StopRequest
 
     with user_errors(), StopRequest(grace_seconds=20.0, exits_after=True) as stop:
-        from job.sweep import sweep as run_sweep
-        from job.train import run as train
+        from job.run.train import run as train
+        from job.study.sweep import sweep as run_sweep
 
         run_sweep(space, study, trials, config, overrides, output, device, nproc_per_node, stop, train)
 
@@ -229,7 +229,7 @@ def sweep(
 def run_url(cfg: Config, output: str) -> tuple[str, dict[str, str]]:
     """Where a run goes: --output, else output.dir, else Vertex AI's folders (with the places its other files go),
     else runs/<name>."""
-    from job.cloud import vertex_outputs
+    from job.storage.cloud import vertex_outputs
 
     routes = {} if output or cfg.output.dir else vertex_outputs()
     return output or cfg.output.dir or routes.pop("run", "") or f"runs/{cfg.name}", routes
@@ -267,7 +267,7 @@ def evaluate(
     """Loss and accuracy of a saved run, model or checkpoint: on its test split (val when it has none), or on any
     labelled images (--data) preprocessed as its evaluation was."""
     with user_errors():
-        from job.evaluate import evaluate_checkpoint, evaluate_on
+        from job.use.evaluate import evaluate_checkpoint, evaluate_on
 
         if not (checkpoint or model):
             raise ConfigError("evaluate: name the model: --model URL (or --checkpoint URL)")
@@ -318,7 +318,7 @@ def predict(
     cannot be read gets a row with its error (exit 3 when none could be read). In a Cloud Batch task array each task
     predicts its part (BATCH_TASK_INDEX of BATCH_TASK_COUNT) into <output>.part-<i>-of-<n>."""
     with user_errors():
-        from job.parts import PART, part_device, spread
+        from job.use.parts import PART, part_device, spread
 
         if nproc_per_node > 1 and PART not in os.environ:
             if not output:  # said once here, not by each process
@@ -327,7 +327,7 @@ def predict(
                 )
             raise typer.Exit(spread(sys.argv[1:], nproc_per_node))
         from job.console import say
-        from job.predict import predict as run_predict
+        from job.use.predict import predict as run_predict
 
         if decode not in ("auto", "host", "device"):
             raise ConfigError(f"--decode {decode}: expected auto, host or device")
@@ -348,12 +348,12 @@ def export(
     runtime on real images and compared with the model before it is called done (<output>.check.json)."""
     with user_errors():
         from job.console import say
-        from job.export import export as run_export
+        from job.use.export import export as run_export
 
         check = run_export(model, fmt, output or None, check_images, log=say)
         if track:
             from job.errors import StorageError
-            from job.track import send_export
+            from job.sinks.track import send_export
 
             line, sent = send_export(model, [check["output"], f"{check['output']}.check.json"])
             if not sent:
@@ -371,8 +371,8 @@ def track(
     with user_errors():
         from job.console import say
         from job.errors import StorageError
-        from job.storage import RunDir
-        from job.track import send_run
+        from job.sinks.track import send_run
+        from job.storage.run_folder import RunDir
 
         line, sent = send_run(RunDir(run), mlflow or None)
         if not sent:
@@ -382,7 +382,7 @@ def track(
 
 def chosen_weights(url: str) -> str:
     """--model's run folder is its model.pt (the weights it chose), as predict reads it; anything else as given."""
-    from job.cloud import filesystem
+    from job.storage.cloud import filesystem
 
     fs, path = filesystem(url)
     beside = f"{path.rstrip('/')}/model.pt"
@@ -393,8 +393,8 @@ def chosen_weights(url: str) -> str:
 def info(as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")) -> None:
     """The machine as training sees it: torch, CUDA, cuDNN, GPUs and their memory, CPU cores, /dev/shm, and the
     platform and group its variables describe (Slurm, Kubeflow, Vertex AI, ...)."""
-    from job.env import format_info
-    from job.env import info as gather
+    from job.group.env import format_info
+    from job.group.env import info as gather
 
     report = gather()
     print(json.dumps(report, indent=1) if as_json else format_info(report))
@@ -411,8 +411,8 @@ def bench(
     """The recipe trained by the tutorials' naive loop and by this job, on each device: s/epoch, samples/s,
     test accuracy and the speed-ups."""
     with user_errors():
-        from job.bench import bench as measure
-        from job.bench import format_table, parse_devices
+        from job.bench.compare import bench as measure
+        from job.bench.compare import format_table, parse_devices
         from job.config import load_config
 
         cfg = load_config(config, [*overrides, *([f"train.epochs={epochs}"] if epochs else [])])
@@ -475,8 +475,8 @@ def find_batch_size(
 ) -> None:
     """The largest training batch that fits on the device, found by training on doubling, then bisected, batches."""
     with user_errors():
-        from job.batch_size import find_batch_size as search
         from job.config import load_config
+        from job.run.batch_size import find_batch_size as search
 
         result = search(load_config(config, overrides), device, memory_gib)
         if as_json:
@@ -500,7 +500,7 @@ def main() -> None:
         if e.format_message():  # empty after the help that a bare `python -m job` prints
             print(f"error: {e.format_message()} (see python -m job --help)", file=sys.stderr)
         code = e.exit_code
-    from job.launch import is_worker
+    from job.group.launch import is_worker
 
     if is_worker():  # a worker of a group, its files written and its group left
         # Past this point only the interpreter's teardown remains, where the group's transport threads can abort a

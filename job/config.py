@@ -14,11 +14,11 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from job.cloud import describe_storage_error, filesystem
-from job.cost import parse_budget
 from job.duration import parse_duration
 from job.errors import ConfigError, StorageError
 from job.recorded import possible_scores
+from job.run.cost import parse_budget
+from job.storage.cloud import describe_storage_error, filesystem
 
 PRESETS = ("iris", "cifar10", "cifar10-fast", "finetune", "photos")
 PRESET_LIST = ", ".join(PRESETS)
@@ -277,7 +277,7 @@ class ModelConfig(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        from job.models import check_name
+        from job.recipe.models import check_name
 
         check_name(v)
         return v
@@ -285,7 +285,7 @@ class ModelConfig(Section):
     @field_validator("weights")
     @classmethod
     def _weights(cls, v: str, info: ValidationInfo) -> str:
-        from job.weights import resolve
+        from job.recipe.weights import resolve
 
         if v and "name" in info.data:
             try:

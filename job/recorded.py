@@ -1,5 +1,5 @@
-"""The scores an evaluation writes to metrics.jsonl for a split, named once: the records (job/evaluate.py's Scored,
-job/multilabel.py's MultiScored) take their keys from here, and a sweep checks its metric against them before any
+"""The scores an evaluation writes to metrics.jsonl for a split, named once: the records (job/use/evaluate.py's Scored,
+job/recipe/multilabel.py's MultiScored) take their keys from here, and a sweep checks its metric against them before any
 work, without reading data."""
 
 from __future__ import annotations

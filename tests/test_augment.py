@@ -117,7 +117,7 @@ def test_bad_augment_settings_are_one_line():
 def test_streamed_shards_are_augmented_from_the_seed(tmp_path):
     from conftest import invoke, write_image_folder
 
-    from job.train import run
+    from job.run.train import run
 
     src = write_image_folder(tmp_path / "images", size=32)
     code, err = invoke(["shard", str(src), str(tmp_path / "shards"), "--samples-per-shard", "8", "--val-split", "0"])

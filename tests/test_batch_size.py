@@ -36,7 +36,7 @@ def test_find_batch_size_doubles_then_bisects_against_a_real_memory_limit():
 def test_out_of_memory_while_training_is_one_line_naming_the_batch_size(tmp_path):
     # A real allocation failure: the address space is capped 1 GiB above what the process has mapped.
     code = (
-        "import resource, sys; from job.memory import virtual_size; "
+        "import resource, sys; from job.group.memory import virtual_size; "
         "resource.setrlimit(resource.RLIMIT_AS, (virtual_size() + 2**30, resource.RLIM_INFINITY)); "
         "from job.cli import main; sys.argv[0] = 'job'; main()"
     )

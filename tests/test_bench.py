@@ -8,13 +8,13 @@ import pytest
 import torch
 from conftest import run_job, write_cifar_batches, write_image_folder
 
-from job.bench import bench, format_table
+from job.bench.compare import bench, format_table
+from job.bench.naive import make_data_loaders
 from job.config import load_config
 from job.console import say
 from job.data.augment import channel_stats, crop_flip
 from job.data.loader import BatchLoader
 from job.data.read import load_data
-from job.naive import make_data_loaders
 
 CPU = torch.device("cpu")
 
@@ -170,8 +170,8 @@ def test_bench_refuses_a_recipe_the_tutorials_loop_cannot_run(tmp_path):
 def test_the_recipes_tricks_are_beyond_the_tutorials_loop():
     from torch import nn
 
+    from job.bench.naive import beyond_the_tutorials
     from job.config import load_config
-    from job.naive import beyond_the_tutorials
 
     tricks = ["optim.warmup='5 steps'", "optim.layer_decay=0.7", "data.augment=[trivial_augment]", "train.ema=0.99"]
     tricks += ["train.mixup=0.2", "train.finetune_stages=1"]

@@ -1,4 +1,4 @@
-"""The temperature fitted on val, the expected calibration error and the reliability diagram (job/calibrate.py),
+"""The temperature fitted on val, the expected calibration error and the reliability diagram (job/recipe/calibrate.py),
 against references computed another way: a grid search of the likelihood, scikit-learn's calibration curve."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from PIL import Image
 from sklearn.calibration import calibration_curve
 
-from job.calibrate import (
+from job.recipe.calibrate import (
     BINS,
     LOWEST,
     MIN_EACH,

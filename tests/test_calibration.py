@@ -15,7 +15,7 @@ import torch
 from conftest import invoke, metrics, run_job, sets
 from PIL import Image
 
-from job.bundle import Served, load_predictor, recipe_input
+from job.use.bundle import Served, load_predictor, recipe_input
 
 
 def noisy_folder(root: Path, per_class: int = 160, test_per_class: int = 12) -> Path:
@@ -136,7 +136,7 @@ def test_evaluate_of_a_checkpoint_reports_with_the_runs_test_time_views_as_its_m
 
 
 def test_a_val_split_too_small_to_fit_on_leaves_the_temperature_at_one_and_says_so(tmp_path):
-    """Iris with 3 val rows: no temperature is fitted on them (job/calibrate.py's rule); model.json holds 1, the
+    """Iris with 3 val rows: no temperature is fitted on them (job/recipe/calibrate.py's rule); model.json holds 1, the
     probabilities served are the model's own, and the run's last lines say why."""
     over = sets("data.val_split=0.02", "train.epochs=300")
     code, out = invoke(["train", "--device", "cpu", "--config", "iris", "--output", str(tmp_path / "run"), *over])

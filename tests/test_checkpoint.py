@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from job import checkpoint
 from job.errors import CheckpointError
-from job.storage import RunDir
+from job.run import checkpoint
+from job.storage.run_folder import RunDir
 
 
 def payload(seed: int) -> dict:

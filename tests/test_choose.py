@@ -125,9 +125,9 @@ def test_what_a_run_may_choose_on_is_checked_in_one_line(tmp_path):
 def test_choosing_on_loss_takes_the_lowest_never_a_nan_and_counts_only_a_fall_of_min_delta():
     """In-process, the Chooser alone: val_loss is better lower; a NaN is never chosen; early_stopping_min_delta asks
     for a fall of that much; a multi-label checkpoint's thresholds are its own evaluation's, after a restore too."""
-    from job.choose import Chooser
     from job.config import TrainConfig
-    from job.progress import Progress
+    from job.run.choose import Chooser
+    from job.run.progress import Progress
 
     t = TrainConfig(choose_on="val_loss", early_stopping_patience=2, early_stopping_min_delta=0.05)
     model, state = torch.nn.Linear(2, 3), Progress()

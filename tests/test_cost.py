@@ -1,4 +1,4 @@
-"""What a run costs and what a stop throws away (job/cost.py, job/attempts.py): run.json's device hours, start-up and
+"""What a run costs and what a stop throws away (run/cost.py, run/attempts.py): run.json's device hours, start-up and
 lost seconds per attempt, the cost totals with a price, and train.budget, which ends a run cleanly at a checkpoint
 and is continued by a larger one. Real processes: an Iris run killed by SIGKILL, its lost seconds measured outside."""
 
@@ -11,8 +11,8 @@ import time
 import pytest
 from conftest import assert_same_run, invoke, pointer, run_job, scalars, sets, start_job
 
-from job.attempts import iso
-from job.cost import describe, parse_budget, price_of, totals
+from job.run.attempts import iso
+from job.run.cost import describe, parse_budget, price_of, totals
 
 ARGS = ["--device", "cpu", *sets("train.eval_every_epochs=1000", "train.log_every_steps=500")]
 PRICE = 2.5

@@ -362,8 +362,8 @@ def test_a_frozen_backbone_keeps_its_batch_norm_statistics_through_sync_batchnor
     SyncBatchNorm, which must keep it (forced here on a CPU: frozen layers never synchronise)."""
     from torch import nn
 
-    from job import distributed
-    from job.weights import freeze_backbone
+    from job.group import distributed
+    from job.recipe.weights import freeze_backbone
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))

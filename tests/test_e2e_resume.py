@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import assert_same_run, invoke, pointer, run_job, scalars, sets, start_job
 
-from job.storage import RunDir
+from job.storage.run_folder import RunDir
 
 
 @pytest.fixture(params=["local", "gcs"])

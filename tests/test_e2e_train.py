@@ -196,7 +196,7 @@ def test_evaluate_a_saved_run(tmp_path):
 
 def test_outputs_to_memory_url_in_process():
     from job.config import load_config
-    from job.train import run
+    from job.run.train import run
 
     summary = run(
         load_config("iris", ["train.epochs=400", "train.eval_every_epochs=200"]),
@@ -263,7 +263,7 @@ def test_user_errors_are_one_line_with_their_exit_code(tmp_path, args, code, nee
 def test_an_iris_run_imports_only_what_it_uses(tmp_path):
     """Start-up is most of a short CPU run, so a run on a table imports only what it uses: no torchvision (its release
     is read from its version file), no HEIF decoder, ONNX, gcsfs, MLflow client or matplotlib at all (the report's
-    pictures are drawn with Pillow: job/pictures.py). Python's own import log
+    pictures are drawn with Pillow: job/sinks/pictures.py). Python's own import log
     (PYTHONPROFILEIMPORTTIME, written to stderr in order with the run's lines) tells what was imported and when."""
     out = tmp_path / "run"
     logged = {"PYTHONPROFILEIMPORTTIME": "1"}
@@ -275,7 +275,7 @@ def test_an_iris_run_imports_only_what_it_uses(tmp_path):
     tops = {name.split(".")[0] for _, name in imported}
     assert not (unused := tops & {"torchvision", "pillow_heif", "onnx", "gcsfs", "mlflow", "matplotlib"}), unused
     # nor torch's compiler: one step is not worth tracing (whose tracer imports it), and torch.optim's wrappers are
-    # passed by (job/uncompiled.py)
+    # passed by (job/recipe/uncompiled.py)
     assert "step: fp32; eager (a 1-step run: tracing pays for itself from 1,000 steps)" in done.stderr
     assert "torch._dynamo" not in {name for _, name in imported}
     assert (out / "curves.png").is_file() and (out / "report/test/confusion.png").is_file()
@@ -287,7 +287,7 @@ def imported_modules(stderr: str) -> set[str]:
 
 
 def test_a_traced_cpu_step_never_imports_the_compiler(tmp_path):
-    """A small CPU step is traced into one graph: its operations are recorded as they run once (job/record.py), not
+    """A small CPU step is traced into one graph: its operations are recorded as they run once (recipe/record.py), not
     by torch's make_fx, whose first call imports the compiler (torch._dynamo, sympy, triton: 1.5 s of CPU, a third of
     a 20,000-step Iris run). The traced run trains as the eager one does (test_step.py checks it to the bit)."""
     out = tmp_path / "run"

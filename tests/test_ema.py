@@ -9,10 +9,10 @@ from conftest import write_image_folder
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
-from job import checkpoint
 from job.config import load_config
-from job.ema import ModelEma, ema_decay
-from job.train import run
+from job.recipe.ema import ModelEma, ema_decay
+from job.run import checkpoint
+from job.run.train import run
 
 
 def timm_warmup_decay(decay: float, n: int) -> float:
@@ -70,8 +70,8 @@ def test_a_run_evaluates_saves_and_checkpoints_the_average(tmp_path, capsys):
 
 
 def test_evaluate_and_predict_take_a_checkpoints_average(tmp_path):
-    from job import bundle
-    from job.evaluate import evaluate_checkpoint
+    from job.use import bundle
+    from job.use.evaluate import evaluate_checkpoint
 
     images = write_image_folder(tmp_path / "images", size=32)
     sets = [f"data.path={images}", "data.kind=folder", "model.name=cifar_cnn", "train.epochs=2", "data.batch_size=16"]

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import run_job
 
-from job.env import GIB, cpu_quotas, cpu_share, cpus, format_info, info, pick_device
 from job.errors import ConfigError
+from job.group.env import GIB, cpu_quotas, cpu_share, cpus, format_info, info, pick_device
 
 CUDA = torch.cuda.is_available()
 MPS = torch.backends.mps.is_available()
@@ -145,7 +145,9 @@ def test_cpu_quotas_are_read_from_this_process_cgroup_and_those_above_it(tmp_pat
 def test_usable_cpus_follow_the_affinity_and_the_group_share():
     """taskset (or a cpuset) limits a process to fewer CPUs than the machine has: the decoding workers count those,
     split between the group's processes on the machine (os.cpu_count() counted the machine's for every process)."""
-    code = "from job.env import cpus; from job.data.decode import auto_workers; print(cpus(), auto_workers('auto'))"
+    code = (
+        "from job.group.env import cpus; from job.data.decode import auto_workers; print(cpus(), auto_workers('auto'))"
+    )
     one = sorted(os.sched_getaffinity(0))[:1]
     done = subprocess.run(  # as `taskset -c 0` starts it
         [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, one)
@@ -179,7 +181,7 @@ def test_a_torchvision_that_does_not_match_torch_is_named_by_info_and_before_a_r
 
 
 def test_the_torchvision_beside_this_torch_matches_it():
-    from job.env import torchvision_problem
+    from job.group.env import torchvision_problem
 
     assert torchvision_problem() == ""
     assert info()["torchvision"] == __import__("torchvision").__version__
@@ -190,7 +192,7 @@ def test_a_process_that_has_ended_is_not_alive_while_its_parent_has_not_reaped_i
     whose own parent has not yet reaped it (a zombie) has ended, and the worker must end with it."""
     import time
 
-    from job.env import pid_alive
+    from job.group.env import pid_alive
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # ended, not reaped

@@ -15,15 +15,16 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_same_run, invoke, metrics, pointer, run_job, scalars, sets, start_job, write_cifar_batches
 
-from job import recipe, schedule
 from job.config import load_config
 from job.data.augment import crop_flip
 from job.data.augment import viewed_logits as logits
 from job.data.dataset import Split
 from job.data.loader import BatchLoader
 from job.errors import ConfigError
-from job.models import CifarFast
-from job.step import EagerStep
+from job.recipe import build as recipe
+from job.recipe import schedule
+from job.recipe.models import CifarFast
+from job.recipe.step import EagerStep
 
 CPU = torch.device("cpu")
 
@@ -224,7 +225,7 @@ def test_the_preset_trains_on_a_cpu_and_resumes_bit_for_bit_after_sigterm(tmp_pa
 
 
 def test_the_clock_times_training_and_test_passes_apart():
-    from job.meters import TrainClock
+    from job.run.meters import TrainClock
 
     clock = TrainClock(CPU)
     clock.start()

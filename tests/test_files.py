@@ -15,7 +15,7 @@ from conftest import invoke, sets, write_image_folder
 from job.config import DataConfig
 from job.data.manifest import load_manifest
 from job.errors import DataError
-from job.evaluate import evaluate_on
+from job.use.evaluate import evaluate_on
 
 # Names a phone, a scanner or a person gives files, each a pattern to fsspec's glob (and a space).
 ODD = ("scan[1].png", "a*b.png", "what?.png", "with space.png", "[x] y.png")
@@ -177,7 +177,7 @@ def test_a_manifest_at_a_buckets_root_reads_its_folder_and_names_a_row_that_clim
 def test_predicts_inputs_are_named_in_the_form_given(tmp_path, monkeypatch):
     """A glob's matches come back as the pattern was written (relative, absolute or a URL, never file://), and a
     file whose name holds pattern characters is that file when it exists."""
-    from job.inputs import listed
+    from job.use.inputs import listed
 
     root = odd_folder(tmp_path / "imgs")
     monkeypatch.chdir(tmp_path)

@@ -26,13 +26,13 @@ from conftest import (
     write_image_folder,
 )
 
-from job import recipe
 from job.config import load_config
 from job.data.augment import View
 from job.data.dataset import Split
 from job.data.loader import BatchLoader
 from job.errors import StorageError
-from job.weights import Weights, cache_path, download, resolve
+from job.recipe import build as recipe
+from job.recipe.weights import Weights, cache_path, download, resolve
 
 
 def test_a_torchvision_weights_name_resolves_to_its_url_and_preprocessing():

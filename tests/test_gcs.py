@@ -17,10 +17,10 @@ from conftest import free_port, run_job, sets, start_job, tar_folder, write_imag
 from faultproxy import FaultProxy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from job import checkpoint
 from job.config import load_config
-from job.models import build_model
-from job.storage import RunDir
+from job.recipe.models import build_model
+from job.run import checkpoint
+from job.storage.run_folder import RunDir
 
 IRIS_SHORT = sets(
     "train.epochs=2000", "train.eval_every_epochs=500", "train.checkpoint_every_epochs=500", "train.keep_last=10"

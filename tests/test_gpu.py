@@ -8,21 +8,21 @@ import pytest
 import torch
 from conftest import encode, pattern_images, run_job, write_cifar_batches, write_image_folder
 
-from job import recipe
-from job.attempts import Attempt
-from job.choose import Chooser
 from job.config import load_config
 from job.console import say
 from job.data.loader import BatchLoader
 from job.data.read import load_data
-from job.meters import LossLog, TrainClock
-from job.plan import build_step, plan_step, step_facts
-from job.progress import Progress
-from job.report import Report
-from job.step import CudaGraphStep, host_waits
-from job.stop import StopRequest
-from job.storage import RunDir
-from job.train import Loop, train_epoch
+from job.group.stop import StopRequest
+from job.recipe import build as recipe
+from job.recipe.plan import build_step, plan_step, step_facts
+from job.recipe.step import CudaGraphStep, host_waits
+from job.run.attempts import Attempt
+from job.run.choose import Chooser
+from job.run.meters import LossLog, TrainClock
+from job.run.progress import Progress
+from job.run.train import Loop, train_epoch
+from job.sinks.report import Report
+from job.storage.run_folder import RunDir
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 CUDA = torch.device("cuda")
@@ -519,9 +519,9 @@ def test_predict_decoding_on_the_device_labels_as_the_host_decoder_does(tmp_path
 def test_find_batch_size_with_capture_answers_a_batch_that_trains_under_the_same_cap(tmp_path):
     """find-batch-size measures the run's own captured step (a graph holds memory of its own besides the eager
     warm-up's): its answer trains a whole epoch, evaluation included, under the memory cap it was found under."""
-    from job.batch_size import find_batch_size
-    from job.memory import memory_limit
-    from job.train import run
+    from job.group.memory import memory_limit
+    from job.run.batch_size import find_batch_size
+    from job.run.train import run
 
     root = write_image_folder(tmp_path / "imgs", n_classes=4, per_class=300, size=32, test_per_class=50)
     sets = [f"data.path={root}", "data.kind=folder", "train.step_capture=on", "train.epochs=1", "data.val_split=0"]
@@ -539,8 +539,8 @@ def test_an_evaluation_pass_never_waits_for_the_gpu_and_counts_as_the_cpu_does(t
     """An evaluation's sums (loss, accuracy, top-5, the confusion matrix) are counted on the device: no host wait
     a batch (a bincount and a masked index each waited), the counts a bincount gives, through a view (photos held
     larger than the model's input: torchvision's roi_align operator, also in deterministic mode)."""
-    from job.evaluate import test_sums
-    from job.scores import confusion_add
+    from job.use.evaluate import test_sums
+    from job.use.scores import confusion_add
 
     at, counted = torch.randint(0, 36, (5000,)), torch.rand(5000) < 0.8
     cells = torch.zeros(36, device=CUDA)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import run_job, sets
 
-from job.hypertune import metric_file, metric_line
+from job.sinks.hypertune import metric_file, metric_line
 
 QUICK = ["--device", "cpu", "--config", "iris", *sets("data.val_split=0.2", "train.epochs=300")]
 EVERY_100 = sets("train.eval_every_epochs=100")

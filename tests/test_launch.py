@@ -20,7 +20,7 @@ from conftest import free_port, job_env, run_job, scalars, sets, start_job, weig
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from job.errors import ConfigError
-from job.launch import Launch, group_exit_code, launch_plan
+from job.group.launch import Launch, group_exit_code, launch_plan
 
 TWO = ["train", "--device", "cpu", "--nproc-per-node", "2"]
 

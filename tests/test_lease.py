@@ -15,8 +15,8 @@ import pytest
 from conftest import Bucket
 
 from job.errors import StorageError
-from job.lease import LEASE, Lease, check, machine
-from job.storage import RunDir
+from job.run.lease import LEASE, Lease, check, machine
+from job.storage.run_folder import RunDir
 
 
 def left_by(folder, **changes) -> dict:
@@ -143,7 +143,7 @@ def test_a_holder_killed_and_not_yet_reaped_is_gone(tmp_path):
 
 HOLDER = """
 import sys, time
-import job.lease as lease
+import job.run.lease as lease
 skew, real = float(sys.argv[2]), time.time
 time.time = lambda: real() + skew  # this machine's clock, skew seconds off the test's
 lease.machine = lambda: "another-machine"  # its pids mean nothing to the test's machine

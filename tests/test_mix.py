@@ -7,8 +7,8 @@ import torch
 from job.config import load_config
 from job.data.batches import IGNORED
 from job.errors import ConfigError
-from job.mix import Mix
-from job.recipe import CountedLoss
+from job.recipe.build import CountedLoss
+from job.recipe.mix import Mix
 
 
 def batch(n: int = 8, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ def test_the_loss_takes_mixed_targets_with_smoothing_and_class_weights():
 
 
 def test_mixing_a_table_is_refused():
-    from job import recipe
+    from job.recipe import build as recipe
 
     cfg = load_config("iris", ["train.mixup=0.2"])
     with pytest.raises(ConfigError, match="train.mixup, train.cutmix: mix images"):

@@ -7,7 +7,7 @@ from torch import nn
 
 from job.config import load_config
 from job.errors import ConfigError
-from job.models import CifarCNN, build_model
+from job.recipe.models import CifarCNN, build_model
 
 
 def model_cfg(*overrides):

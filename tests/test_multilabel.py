@@ -101,7 +101,7 @@ def test_list_labels_under_data_task_multiclass_are_refused_in_one_line(tmp_path
 def test_average_precision_is_scikit_learns_with_ties_and_thresholds_are_best_f1():
     from sklearn.metrics import average_precision_score, f1_score
 
-    from job.multilabel import scored
+    from job.recipe.multilabel import scored
 
     rng = np.random.default_rng(1)
     y = (rng.random((300, 4)) < [0.1, 0.3, 0.5, 0.02]).astype(int)
@@ -224,7 +224,7 @@ def test_a_multilabel_run_chooses_on_val_map_writes_thresholds_and_predict_and_e
 
 def test_balanced_class_weights_weigh_each_class_positives_by_its_negatives(tmp_path):
     from job.data.manifest import load_manifest
-    from job.recipe import MultiLabelLoss, positive_weights
+    from job.recipe.build import MultiLabelLoss, positive_weights
 
     rows = mosaic_images(tmp_path, 60)
     path = manifests(tmp_path, rows)["jsonl"]
@@ -332,7 +332,7 @@ def test_thresholds_are_those_of_the_evaluation_whose_weights_model_pt_and_each_
     holds its own weights' thresholds, not the chosen model's."""
     from sklearn.metrics import f1_score
 
-    from job.multilabel import best_threshold
+    from job.recipe.multilabel import best_threshold
 
     out = tmp_path / "run"
     over = ("train.choose_on=val_micro_f1", "train.epochs=4", "optim.lr=0.01")

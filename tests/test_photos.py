@@ -427,7 +427,7 @@ def test_a_manifest_streams_with_data_placement_stream(tmp_path):
 
 def test_balanced_class_weights(tmp_path):
     from job.data.dataset import Dataset, Split
-    from job.recipe import CountedLoss, balanced_weights
+    from job.recipe.build import CountedLoss, balanced_weights
 
     y = torch.tensor([0] * 90 + [1] * 10)
     data = Dataset(Split(torch.zeros(100, 4), y), None, ["a", "b"], "t")
@@ -456,7 +456,7 @@ def test_weights_of_the_chosen_epoch_are_in_model_pt(tmp_path):
     code, err = invoke(["train", "--device", "cpu", "--config", "cifar10", "--output", str(out), *over])
     assert code == 0, err
     rows = [r for r in metrics(str(out)) if "train_loss" in r]
-    # The best accuracy; a tie goes to the lower loss (job/choose.py), and then to the first
+    # The best accuracy; a tie goes to the lower loss (job/run/choose.py), and then to the first
     best = rows.index(min(rows, key=lambda r: (-r["val_accuracy"], r["val_loss"])))
     ckpt = next((out / "checkpoints").glob(f"e{best + 1:05d}-*.pt"))
     saved_best = torch.load(ckpt, weights_only=True)["model"]
@@ -466,7 +466,7 @@ def test_weights_of_the_chosen_epoch_are_in_model_pt(tmp_path):
 
 def test_resnet18_takes_its_stem_from_the_image_size():
     from job.config import ModelConfig
-    from job.models import build_model, describe
+    from job.recipe.models import build_model, describe
 
     cfg = ModelConfig(name="resnet18")
     small, photo = build_model(cfg, (3, 32, 32), 4), build_model(cfg, (3, 96, 96), 4)
@@ -481,7 +481,7 @@ def test_weights_that_cannot_be_downloaded_name_the_ways_on(tmp_path):
     import socket
 
     from job.errors import StorageError
-    from job.weights import Weights, cache_path, download
+    from job.recipe.weights import Weights, cache_path, download
 
     with socket.socket() as s:  # a port nothing listens on: what an offline machine or a firewall gives
         s.bind(("127.0.0.1", 0))
@@ -499,10 +499,10 @@ def test_streamed_shards_from_another_tool_skip_a_bad_sample(tmp_path):
     wds = pytest.importorskip("webdataset", reason="the webdataset package writes the other tool's shards")
     from conftest import encode, pattern_images
 
-    from job import evaluate
     from job.data.batches import IGNORED
     from job.data.shards import open_shards
     from job.data.stream import Decoder, StreamLoader
+    from job.use import evaluate
 
     root = tmp_path / "shards"
     for split, n in (("train", 24), ("test", 12)):
@@ -665,9 +665,9 @@ def reproduce(data: bytes, pre: dict) -> np.ndarray:
 
 @pytest.mark.parametrize("sizes", [("data.image_size=24", "data.resize_size=28"), ("data.image_size=20",)])
 def test_model_json_describes_the_model_and_reproduces_its_input(tmp_path, sizes):
-    from job import recipe
     from job.config import load_config
     from job.data.augment import to_float
+    from job.recipe import build as recipe
 
     root = photo_folder(tmp_path / "photos", per_class=8)
     out = tmp_path / "run"
@@ -784,10 +784,11 @@ def test_a_phone_photo_is_the_same_input_on_the_host_the_device_and_by_model_jso
     3 where the host decodes at the reduced scale and the device at full size."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from job import bundle, recipe
     from job.config import load_config
     from job.data.augment import to_float
     from job.data.decode import upright_held
+    from job.recipe import build as recipe
+    from job.use import bundle
 
     data = phone_photo()
     cfg = load_config("cifar10", [f"data.resize_size={held}", f"data.image_size={size}", "data.kind=folder"])

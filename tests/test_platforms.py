@@ -1,4 +1,4 @@
-"""job/platforms.py: each platform's variables read as its own code sets them (Slurm's srun tasks and batch script,
+"""group/platforms.py: each platform's variables read as its own code sets them (Slurm's srun tasks and batch script,
 Kubeflow Trainer v2's TrainJob pods, the training-operator's PyTorchJob pods, Indexed Jobs, Ray Train's workers),
 the group each implies, and variables that contradict each other refused in one line (exit 2). The real engines
 run in tests/test_engines.py; two "machines" on loopback with each Kubernetes operator's variables in
@@ -17,8 +17,8 @@ from typer.main import get_command
 
 from job.cli import app
 from job.errors import ConfigError
-from job.launch import Launch, launch_plan, processes
-from job.platforms import Process, adopt, hostlist, read, tasks_per_node
+from job.group.launch import Launch, launch_plan, processes
+from job.group.platforms import Process, adopt, hostlist, read, tasks_per_node
 
 # A task of `srun -n 2` on one machine (what Slurm 22.05 set here, less the ids of its sockets)
 SRUN = {

@@ -61,7 +61,7 @@ def test_predict_labels_new_photos_to_csv_and_jsonl_with_an_error_row_per_bad_fi
     assert code == 0, err
     rows = rows_of(tmp_path / "p.csv")
     assert len(rows) == 20 and "18 images labelled, 2 could not be read" in err
-    from job.sync import FILE_MODE
+    from job.storage.sync import FILE_MODE
 
     assert (tmp_path / "p.csv").stat().st_mode & 0o777 == FILE_MODE  # as readable as any file the user makes
     assert (
@@ -98,10 +98,10 @@ def test_predict_decoding_on_the_device_needs_a_cuda_device_and_says_so_in_one_l
 def test_predict_gives_the_evaluations_probabilities(trained, tmp_path):
     """predict on the run's own val files: the same probabilities as the run's evaluation pipeline gives them, over
     the temperature the run fitted on val (model.json)."""
-    from job import recipe
     from job.config import Config
     from job.data.folder import load_folder
     from job.data.loader import BatchLoader
+    from job.recipe import build as recipe
 
     run, _ = trained
     ckpt = torch.load(run / "model.pt", weights_only=True)
@@ -194,7 +194,7 @@ def test_export_carries_labels_and_preprocessing_and_is_checked_with_its_runtime
         assert json.loads(extra["labels.json"]) == card["classes"]
         assert json.loads(extra["preprocessing.json"]) == card["preprocessing"]
         logits = program.module()(torch.from_numpy(x)).detach().numpy()
-    from job.bundle import load_predictor
+    from job.use.bundle import load_predictor
 
     model = load_predictor(str(run), torch.device("cpu")).served()  # the logits over the temperature
     with torch.no_grad():
@@ -331,7 +331,7 @@ def test_predict_processes_each_take_their_share_of_the_cpus(trained, tmp_path):
     from conftest import run_job
 
     from job.data.decode import auto_workers
-    from job.env import cpu_share
+    from job.group.env import cpu_share
 
     run, new = trained
     done = run_job(
@@ -398,8 +398,9 @@ def rows_of_part(path: Path) -> list[str]:
 def test_model_json_of_every_preset(preset):
     """What model.json says of each preset's model: the class count, and the preprocessing its evaluation applies
     (finetune: the weights' 232 px short side and 224 px centre, ImageNet's mean and std)."""
-    from job import bundle, recipe
     from job.config import load_config
+    from job.recipe import build as recipe
+    from job.use import bundle
 
     cfg = recipe.resolved(load_config(preset))
     classes = [f"c{i}" for i in range(3)]
@@ -408,7 +409,7 @@ def test_model_json_of_every_preset(preset):
         card = bundle.describe(cfg, classes, (4,), (None, None), features, {"best_accuracy": 1.0})
         assert card["features"]["columns"] == ["a", "b", "c", "d"] and "preprocessing" not in card
         return
-    w = __import__("job.weights", fromlist=["resolve"]).resolve(cfg.model.name, cfg.model.weights)
+    w = __import__("job.recipe.weights", fromlist=["resolve"]).resolve(cfg.model.name, cfg.model.weights)
     stats = (torch.tensor(w.mean), torch.tensor(w.std)) if w is not None else (torch.zeros(3), torch.ones(3))
     card = bundle.describe(cfg, classes, (3, 32, 32), stats, None, {})
     pre = card["preprocessing"]
@@ -435,7 +436,7 @@ def test_evaluate_takes_the_model_forms_of_predict_and_any_labelled_data(trained
         for name in ("cats", "dogs", "owls"):
             for p in sorted((photos / name).rglob("IMG_0*"))[:5]:
                 w.writerow([p.as_posix(), name])
-    from job.evaluate import evaluate_on
+    from job.use.evaluate import evaluate_on
 
     scored = evaluate_on(str(run), str(photos), "cpu")
     assert scored["split"] == "all" and scored["samples"] == 90 and scored["all_accuracy"] > 0.8
@@ -496,7 +497,7 @@ def test_predict_a_table_with_a_csv_model(tmp_path):
 def test_evaluate_on_shards_and_export_checks_a_test_folder_by_default(tmp_path):
     from conftest import write_image_folder
 
-    from job.evaluate import evaluate_on
+    from job.use.evaluate import evaluate_on
 
     src = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=12, size=32, test_per_class=4)
     run = tmp_path / "run"
@@ -516,7 +517,7 @@ def test_a_file_gone_since_it_was_listed_gets_its_own_error_row(tmp_path, bucket
     (not "an empty file"), and the files beside it are read."""
     from conftest import encode, pattern_images
 
-    from job.inputs import read
+    from job.use.inputs import read
 
     images, _ = pattern_images(1, 2, 16)
     (tmp_path / "a.png").write_bytes(encode(images[0]))
@@ -531,7 +532,7 @@ def test_a_file_gone_since_it_was_listed_gets_its_own_error_row(tmp_path, bucket
 
 def test_a_remote_file_named_like_a_pattern_is_read(tmp_path, bucket):
     """Brackets and stars in a file's name are the name, not a pattern to expand."""
-    from job.inputs import read
+    from job.use.inputs import read
 
     for name in ("scan[001].png", "a*b.png"):
         bucket.fs.pipe_file(bucket.url(f"odd/{name}").removeprefix("gs://"), name.encode())
@@ -570,7 +571,7 @@ def test_a_model_trained_at_its_datas_own_size_labels_photos_of_any_size_in_one_
     for i, p in enumerate(sorted(photos.iterdir())):  # evaluate brings them to it too
         (labelled / ("cat", "dog")[i % 2]).mkdir(parents=True, exist_ok=True)
         (labelled / ("cat", "dog")[i % 2] / p.name).write_bytes(p.read_bytes())
-    from job.evaluate import evaluate_on
+    from job.use.evaluate import evaluate_on
 
     assert evaluate_on(str(tmp_path / "run"), str(labelled), "cpu")["samples"] == 5
 
@@ -622,7 +623,7 @@ def test_export_checks_held_out_images_of_every_class(tmp_path):
     """The check's images are taken from every class in turn, not the first in sorted order (the first classes')."""
     from conftest import write_image_folder
 
-    from job.export import held_out_images
+    from job.use.export import held_out_images
 
     root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=20, size=8)
     config = {"data": {"kind": "folder", "path": str(root), "val_split": 0.5}}

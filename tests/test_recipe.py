@@ -1,12 +1,12 @@
-"""What a config means on a device, built once (job/recipe.py): the parts every command takes its setup from."""
+"""What a config means on a device, built once (job/recipe/build.py): the parts every command takes its setup from."""
 
 import pytest
 import torch
 from conftest import write_image_folder
 
-from job import recipe
 from job.config import load_config
 from job.errors import ConfigError
+from job.recipe import build as recipe
 
 CPU = torch.device("cpu")
 

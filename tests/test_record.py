@@ -1,10 +1,10 @@
-"""job/record.py: a function's operations recorded as they run once, replayed as a graph (a CPU step's tracer)."""
+"""recipe/record.py: a function's operations recorded as they run once, replayed as a graph (a CPU step's tracer)."""
 
 import pytest
 import torch
 from torch import nn
 
-from job.record import NotRecordable, record
+from job.recipe.record import NotRecordable, record
 
 
 def training_step(model: nn.Module):

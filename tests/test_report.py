@@ -1,4 +1,4 @@
-"""job/report.py: what a resumed run keeps of the metrics an earlier attempt wrote; the pictures TensorBoard gets."""
+"""sinks/report.py: what a resumed run keeps of the metrics an earlier attempt wrote; the pictures TensorBoard gets."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from job.report import read_records
-from job.storage import RunDir
+from job.sinks.report import read_records
+from job.storage.run_folder import RunDir
 
 
 def test_a_run_resumed_from_its_last_checkpoint_redoes_its_test_record_once(tmp_path):
@@ -23,7 +23,7 @@ def test_a_run_resumed_from_its_last_checkpoint_redoes_its_test_record_once(tmp_
 
 def test_a_process_with_none_of_a_splits_samples_adds_nothing_to_the_merged_report():
     """A held-out split smaller than the group: a process that scored none of it sends an empty part."""
-    from job.diagnostics import Passed, merged
+    from job.use.diagnostics import Passed, merged
 
     def part(n: int, classes: int = 3) -> Passed:
         logits = torch.randn(n, classes) if n else torch.zeros(0, 0)  # an empty pass knows no class count
@@ -37,12 +37,12 @@ def test_a_process_with_none_of_a_splits_samples_adds_nothing_to_the_merged_repo
 
 
 def test_the_pictures_are_drawn_with_pillow_round_ticks_and_gaps_where_a_value_is_missing():
-    """job/pictures.py: ticks at round values, a line broken where a value is missing (an evaluation without its
+    """job/sinks/pictures.py: ticks at round values, a line broken where a value is missing (an evaluation without its
     held-out loss), a grid that enlarges small inputs by a whole factor, each a real PNG."""
     import numpy as np
     from PIL import Image
 
-    from job import pictures
+    from job.sinks import pictures
 
     assert pictures.ticks(0, 1.02) == pytest.approx([0, 0.2, 0.4, 0.6, 0.8, 1.0])
     assert pictures.ticks(0.23, 2.31) == pytest.approx([0.5, 1.0, 1.5, 2.0])
@@ -63,8 +63,8 @@ def test_a_confusion_matrix_that_has_not_changed_is_not_drawn_again_yet_each_eva
     from PIL import Image
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from job import diagnostics
-    from job.report import Report
+    from job.sinks.report import Report
+    from job.use import diagnostics
 
     report, drawn = Report(RunDir(str(tmp_path / "run")), {}, 3, 1, 0), []
 

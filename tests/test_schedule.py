@@ -5,12 +5,12 @@ import pytest
 import torch
 from conftest import write_image_folder
 
-from job import recipe
 from job.config import load_config
 from job.errors import ConfigError
-from job.models import build_model
-from job.schedule import make_scheduler
-from job.train import run
+from job.recipe import build as recipe
+from job.recipe.models import build_model
+from job.recipe.schedule import make_scheduler
+from job.run.train import run
 
 
 def rates(overrides: list[str], total: int = 100, epochs: int = 10) -> list[list[float]]:

@@ -11,11 +11,11 @@ import pytest
 import torch
 from conftest import invoke, metrics, scalars, sets, write_image_folder
 
-from job import scores
 from job.data.batches import IGNORED
 from job.data.dataset import Split
 from job.data.loader import BatchLoader
-from job.evaluate import test_sums as evaluation_sums
+from job.use import scores
+from job.use.evaluate import test_sums as evaluation_sums
 
 CPU = torch.device("cpu")
 
@@ -151,7 +151,7 @@ def test_every_evaluation_draws_its_confusion_matrix_in_tensorboard(tmp_path):
 
 
 def test_the_confusion_picture_names_the_classes_and_shows_the_most_confused_of_many():
-    from job import diagnostics
+    from job.use import diagnostics
 
     k = 1000
     confusion = torch.eye(k, dtype=torch.long) * 5
@@ -234,7 +234,7 @@ from test_scores import scored_problem, stream_sums
 from job import distributed
 from job.data.dataset import Split
 from job.data.loader import BatchLoader
-from job.evaluate import test_sums
+from job.use.evaluate import test_sums
 
 dist.init_process_group("gloo")
 x, y, model = scored_problem()
@@ -369,7 +369,7 @@ def test_evaluate_reports_on_any_labelled_data(tmp_path):
     with open(rep / "all" / "classes.csv", newline="") as f:
         assert sum(int(r["support"]) for r in csv.DictReader(f)) == 12
     assert (rep / "all" / "worst.png").stat().st_size > 0
-    from job.evaluate import evaluate_on
+    from job.use.evaluate import evaluate_on
 
     alone = evaluate_on(str(tmp_path / "run"), str(new), "cpu")  # the loss and accuracy of the report's own pass
     reported = evaluate_on(str(tmp_path / "run"), str(new), "cpu", str(tmp_path / "rep2"))
@@ -383,7 +383,7 @@ def test_evaluate_streams_the_held_out_split_of_shards_and_reads_nothing_else(tm
     shards were packed from, with --report as without."""
     import csv
 
-    from job.evaluate import evaluate_on
+    from job.use.evaluate import evaluate_on
 
     root = write_image_folder(tmp_path / "imgs", n_classes=3, per_class=8, size=16, test_per_class=4)
     run = str(tmp_path / "run")
@@ -413,7 +413,7 @@ def test_evaluate_streams_the_held_out_split_of_shards_and_reads_nothing_else(tm
 def test_samples_without_names_are_named_by_their_place_in_the_split_across_processes():
     """A split with no file names (CIFAR-10's batches): each process's worst samples are named by their place in the
     whole split, so the parts of two processes merge into one process's report."""
-    from job import diagnostics
+    from job.use import diagnostics
 
     x, y, model = scored_problem(n=50)
     one = diagnostics.per_sample(model, BatchLoader(Split(x, y), 8, CPU, CPU), torch.no_grad)
@@ -427,7 +427,7 @@ def test_samples_without_names_are_named_by_their_place_in_the_split_across_proc
 
 
 def test_a_sample_whose_loss_is_not_a_number_stays_among_the_worst():
-    from job import diagnostics
+    from job.use import diagnostics
 
     x, y, model = scored_problem(n=10)
     x[0] = float("nan")
@@ -443,9 +443,9 @@ def test_a_one_class_model_is_never_chosen_over_one_that_separates_classes():
     """Val accuracy 0.38 by always saying the largest class must not beat 0.30 of a model that tells classes apart; a
     separating model beats a one-class best whatever its accuracy; the chosen model's confusion is the one reported
     at the end, across a resume too."""
-    from job.choose import Chooser
     from job.config import TrainConfig
-    from job.progress import Progress
+    from job.run.choose import Chooser
+    from job.run.progress import Progress
 
     model = torch.nn.Linear(2, 3)
     separating = confusion_of([3, 2, 3], [2, 3, 3], [2, 2, 3])  # 9 of 23 right: 0.39... here accuracy is given
@@ -488,9 +488,9 @@ def test_a_one_class_warning_follows_its_epoch_line_and_the_end_says_the_chosen_
 def test_a_tie_in_val_accuracy_is_broken_by_the_val_loss_and_early_stopping_counts_on():
     """Val accuracy 1.0 from the first epoch on (a small val split): model.pt must not be the first epoch's barely
     trained model. The lower val loss wins a tie; early stopping still counts evaluations since accuracy improved."""
-    from job.choose import Chooser
     from job.config import TrainConfig
-    from job.progress import Progress
+    from job.run.choose import Chooser
+    from job.run.progress import Progress
 
     model = torch.nn.Linear(2, 2)
     right = confusion_of([5, 0], [0, 5])
@@ -512,8 +512,8 @@ def test_the_end_of_a_run_reports_from_its_last_pass_over_a_split(tmp_path, monk
     the metrics that pass gave."""
     import csv
 
-    from job import diagnostics
-    from job import evaluate as evaluate_module
+    from job.use import diagnostics
+    from job.use import evaluate as evaluate_module
 
     passes = []
     for module, name in ((diagnostics, "per_sample"), (evaluate_module, "test_sums")):

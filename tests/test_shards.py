@@ -33,7 +33,7 @@ from job.data.decode import auto_workers
 from job.data.sample_stream import Part, SampleStream, saved
 from job.data.shards import open_shards
 from job.data.stream import Decoder, StreamLoader, deal
-from job.memory import peak_tree_rss
+from job.group.memory import peak_tree_rss
 
 STREAM = ["--device", "cpu", "--config", "cifar10", *sets("data.kind=shards", "data.placement=stream")]
 

@@ -9,8 +9,8 @@ import torch
 from conftest import write_image_folder
 
 from job.config import load_config
-from job.recipe import prime_momentum
-from job.train import run
+from job.recipe.build import prime_momentum
+from job.run.train import run
 
 
 @pytest.fixture(autouse=True)
@@ -266,8 +266,8 @@ def test_bf16_on_a_cpu_says_once_how_its_step_runs(tmp_path):
 
 def test_the_step_plan_is_one_pure_decision_with_its_reason():
     """How a step runs is a value of plan_step's, decided from the facts alone: no GPU needed to test the GPU's."""
-    from job.plan import StepFacts, plan_step
-    from job.step import StepKind
+    from job.recipe.plan import StepFacts, plan_step
+    from job.recipe.step import StepKind
 
     sgd = StepFacts("cuda", plain_sgd=True)
     assert plan_step(sgd).kind is StepKind.CUDA_GRAPH and plan_step(sgd).optimizer_inside
@@ -312,7 +312,7 @@ def test_a_resumed_run_steps_as_it_began_when_its_epochs_change(tmp_path, capsys
 
 
 def test_a_step_that_falls_back_says_so_as_a_value():
-    from job.step import EagerStep, StepKind, StepPlan
+    from job.recipe.step import EagerStep, StepKind, StepPlan
 
     model = torch.nn.Linear(2, 2)
     scaler, optimizer = torch.amp.GradScaler("cpu", enabled=False), torch.optim.SGD(model.parameters(), lr=0.1)
@@ -332,7 +332,7 @@ def test_waits_are_reported_for_the_watching_thread_alone_and_warnings_survive_o
     import threading
     import warnings
 
-    from job.step import SYNC_WARNING, waits_reported
+    from job.recipe.step import SYNC_WARNING, waits_reported
 
     seen: list[str] = []
     entered, probed, left = threading.Event(), threading.Event(), threading.Event()
@@ -373,7 +373,7 @@ def test_a_padded_step_learns_nothing_and_leaves_batch_norm_statistics_alone():
     model runs on none of its samples."""
     import contextlib
 
-    from job.step import EagerStep
+    from job.recipe.step import EagerStep
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
@@ -398,7 +398,7 @@ def test_a_padded_step_of_a_model_that_cannot_take_an_empty_batch_steps_as_befor
     a collective (an evaluation-mode forward) so that the other processes are not kept waiting."""
     import contextlib
 
-    from job.step import EagerStep
+    from job.recipe.step import EagerStep
 
     class Flat(torch.nn.Module):
         def __init__(self) -> None:
@@ -428,7 +428,7 @@ def test_auto_precision_is_one_pure_decision_with_its_reason():
     """train.precision auto: bf16 where the hardware computes it natively, for a step bound by arithmetic: a GPU from
     compute capability 8.0, and a CPU with AMX's matrix units (the tutorials' CIFAR-10 step about twice as fast there);
     a small CPU step stays fp32, where it is traced."""
-    from job.plan import SMALL_STEP_FLOPS, choose_precision
+    from job.recipe.plan import SMALL_STEP_FLOPS, choose_precision
 
     big, small = SMALL_STEP_FLOPS * 10, SMALL_STEP_FLOPS / 10
     assert choose_precision("fp16", "cpu", big, cpu_bf16=True).name == "fp16"  # named: as asked, no reason given
@@ -448,7 +448,7 @@ def test_auto_precision_is_one_pure_decision_with_its_reason():
 
 def test_a_cpu_run_with_precision_auto_says_what_it_came_to(tmp_path, capsys):
     """The decision wired into a real run: bf16 on this CPU when it has AMX, else fp32; the Iris step stays fp32."""
-    from job.plan import cpu_computes_bf16
+    from job.recipe.plan import cpu_computes_bf16
 
     root = write_image_folder(tmp_path / "imgs", n_classes=2, per_class=8, size=32)
     sets = ["data.kind=folder", f"data.path={root}", "train.epochs=1", "train.precision=auto", "data.val_split=0"]
@@ -464,15 +464,15 @@ def test_a_resumed_run_keeps_the_precision_auto_came_to_at_its_start(tmp_path, c
     without (the arithmetic of the run it continues), and says what a fresh decision would have been, once however
     often the run resumes; a precision named on resume is taken for that attempt. The CPU's AMX is the one fact
     stood in for: the machine cannot change under a test."""
-    import job.plan
+    import job.recipe.plan
 
     root = write_image_folder(tmp_path / "imgs", n_classes=2, per_class=8, size=32)
     sets = ["data.kind=folder", f"data.path={root}", "train.precision=auto", "data.val_split=0"]
     out = str(tmp_path / "cnn")
-    monkeypatch.setattr(job.plan, "cpu_computes_bf16", lambda: True)
+    monkeypatch.setattr(job.recipe.plan, "cpu_computes_bf16", lambda: True)
     run(load_config("cifar10", [*sets, "train.epochs=1"]), out, "cpu")
     assert "step: bf16 (auto: this CPU's AMX units compute bf16 natively)" in capsys.readouterr().err
-    monkeypatch.setattr(job.plan, "cpu_computes_bf16", lambda: False)
+    monkeypatch.setattr(job.recipe.plan, "cpu_computes_bf16", lambda: False)
     run(load_config("cifar10", [*sets, "train.epochs=2"]), out, "cpu")
     said = capsys.readouterr().err
     began = "step: bf16 (auto, as the run began: this CPU's AMX units compute bf16 natively; afresh here: fp32, no "
@@ -482,6 +482,6 @@ def test_a_resumed_run_keeps_the_precision_auto_came_to_at_its_start(tmp_path, c
     for epochs in (4, 5):  # the run's start, not the attempt between; said once, however often the run resumes
         run(load_config("cifar10", [*sets, f"train.epochs={epochs}"]), out, "cpu")
         assert began + "native bf16 here)," in capsys.readouterr().err
-    monkeypatch.setattr(job.plan, "cpu_computes_bf16", lambda: True)
+    monkeypatch.setattr(job.recipe.plan, "cpu_computes_bf16", lambda: True)
     run(load_config("cifar10", [*sets, "train.epochs=6"]), out, "cpu")
     assert "step: bf16 (auto: this CPU's AMX units compute bf16 natively)," in capsys.readouterr().err

@@ -15,12 +15,12 @@ import pytest
 import torch
 from conftest import assert_same_run, invoke, metrics, pointer, run_job, sets
 
-import job.train  # noqa: F401  # imported before the time limit's clock starts, as a process would have it
-from job import distributed
+import job.run.train  # noqa: F401  # imported before the time limit's clock starts, as a process would have it
 from job.config import load_config
 from job.duration import format_duration, parse_duration
 from job.errors import ConfigError
-from job.stop import ASKED, TIME_LIMIT, StopRequest, precedence, reason_of
+from job.group import distributed
+from job.group.stop import ASKED, TIME_LIMIT, StopRequest, precedence, reason_of
 
 SELF_STOPPING = """
 import os, signal

@@ -2,7 +2,7 @@ import fsspec
 import pytest
 
 from job.errors import StorageError
-from job.storage import RunDir
+from job.storage.run_folder import RunDir
 
 
 def test_local_run_writes_in_place_atomically(tmp_path):
@@ -86,6 +86,6 @@ def test_unwritable_output_is_a_storage_error(tmp_path):
 
 
 def test_network_filesystem_reads_the_mount_of_the_path():
-    from job.storage import network_filesystem
+    from job.storage.run_folder import network_filesystem
 
     assert network_filesystem("/proc/self") == ""  # proc: no network filesystem

@@ -12,12 +12,12 @@ import pytest
 import torch
 from conftest import encode, invoke, pattern_images, sets, stopping_model, write_image_folder
 
-from job import evaluate
 from job.data.sample_stream import Part, SampleStream, saved
 from job.data.shards import open_shards, read_range
 from job.data.split import HoldOut, Roles
 from job.data.stream import Decoder, StreamLoader, sample_images
 from job.errors import DataError
+from job.use import evaluate
 
 wds = pytest.importorskip("webdataset", reason="the webdataset package writes the other tool's shards")
 

@@ -199,7 +199,7 @@ def test_a_space_file_that_is_not_yaml_is_refused(tmp_path):
 
 
 def test_sqlite_on_a_network_filesystem_is_refused(tmp_path, monkeypatch):
-    from job import study_storage
+    from job.study import storage as study_storage
 
     monkeypatch.setattr(study_storage, "network_filesystem", lambda path: "nfs4")
     code, err = invoke(["sweep", str(space_file(tmp_path)), "--output", str(tmp_path / "S"), *IRIS])
@@ -398,7 +398,7 @@ def test_a_sweep_whose_every_trial_failed_exits_with_the_first_failure_code(tmp_
 
 def test_the_metric_is_one_the_evaluation_writes_for_the_task():
     from job.config import load_config
-    from job.space import metrics_written
+    from job.study.space import metrics_written
 
     multi = metrics_written(
         load_config("cifar10", ["data.kind=manifest", "data.task=multilabel", "data.val_split=0.2"])
@@ -415,9 +415,9 @@ def test_the_records_hold_the_scores_named_for_them():
     import numpy as np
     import torch
 
-    from job.evaluate import Scored
-    from job.multilabel import scored
+    from job.recipe.multilabel import scored
     from job.recorded import split_scores
+    from job.use.evaluate import Scored
 
     for k in (3, 10):
         s = Scored(0.5, 0.5, 0.9, torch.eye(k), [])

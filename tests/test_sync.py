@@ -6,7 +6,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 
-from job.sync import Uploader
+from job.storage.sync import Uploader
 
 
 class SlowMemory(MemoryFileSystem):
@@ -119,7 +119,7 @@ def test_an_atomic_write_makes_the_file_and_its_folder_entry_durable(tmp_path, m
     """fsync of the file, then of its folder after the rename: a crash right after a commit finds the new name."""
     import os
 
-    from job import sync
+    from job.storage import sync
 
     synced = []
     real = os.fsync
@@ -187,7 +187,7 @@ def test_a_file_put_only_where_none_is_also_where_the_filesystem_refuses_a_hard_
 
     import pytest
 
-    from job.sync import link_or_create
+    from job.storage.sync import link_or_create
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:

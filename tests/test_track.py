@@ -407,6 +407,6 @@ def test_a_trial_sent_late_is_its_studys_child_where_the_server_holds_the_study(
 
 
 def test_a_tracking_uri_with_credentials_is_probed_without_a_traceback():
-    from job.track import probe
+    from job.sinks.track import probe
 
     assert probe(f"http://user:token@127.0.0.1:{free_port()}", "tests") == ""  # urllib takes no userinfo: not probed

@@ -1,4 +1,4 @@
-"""job/uncompiled.py: torch's SGD and AdamW called past the wrappers that import torch's compiler, doing what
+"""job/recipe/uncompiled.py: torch's SGD and AdamW called past the wrappers that import torch's compiler, doing what
 torch.optim's own do, to the bit; and the FLOP count by torch's formulas."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from job import uncompiled
-from job.models import CifarCNN, CifarFast
+from job.recipe import uncompiled
+from job.recipe.models import CifarCNN, CifarFast
 
 
 def model(seed: int = 0) -> nn.Module:
@@ -87,7 +87,7 @@ def test_hooks_run_once_a_step_and_a_schedule_sees_its_optimizer_step():
 
 def test_a_run_that_compiles_takes_torchs_own_classes():
     from job.config import load_config
-    from job.recipe import make_optimizer
+    from job.recipe.build import make_optimizer
 
     m = model()
     assert type(make_optimizer(load_config("iris", []), m)) is uncompiled.SGD

@@ -19,9 +19,9 @@ from job.data.batches import IGNORED
 from job.data.image import UnreadableImage, exif_orientation, pixels, stored_pixels
 from job.data.preprocess import Preprocess
 from job.data.shards import PIXELS
-from job.env import cpu_share, end_with
 from job.errors import ConfigError, DataError, one_line
-from job.memory import is_out_of_memory
+from job.group.env import cpu_share, end_with
+from job.group.memory import is_out_of_memory
 
 JPEG = ("jpg", "jpeg")
 TORCHVISION_NOTICE = "The image decoding and encoding capabilities of TorchVision are deprecated"

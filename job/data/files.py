@@ -29,9 +29,9 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from job.cloud import describe_storage_error, fetch_concurrency, filesystem, fuse_path
 from job.data.split import kind_of
 from job.errors import DataError, StorageError, one_line
+from job.storage.cloud import describe_storage_error, fetch_concurrency, filesystem, fuse_path
 
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson")
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")

@@ -23,13 +23,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from job.cloud import describe_storage_error
 from job.data.dataset import Dataset
 from job.data.files import FETCH_CHUNK, Log, Source, beside, fetch_named, read_bytes, read_entries, source
 from job.data.folder import check_files, held
 from job.data.preprocess import Preprocess
 from job.data.split import SPLIT_FOLDERS, Files, HoldOut, label_names
 from job.errors import ConfigError, DataError, StorageError
+from job.storage.cloud import describe_storage_error
 
 COLUMNS_HINT = (
     "set data.path_column, data.label_column and data.split_column (job shard: --path-column, --label-column, "

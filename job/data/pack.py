@@ -28,7 +28,6 @@ from fsspec.implementations.local import LocalFileSystem
 from PIL import Image
 from tqdm import tqdm
 
-from job.cloud import describe_storage_error, filesystem
 from job.data.files import (
     VERSION_KEYS,
     Log,
@@ -49,6 +48,7 @@ from job.data.placement import SMALL_IMAGE, decide_stored
 from job.data.shards import CLASSES, INDEX, PIXELS, SPLITS, read_json
 from job.data.split import Files, HoldOut, Inventory, count, is_image_name, label_names
 from job.errors import ConfigError, DataError, StorageError, one_line
+from job.storage.cloud import describe_storage_error, filesystem
 
 # What a source spools: the spool, the image sizes seen, the files skipped, the files by split, and the classes.
 Spooled = tuple["Spool", set[tuple[int, int]], list[dict[str, str]], Files, list[str]]

@@ -20,7 +20,6 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from job.cloud import describe_storage_error
 from job.data.dataset import Dataset
 from job.data.files import FETCH_CHUNK, Log, Source, beside, fetch_named, local_file, source
 from job.data.folder import check_files, held
@@ -28,6 +27,7 @@ from job.data.manifest import Columns, class_order
 from job.data.preprocess import Preprocess
 from job.data.split import SPLIT_FOLDERS, Files, HoldOut, kind_of, label_names
 from job.errors import DataError, StorageError, one_line
+from job.storage.cloud import describe_storage_error
 
 SUFFIX = ".parquet"
 NEITHER = "an image struct with neither bytes nor path"

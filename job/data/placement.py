@@ -106,7 +106,7 @@ def kept(started: Streaming) -> Streaming:
 
 def by_memory(need: int, share: float) -> Streaming:
     """Streamed when `need` bytes would take more than `share` of the free host memory."""
-    from job.memory import available_host_memory
+    from job.group.memory import available_host_memory
 
     room = share * available_host_memory()
     if need > room:

@@ -98,7 +98,7 @@ class Preprocess:
         return resize(img, list(self.size), antialias=True)
 
     def describe(self) -> dict[str, Any]:
-        """model.json's exact fields for these steps (see job/bundle.py): draft, box and held."""
+        """model.json's exact fields for these steps (see job/use/bundle.py): draft, box and held."""
         return {
             "draft": [self.draft, self.draft] if self.draft is not None else None,
             "box": "centre" if self.keep_aspect else "whole",

@@ -29,11 +29,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from job.cloud import describe_storage_error
 from job.data.files import Log, source
 from job.data.split import IMAGE_SUFFIXES, HoldOut, Inventory, Roles, count
 from job.errors import DataError, StorageError, one_line
-from job.sync import write_atomic
+from job.storage.cloud import describe_storage_error
+from job.storage.sync import write_atomic
 
 SPLITS = ("train", "val", "test")  # val optional, and test too where there is val
 # A member of decoded pixels, where the run's own pack keeps small images decoded (job/data/pack.py): numpy's .npy of

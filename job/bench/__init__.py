@@ -1,0 +1,1 @@
+"""Benchmarks: the tutorials' loop against the job's own; never imported by a run."""

@@ -1,0 +1,1 @@
+"""Where a run runs: the platform, its processes, signals, devices and memory."""

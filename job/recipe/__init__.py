@@ -1,0 +1,1 @@
+"""What a config means on a device: model, weights, step, schedule, precision, EMA, mixing, calibration."""

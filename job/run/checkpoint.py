@@ -1,0 +1,366 @@
+"""Checkpoints: a snapshot of the run's state, the commit (payload, then manifest, then pointer), verification on load,
+the search for the newest good one, and retention.
+
+Payloads hold only tensors and plain values, so they load with torch.load(weights_only=True): loading a
+checkpoint never runs code from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import random
+import re
+import time
+import zipfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from job.console import say
+from job.errors import CheckpointError, StorageError, one_line
+from job.storage.cloud import describe_storage_error, filesystem
+from job.storage.run_folder import RunDir
+
+FORMAT = 1
+FOLDER = "checkpoints"
+POINTER = f"{FOLDER}/latest.json"
+NAME = re.compile(r"e(\d+)-s(\d+)(?:\.|$)")
+
+
+def checkpoint_name(epoch: int, step: int) -> str:
+    """e<epoch>-s<step>, zero-padded for listings; ordered by order(), since past 99,999 epochs the text does not
+    sort."""
+    return f"e{epoch:05d}-s{step:010d}"
+
+
+def order(name: str) -> tuple[int, int]:
+    """(epoch, step) of a checkpoint's name (with or without its suffix): epochs and steps only grow within a run,
+    so this sorts checkpoints by time. A name that is not a checkpoint's sorts first."""
+    found = NAME.match(name)
+    return (int(found[1]), int(found[2])) if found else (-1, -1)
+
+
+def snapshot(
+    model,
+    optimizer,
+    scheduler,
+    scaler,
+    progress: dict[str, Any],
+    config: dict[str, Any],
+    lookahead=None,
+    ema=None,
+) -> dict:
+    """Everything needed to continue the run exactly: weights, optimizer, schedule, scaler, lookahead's slow weights,
+    the EMA's average, RNGs, position."""
+    return {
+        "format": FORMAT,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        **({"lookahead": lookahead.state_dict()} if lookahead is not None else {}),
+        **({"ema": ema.state_dict()} if ema is not None else {}),
+        "rng": rng_state(),
+        "progress": progress,
+        "config": config,
+    }
+
+
+def weights_bytes(model) -> bytes:
+    """The model's weights alone, on the host, as model.pt holds them."""
+    return to_bytes({k: v.detach().cpu() for k, v in model.state_dict().items()})
+
+
+def evaluated_weights(payload: dict) -> dict[str, torch.Tensor]:
+    """The weights a checkpoint's run evaluates and saves to model.pt: train.ema's average when it kept one, else the
+    model's (model.pt's payload holds these alone, under "model")."""
+    return payload["ema"]["module"] if payload.get("ema") else payload["model"]
+
+
+def to_bytes(obj: Any) -> bytes:
+    """What torch.save writes for tensors and plain values (a zip archive), in memory."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def commit(
+    run: RunDir,
+    payload: dict,
+    epoch: int,
+    step: int,
+    metrics: dict,
+    keep_last: int,
+    keep_best: bool = False,
+    run_id: str = "",
+    chosen: tuple[int, bool] | None = None,
+) -> str:
+    """Write the payload, then its manifest, then the pointer; delete checkpoints beyond keep_last afterwards.
+    `chosen`: the epoch of the model the run has chosen so far, and whether these are its weights (keep_best keeps
+    that checkpoint)."""
+    data = to_bytes(payload)
+    name = checkpoint_name(epoch, step)
+    manifest = {
+        "format": FORMAT,
+        "file": f"{name}.pt",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+        "epoch": epoch,
+        "step": step,
+        "metrics": metrics,
+        "run": run_id,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    } | ({"chosen": {"epoch": chosen[0], "here": chosen[1]}} if chosen is not None else {})
+    text = json.dumps(manifest, indent=1).encode()
+    run.write(f"{FOLDER}/{name}.pt", data)
+    run.write(f"{FOLDER}/{name}.json", text)
+    run.write(POINTER, text)
+    prune(run, keep_last, keep_best)
+    return name
+
+
+def recover(run: RunDir) -> str | None:
+    """Send what an earlier attempt on this machine committed locally but never got into the store (the store was
+    down, or the machine stopped first), pointer last; then clear the staging copy. Returns the checkpoint sent.
+    Staging left by another run at the same URL (the store's pointer names another run) is discarded."""
+    if not run.remote:
+        return None
+    staged = run.staged_files()
+    local = read_pointer(run.path(POINTER).read_bytes() if POINTER in staged else None)
+    stored = read_pointer(run.read(POINTER, store_only=True)) if local else None
+    if local is not None and stored is not None and stored.get("run") not in (None, "", local.get("run")):
+        say(f"warning: {run.url} now holds another run; discarding what an earlier run left in {run.local}")
+        local = None
+    if local is None or (stored is not None and order(stored["file"]) >= order(local["file"])):
+        run.clear_staging()
+        return None
+    name = local["file"][: -len(".pt")]
+    say(f"uploading {len(staged)} files of checkpoint {name} that an earlier attempt left on this machine")
+    first = [r for r in staged if not r.startswith(f"{FOLDER}/")]
+    payloads = [r for r in staged if r.startswith(f"{FOLDER}/") and r.endswith(".pt")]
+    manifests = [r for r in staged if r.startswith(f"{FOLDER}/") and r.endswith(".json") and r != POINTER]
+    for rel in [*first, *payloads, *manifests, POINTER]:
+        try:
+            run.send(rel, run.path(rel).read_bytes())
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(
+                f"{run.url}: cannot upload {rel} left by an earlier attempt ({one_line(e)}); "
+                f"it stays in {run.local} for the next try"
+            ) from None
+    run.clear_staging()
+    return name
+
+
+def read_pointer(pointer: bytes | None) -> dict | None:
+    """A pointer's manifest ("file", "run", ...), or None when there is none or it is unreadable."""
+    try:
+        manifest = json.loads(pointer) if pointer else None
+        return manifest if isinstance(manifest, dict) and isinstance(manifest.get("file"), str) else None
+    except ValueError:
+        return None
+
+
+def prune(run: RunDir, keep_last: int, keep_best: bool = False) -> None:
+    """Delete all but the newest keep_last committed checkpoints (and the most accurate one, with keep_best),
+    each manifest before its payload so no manifest ever names a missing file; then leftovers of commits
+    that a crash cut short."""
+    listed = run.list(FOLDER)
+    names = sorted((n[: -len(".json")] for n in listed if is_manifest(n)), key=order)
+    keep = set(names[-keep_last:])
+    if keep_best:
+        keep |= {best_checkpoint(run, names)} - {None}
+    for name in names:
+        if name not in keep:
+            run.delete(f"{FOLDER}/{name}.json")
+            run.delete(f"{FOLDER}/{name}.pt")
+    newest = order(names[-1]) if names else (-1, -1)
+    for n in listed:
+        orphan = n.endswith(".pt") and n[: -len(".pt")] not in names and order(n) < newest
+        if orphan or n.startswith("."):  # temporary files of an interrupted write
+            run.delete(f"{FOLDER}/{n}")
+
+
+def best_checkpoint(run: RunDir, names: list[str]) -> str | None:
+    """The checkpoint of the model the run chose (its newest manifest names the epoch: with early stopping's
+    min_delta, not always the highest accuracy); where that epoch has none, or the manifests are an earlier
+    version's, the one recording the highest val accuracy (test accuracy, for a run without val)."""
+    scored, manifests = [], {}
+    for name in names:
+        try:
+            manifests[name] = json.loads(run.read(f"{FOLDER}/{name}.json") or b"{}")
+        except ValueError:
+            continue
+        metrics = manifests[name].get("metrics", {})
+        accuracy = metrics.get("val_accuracy", metrics.get("test_accuracy"))
+        if isinstance(accuracy, (int, float)):
+            scored.append((accuracy, name))
+    newest = manifests.get(names[-1], {}).get("chosen") if names else None
+    if isinstance(newest, dict):
+        here = [n for n, m in manifests.items() if m.get("chosen") == {"epoch": newest["epoch"], "here": True}]
+        if here:
+            return here[-1]
+    return max(scored, key=lambda s: (s[0], order(s[1])))[1] if scored else None  # ties: the newer
+
+
+def is_manifest(name: str) -> bool:
+    return name.endswith(".json") and not name.startswith(".") and name != "latest.json"
+
+
+def load_latest(run: RunDir) -> tuple[dict, dict] | None:
+    """The newest checkpoint of a run that verifies, as (payload, manifest); None when the run has none.
+
+    The pointer names the newest commit and the run; when it or its payload is missing or corrupt, older
+    manifests of that run are tried in turn, each failure reported in one line (another run's are never
+    taken). Checkpoints that exist but none of which verifies are an error: a run never silently starts again
+    from scratch.
+    """
+    pointed, run_id = None, None
+    pointer = run.read(POINTER)
+    if pointer is not None:
+        try:
+            manifest = json.loads(pointer)
+            pointed, run_id = manifest["file"][: -len(".pt")], manifest.get("run") or None
+        except (ValueError, KeyError, TypeError):
+            say(f"warning: {run.url}/{POINTER} is unreadable; looking for the newest checkpoint by its manifest")
+    listed = run.list(FOLDER)
+    names = {n[: -len(".json")] for n in listed if is_manifest(n)} | ({pointed} if pointed else set())
+    problems: list[str] = []
+    for name in sorted(names, key=order, reverse=True):  # newest first, within the pointer's run
+        try:
+            manifest = read_manifest(run.read(f"{FOLDER}/{name}.json"), name)
+            if run_id and manifest.get("run") != run_id:
+                continue  # another run's checkpoint in this folder: never continued from
+            payload = load_payload(run.read(f"{FOLDER}/{name}.pt"), manifest, f"{run.url}/{FOLDER}/{name}.pt")
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        for problem in problems:
+            say(f"warning: {problem}; using an older checkpoint")
+        return payload, manifest
+    if any(n.endswith(".pt") for n in listed):
+        why = f" ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})" if problems else ""
+        raise CheckpointError(f"{run.url}/{FOLDER}: no checkpoint verifies{why}; refusing to start over in this folder")
+    return None
+
+
+def read_manifest(data: bytes | None, name: str) -> dict:
+    if data is None:
+        raise CheckpointError(f"checkpoint {name}: manifest missing")
+    try:
+        manifest = json.loads(data)
+        manifest["sha256"], manifest["size"], manifest["epoch"], manifest["step"]  # noqa: B018
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"checkpoint {name}: manifest unreadable") from None
+    return manifest
+
+
+def load_payload(data: bytes | None, manifest: dict | None, where: str, weights: bool = False) -> dict:
+    """Verify size and sha256 against the manifest (when there is one), then load weights-only. `weights`: a
+    run's model.pt (a state dict alone) is taken too, as {"model": state dict}."""
+    if data is None:
+        raise CheckpointError(f"{where}: missing")
+    if manifest is not None:
+        if len(data) != manifest["size"]:
+            raise CheckpointError(f"{where}: {len(data)} bytes, the manifest says {manifest['size']} (truncated?)")
+        if hashlib.sha256(data).hexdigest() != manifest["sha256"]:
+            raise CheckpointError(f"{where}: sha256 differs from its manifest (corrupt)")
+    if not zipfile.is_zipfile(io.BytesIO(data)):  # torch.save writes a zip archive
+        raise CheckpointError(f"{where}: not a readable checkpoint (not a torch.save file)")
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"{where}: holds more than tensors and plain values; refusing to load it ({one_line(e)[:120]})"
+        ) from None
+    except Exception as e:  # a damaged zip or pickle raises many types
+        raise CheckpointError(f"{where}: not a readable checkpoint: {one_line(e)}") from None
+    if weights and is_state_dict(payload):
+        return {"model": payload}
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
+        raise CheckpointError(f"{where}: not a checkpoint of this job (format {FORMAT})")
+    return payload
+
+
+def is_state_dict(obj: Any) -> bool:
+    return isinstance(obj, dict) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def load_url(url: str, weights: bool = False) -> tuple[dict, dict | None]:
+    """A checkpoint given by URL: a run folder (its newest good checkpoint) or a .pt file (checked against
+    its manifest beside it when there is one); with `weights`, a run's model.pt too."""
+    fs, path = filesystem(url)
+    try:
+        is_dir = fs.isdir(path)
+        exists = is_dir or fs.exists(path)
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot read the checkpoint: {describe_storage_error(url, e)}") from None
+    if not exists:
+        raise CheckpointError(f"{url}: no such checkpoint")
+    if is_dir:
+        found = load_latest(RunDir(url, store_only=True))
+        if found is None:
+            raise CheckpointError(f"{url}: no checkpoints in this folder")
+        return found
+    manifest = None
+    try:
+        committed = NAME.match(path.rsplit("/", 1)[-1])  # e<epoch>-s<step>.pt, not model.pt (whose model.json
+        if committed and path.endswith(".pt") and fs.exists(path[: -len(".pt")] + ".json"):  # describes, not checks)
+            manifest = read_manifest(fs.cat_file(path[: -len(".pt")] + ".json"), url)
+        data = fs.cat_file(path)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise StorageError(f"cannot read the checkpoint: {describe_storage_error(url, e)}") from None
+    return load_payload(data, manifest, url, weights), manifest
+
+
+HOW_KEYS = ("fused", "foreach", "capturable")
+
+
+def restore(payload: dict, model, optimizer, scheduler, scaler, lookahead=None, ema=None) -> None:
+    """Put a checkpoint's state back into freshly built objects, RNGs included."""
+    try:
+        model.load_state_dict(payload["model"])
+        # How the optimizer runs (fused kernels, or not) belongs to this device, not to the one that saved; it is
+        # set before loading, since loading places the state (AdamW's step counts) by it.
+        how = [{k: g[k] for k in HOW_KEYS if k in g} for g in optimizer.param_groups]
+        saved = payload["optimizer"]
+        groups = [{**group, **kept} for group, kept in zip(saved["param_groups"], how)]
+        optimizer.load_state_dict({**saved, "param_groups": groups + saved["param_groups"][len(how) :]})
+        if scheduler is not None and payload.get("scheduler") is not None:
+            scheduler.load_state_dict(payload["scheduler"])
+        if scaler.is_enabled() and payload.get("scaler") is not None:
+            scaler.load_state_dict(payload["scaler"])
+        if lookahead is not None and payload.get("lookahead") is not None:
+            lookahead.load_state_dict(payload["lookahead"])
+        if ema is not None:
+            if payload.get("ema") is None:
+                raise ValueError("it holds no train.ema average; resume with train.ema=0, as it was taken")
+            ema.load_state_dict(payload["ema"])
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint does not fit this model or optimizer: {one_line(e)}") from None
+    set_rng_state(payload["rng"])
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])

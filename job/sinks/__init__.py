@@ -1,0 +1,1 @@
+"""Where a run's records go: metrics.jsonl, TensorBoard, the console, MLflow, hypertune, Ray."""

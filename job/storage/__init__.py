@@ -1,0 +1,1 @@
+"""Storage: any URL, run folders written locally and mirrored, committed safely."""

@@ -1,0 +1,1 @@
+"""Many runs: a sweep, its space, its study storage and its results."""
