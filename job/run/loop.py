@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from job.run.state import Components
+
 if TYPE_CHECKING:
     from job.config import Config
     from job.group.stop import StopRequest
@@ -42,6 +44,7 @@ class Loop:
     over_budget: str = ""  # why the run stops at the checkpoint just committed, to keep within train.budget
     ray: RayReport | None = None  # in a Ray Train worker: what reports to Ray
     kept: dict[str, Passed] = field(default_factory=dict)  # the last passes over splits on the weights now held
+    parts: Components = field(default_factory=Components)  # what a checkpoint saves and restores (run/state.py)
 
     def pause(self) -> None:
         """The training clock stopped for an evaluation or a checkpoint, and every process given rank 0's averaged
