@@ -33,10 +33,12 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from job.errors import one_line
+from job.retry import Backoff, Stopped, retry
 
 SNAPSHOT_BYTES = 1 << 20
 MAX_COMPOSES = 1000  # GCS allows 1,024 components per object; past this the file is sent whole once more
 SLOWEST_BYTES_PER_S = 1 << 20  # a file gets the upload timeout plus a second per MiB: slower counts as stopped
+UPLOAD_BACKOFF = Backoff(0.5, 8.0)  # seconds between tries of an upload, within its deadline
 
 
 def _file_mode() -> int:
@@ -242,25 +244,20 @@ class Uploader:
                 return  # gave up: the rest stays queued, in order, for the caller to report
 
     def _attempt(self, op: Op) -> bool:
+        """Whether the op reached the store: tried again until its deadline (False, with `error` said) or a stop."""
         size = len(op.data) if op.data is not None else self._size(op)
-        self._deadline, delay = time.monotonic() + self.timeout_s + size / SLOWEST_BYTES_PER_S, 0.5
-        while not self._stop.is_set():
-            try:
-                self._do(op)
-                return True
-            except Exception as e:  # the stores' clients raise many types (HTTP, connection, timeout)
-                if self._stop.is_set():
-                    return False
-                left = self._deadline - time.monotonic()
-                if left <= 0:
-                    why = "no answer" if isinstance(e, (TimeoutError, asyncio.TimeoutError)) else one_line(e)
-                    with self.cond:
-                        self.error = f"{op.kind} {op.rel}: {why}"
-                        self.cond.notify_all()
-                    return False
-                self._stop.wait(min(delay, left))
-                delay = min(delay * 2, 8.0)
-        return False
+        self._deadline = time.monotonic() + self.timeout_s + size / SLOWEST_BYTES_PER_S
+        try:
+            retry(lambda: self._do(op), UPLOAD_BACKOFF, deadline=self._deadline, stop=self._stop)
+            return True
+        except Stopped:
+            return False
+        except Exception as e:  # the stores' clients raise many types (HTTP, connection, timeout)
+            why = "no answer" if isinstance(e, (TimeoutError, asyncio.TimeoutError)) else one_line(e)
+            with self.cond:
+                self.error = f"{op.kind} {op.rel}: {why}"
+                self.cond.notify_all()
+            return False
 
     def _size(self, op: Op) -> int:
         """The bytes an op sends, as far as the folder tells now."""
