@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from job.config import tracking_uri
 from job.errors import ConfigError
+from job.retry import Backoff
 from job.sinks.track_journal import JOURNAL, Journal, carries, destination, read_journal
 from job.sinks.track_server import Sender, Target
 
@@ -29,7 +30,7 @@ SPLITS = ("train", "val", "test")
 MEASURED = {"samples_per_s", "wall_s"}  # an evaluation's fields that are measured, not computed: under system/
 END_WAIT_S = 120.0  # at the end, how long a server that is taking the points is given to take the rest
 STOP_WAIT_S = 5.0  # the same for an attempt that stops: within its grace period
-RETRY_MAX_S = 60.0
+SEND_BACKOFF = Backoff(2.0, 60.0)  # seconds before the sender tries a server that failed again (new points: at once)
 PROBE_S = 2.0  # how long the start's look at the server waits for an answer
 ENDINGS = {0: "FINISHED", 75: "SCHEDULED", 130: "KILLED"}  # by exit code; any other: FAILED
 __all__ = ["JOURNAL", "Target", "Tracker", "send_run", "send_export"]
@@ -152,14 +153,11 @@ class Tracker:
 
     def work(self) -> None:
         while True:
-            self.wake.wait(self.retry_in() if self.problem else None)
+            self.wake.wait(SEND_BACKOFF.delay(self.failures) if self.problem else None)
             self.wake.clear()
             sent = self.send_pending()
             if self.quit and (not sent or not self.unsent()):  # at the end a server that fails is not waited for
                 return
-
-    def retry_in(self) -> float:
-        return min(2.0**self.failures, RETRY_MAX_S)
 
     def send_pending(self) -> bool:
         lines = self.journal.since(self.at)
