@@ -4,11 +4,11 @@ and opened with heartbeats, so that a trial whose worker went silent is taken ov
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from job.errors import ConfigError, StorageError, one_line
+from job.retry import Backoff, retry
 from job.storage.run_folder import network_filesystem
 
 if TYPE_CHECKING:
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 HEARTBEAT_S = 2  # a running trial's sign of life in the study
 GRACE_S = 10  # a trial silent this long was lost with its worker: the next worker takes it over
+OPEN_BACKOFF = Backoff(1.0, 1.0)  # a second between tries of opening the storage
 
 
 def storage_url(study: str, output: str) -> str:
@@ -57,20 +58,20 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
         engine = url.replace("postgresql://", "postgresql+psycopg2://", 1)
     if url.startswith("sqlite"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    failed: Exception | None = None
-    for _ in range(3):  # workers starting together on a fresh database race to create its tables: the loser retries
-        try:
-            return optuna.storages.RDBStorage(
-                engine,
-                engine_kwargs=kwargs,
-                heartbeat_interval=HEARTBEAT_S,
-                grace_period=GRACE_S,
-                heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None),
-            )
-        except Exception as e:  # sqlalchemy's and the drivers' errors
-            failed = e
-            time.sleep(1.0)
-    raise StorageError(f"--study {masked(url)}: cannot open the study's storage: {one_line(failed)}")
+
+    def opened() -> optuna.storages.RDBStorage:
+        return optuna.storages.RDBStorage(
+            engine,
+            engine_kwargs=kwargs,
+            heartbeat_interval=HEARTBEAT_S,
+            grace_period=GRACE_S,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=None),
+        )
+
+    try:  # workers starting together on a fresh database race to create its tables: the loser tries again
+        return retry(opened, OPEN_BACKOFF, tries=3)
+    except Exception as e:  # sqlalchemy's and the drivers' errors
+        raise StorageError(f"--study {masked(url)}: cannot open the study's storage: {one_line(e)}") from None
 
 
 def masked(url: str) -> str:
