@@ -32,6 +32,7 @@ from pathlib import Path
 from job.data.files import Log, source
 from job.data.split import IMAGE_SUFFIXES, HoldOut, Inventory, Roles, count
 from job.errors import DataError, StorageError, one_line
+from job.retry import Backoff, retry
 from job.storage.cloud import describe_storage_error
 from job.storage.sync import write_atomic
 
@@ -46,6 +47,7 @@ BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)
 COUNTS = "tallies 2"  # the counts cache's format: an earlier one's files are counted again
 READ_RETRIES = 5  # a read that fails mid-shard is retried from where it stopped this many times
+READ_BACKOFF = Backoff(0.2, 5.0)  # seconds between those tries
 
 
 @dataclass(frozen=True)
@@ -136,22 +138,25 @@ class ShardFile:
     def _read_raw(self, n: int) -> bytes:
         """n bytes (fewer at the end) from where the chunk ends."""
         at = self.pos + len(self.chunk) - self.used
-        for attempt in range(READ_RETRIES + 1):
+
+        def once() -> bytes:
             try:
                 if self.f is None:
                     self.f = self.fs.open(self.path, "rb", block_size=self.block_size)
                     self.f.seek(at)
                 return self.f.read(n)
-            except FileNotFoundError:
-                raise DataError(f"{self.url}: no such shard (listed, then gone?)") from None
-            except PermissionError as e:
-                raise StorageError(f"cannot read shard {describe_storage_error(self.url, e)}") from None
-            except Exception as e:  # the stores' clients raise many types
-                self.close()
-                if attempt == READ_RETRIES:
-                    raise StorageError(f"cannot read shard {self.url}: {describe_storage_error(self.url, e)}") from None
-                time.sleep(min(0.2 * 2**attempt, 5))
-        raise AssertionError("unreachable")
+            except Exception:
+                self.close()  # the next try opens the shard again where this one stopped
+                raise
+
+        try:
+            return retry(once, READ_BACKOFF, tries=READ_RETRIES + 1, fatal=(FileNotFoundError, PermissionError))
+        except FileNotFoundError:
+            raise DataError(f"{self.url}: no such shard (listed, then gone?)") from None
+        except PermissionError as e:
+            raise StorageError(f"cannot read shard {describe_storage_error(self.url, e)}") from None
+        except Exception as e:  # the stores' clients raise many types
+            raise StorageError(f"cannot read shard {self.url}: {describe_storage_error(self.url, e)}") from None
 
     def close(self) -> None:
         if self.f is not None:
