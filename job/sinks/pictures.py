@@ -1,13 +1,14 @@
-"""The run's pictures, drawn with Pillow: line charts (curves.png, pr_curves.png), matrices (confusion.png and
-TensorBoard's confusion image) and grids of images (worst.png). matplotlib draws such figures too, but importing it
-and laying out a figure costs 0.3-0.5 s of CPU at the end of every run (8% of a CPU Iris run); each of these takes a
-few milliseconds."""
+"""The job's one plotting stack, Pillow: line charts (curves.png, pr_curves.png), dots (a sweep's params.png),
+matrices (confusion.png and TensorBoard's confusion image) and grids of images (worst.png), each drawn where a person
+looks at it (a report, an evaluation's image, a sweep's results), never per step. matplotlib draws such figures too,
+but importing it and laying out a figure costs 0.3-0.5 s of CPU at the end of every run (8% of a CPU Iris run); each
+of these takes a few milliseconds."""
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
@@ -54,6 +55,23 @@ def label(v: float) -> str:
     return f"{v:.6g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.1e}"
 
 
+def round_ticks(lo: float, hi: float) -> list[tuple[float, str]]:
+    return [(t, label(t)) for t in ticks(lo, hi)]
+
+
+def log_ticks(lo: float, hi: float, n: int = 8) -> list[tuple[float, str]]:
+    """Ticks of a log scale from 10**lo to 10**hi, at their logs: 1, 2 and 5 times powers of ten, only the powers
+    where those are too many (every few powers where those are), round linear ticks where none falls within."""
+    powers = range(math.floor(lo), math.ceil(hi) + 1)
+    found = [m * 10.0**k for k in powers for m in (1, 2, 5) if lo - 1e-9 <= math.log10(m) + k <= hi + 1e-9]
+    if len(found) > n:
+        tens = [10.0**k for k in powers if lo - 1e-9 <= k <= hi + 1e-9]
+        found = tens[:: -(-len(tens) // n)]
+    if not found:
+        found = [t for t in ticks(10**lo, 10**hi, 3) if t > 0]
+    return [(math.log10(v), label(v)) for v in found]
+
+
 def chart(
     lines: Sequence[tuple[str, Sequence[float], Sequence[float | None]]],
     title: str,
@@ -64,10 +82,13 @@ def chart(
     steps: bool = False,
     size: tuple[int, int] = (460, 340),
     legend: str = "upper right",
+    joined: bool = True,
+    xticks: Callable[[float, float], list[tuple[float, str]]] = round_ticks,
 ) -> Image.Image:
     """A line chart: each line (name, xs, ys; a None or non-finite y leaves a gap) in its colour, a dot at each point
-    (`steps`: drawn as steps after each point, without dots), round ticks with a light grid, a legend of the named
-    lines in a corner ("upper right" or "lower left")."""
+    (`steps`: drawn as steps after each point, without dots; not `joined`: the dots alone), round ticks with a light
+    grid (`xticks`: those of x from its range, as (x, label)), a legend of the named lines in a corner ("upper right"
+    or "lower left")."""
     f = font()
     width, height = size
     left, right, top, bottom = 56, 12, 24, 40
@@ -91,10 +112,10 @@ def chart(
         _, py = at(x_lo, t)
         draw.line((left, py, left + w, py), fill=(230, 230, 230))
         draw.text((left - 4, py), label(t), fill="black", font=f, anchor="rm")
-    for t in ticks(x_lo, x_hi):
+    for t, text in xticks(x_lo, x_hi):
         px, _ = at(t, y_lo)
         draw.line((px, top, px, top + h), fill=(230, 230, 230))
-        draw.text((px, top + h + 4), label(t), fill="black", font=f, anchor="mt")
+        draw.text((px, top + h + 4), text, fill="black", font=f, anchor="mt")
     draw.rectangle((left, top, left + w, top + h), outline="black")
     for i, (_, xs, ys) in enumerate(lines):
         colour = COLOURS[i % len(COLOURS)]
@@ -106,7 +127,7 @@ def chart(
                     for px, py in run[1:]:
                         stepped += [(px, stepped[-1][1]), (px, py)]
                     run = stepped
-                if len(run) > 1:
+                if joined and len(run) > 1:
                     draw.line(run, fill=colour, width=2)
                 if not steps:
                     for px, py in run:
@@ -191,3 +212,30 @@ def grid(pictures: np.ndarray, titles: list[str], captions: list[str], columns: 
         draw.text((x0 + box_w / 2, y0 + 8), titles[i], fill="black", font=f, anchor="mm")
         draw.text((x0 + box_w / 2, y0 + 16 + ch + 9), captions[i], fill="black", font=f, anchor="mm")
     return img
+
+
+def scatter(
+    xs: Sequence[float],
+    ys: Sequence[float],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    log: bool = False,
+    names: Sequence[str] | None = None,
+    span: tuple[float, float] | None = None,
+    size: tuple[int, int] = (320, 280),
+) -> Image.Image:
+    """Points as dots: x on a log scale (`log`: positive values), or each x the index of one of `names`, written under
+    its column; `span`: the x range shown (else the points')."""
+    if names is not None:
+        named = [(float(i), name) for i, name in enumerate(names)]
+        lim = (-0.5, len(names) - 0.5)
+        return chart([("", xs, ys)], title, xlabel, ylabel, xlim=lim, size=size, joined=False, xticks=lambda *_: named)
+    at = [math.log10(x) for x in xs] if log else list(xs)
+    lo, hi = span or (min(xs, default=1.0), max(xs, default=10.0 if log else 1.0))
+    lo, hi = (math.log10(lo), math.log10(hi)) if log else (lo, hi)
+    if hi <= lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    pad = 0.05 * (hi - lo)  # the dots at the ends clear of the frame
+    return chart([("", at, ys)], title, xlabel, ylabel, xlim=(lo - pad, hi + pad), size=size, joined=False,
+                 xticks=log_ticks if log else round_ticks)  # fmt: skip

@@ -81,29 +81,19 @@ def table(rows: list[dict[str, Any]], fields: list[str]) -> str:
 
 
 def picture(rows: list[dict[str, Any]], space: Space) -> bytes:
-    """The metric of each finished trial against each parameter, one panel a parameter (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.ticker
-    from matplotlib import pyplot as plt
+    """The metric of each finished trial against each parameter, one panel a parameter (PNG), drawn with the run's
+    own charts (Pillow): each range as searched (a log range on a log scale), a list of values a column each."""
+    from job.sinks import pictures
 
     done = [r for r in rows if r[space.metric] is not None]
-    fig, axes = plt.subplots(1, len(space.params), figsize=(4 * len(space.params), 3.5), squeeze=False)
-    for ax, (key, p) in zip(axes[0], space.params.items()):
+    ys = [r[space.metric] for r in done]
+    panels = []
+    for key, p in space.params.items():
         if isinstance(p, list):
             names = [str(v) for v in p]
-            ax.scatter([names.index(str(r[key])) for r in done], [r[space.metric] for r in done])
-            ax.set_xticks(range(len(names)), names)
+            xs = [names.index(str(r[key])) for r in done]
+            panels.append(pictures.scatter(xs, ys, "", key, space.metric, names=names))
         else:
-            ax.scatter([r[key] for r in done], [r[space.metric] for r in done])
-            if p.log:
-                ax.set_xscale("log")
-                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labels that overlap
-        ax.set_xlabel(key)
-        ax.set_ylabel(space.metric)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()
+            xs = [r[key] for r in done]
+            panels.append(pictures.scatter(xs, ys, "", key, space.metric, log=p.log, span=(p.low, p.high)))
+    return pictures.png(pictures.side_by_side(panels))
