@@ -4,6 +4,7 @@ charts (job/sinks/pictures.py) and read back as a person would see it."""
 from __future__ import annotations
 
 import io
+import sys
 
 import numpy as np
 from PIL import Image
@@ -20,7 +21,7 @@ def dot_columns(pixels: np.ndarray) -> list[float]:
     return [float(g.mean()) for g in groups]
 
 
-def test_the_params_picture_has_a_panel_a_parameter_and_a_dot_per_finished_trial():
+def test_the_params_picture_has_a_panel_a_parameter_and_a_dot_per_finished_trial(monkeypatch):
     space = Space(
         "s", "val_accuracy", "maximize", 5, "tpe", 0, "none",
         {"optim.lr": Range(1e-3, 1.0, log=True), "optim.momentum": Range(0.0, 0.9), "model.name": ["mlp", "cnn"]},
@@ -32,6 +33,7 @@ def test_the_params_picture_has_a_panel_a_parameter_and_a_dot_per_finished_trial
         {"trial": 3, "optim.lr": 1.0, "optim.momentum": 0.9, "model.name": "cnn", "val_accuracy": 0.4},
         {"trial": 4, "optim.lr": 3e-3, "optim.momentum": 0.45, "model.name": "mlp", "val_accuracy": None},  # failed
     ]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # one plotting stack: an import of matplotlib fails here
     img = Image.open(io.BytesIO(picture(rows, space)))
     assert img.format == "PNG"
     pixels = np.asarray(img.convert("RGB"))
