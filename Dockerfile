@@ -31,8 +31,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     JOB_CACHE_DIR=/cache \
-    XDG_CACHE_HOME=/tmp/.cache \
-    MPLCONFIGDIR=/tmp/.matplotlib
+    XDG_CACHE_HOME=/tmp/.cache
 WORKDIR /
 ENTRYPOINT ["tini", "-s", "--", "python", "-m", "job"]
 CMD ["train"]

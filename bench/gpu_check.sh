@@ -167,8 +167,7 @@ prepare)
         -r "$G/requirements.txt"
     # The machine has these with its torch, torchvision and TensorBoard; a carry holds 64 MiB in all.
     rm -f "$G"/wheels/numpy-*.whl "$G"/wheels/pillow-*.whl "$G"/wheels/grpcio-*.whl "$G"/wheels/tensorboard-*.whl \
-        "$G"/wheels/tensorboard_data_server-*.whl "$G"/wheels/pyarrow-*.whl "$G"/wheels/matplotlib-*.whl \
-        "$G"/wheels/fonttools-*.whl "$G"/wheels/kiwisolver-*.whl "$G"/wheels/contourpy-*.whl
+        "$G"/wheels/tensorboard_data_server-*.whl "$G"/wheels/pyarrow-*.whl
     cp -r "$shared/baselines" "$shared/datasets" "$G/shared/"
     cp "$shared/acceptance/lib/cifar_fixture.py" "$G/"
     # airbench94, the record the cifar10-fast preset is measured against: its source, read from its folder.

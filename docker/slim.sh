@@ -21,5 +21,5 @@ find "$site" -name '*.pyi' -not -path "$site/torch/*" -delete
 rm -rf "$site/pyarrow/include" "$site/pyarrow/src" "$site/numpy/_core/include"
 python -m pip uninstall -y -q pip
 # what a run imports still imports
-python -c 'import pyarrow.parquet, pyarrow.dataset, numpy, PIL, matplotlib, sympy, networkx, torch, torchvision'
+python -c 'import pyarrow.parquet, pyarrow.dataset, numpy, PIL, sympy, networkx, torch, torchvision'
 python -c 'import mlflow, optuna, sqlalchemy, setuptools'
