@@ -99,3 +99,28 @@ def test_every_field_is_documented():
 
     missing = [key for key, doc in fields(Config) if not doc]
     assert not missing
+
+
+def test_the_config_knows_the_models_the_recipe_builds():
+    from job.config.model import JOB_MODELS
+    from job.recipe.models import MODELS
+
+    assert set(JOB_MODELS) == set(MODELS)
+    for name in (*JOB_MODELS, "resnet50", "pkg.mod:Net"):
+        assert load_config("iris", [f"model.name={name}"]).model.name == name
+
+
+@pytest.mark.parametrize(
+    "weights, needle",
+    [
+        ("IMAGENET1K_V1", "model.weights: a torchvision weights name (IMAGENET1K_V1) needs a torchvision model"),
+        ("ResNet18_Weights.IMAGENET1K_V1", "model.weights: the weights ResNet18_Weights.IMAGENET1K_V1 are not"),
+        ("IMAGENET9K_V9", "model.weights: resnet50 has no weights IMAGENET9K_V9 (it has IMAGENET1K_V1"),
+    ],
+)
+def test_torchvision_weights_are_checked_against_the_model(weights, needle):
+    model = "mlp" if weights == "IMAGENET1K_V1" else "resnet50"
+    with pytest.raises(ConfigError) as e:
+        load_config("iris", [f"model.name={model}", f"model.weights={weights}"])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert load_config("iris", ["model.name=resnet50", "model.weights=DEFAULT"]).model.weights == "DEFAULT"

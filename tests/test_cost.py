@@ -11,8 +11,9 @@ import time
 import pytest
 from conftest import assert_same_run, invoke, pointer, run_job, scalars, sets, start_job
 
+from job.config.budget import parse_budget
 from job.run.attempts import iso
-from job.run.cost import describe, parse_budget, price_of, totals
+from job.run.cost import describe, price_of, totals
 
 ARGS = ["--device", "cpu", *sets("train.eval_every_epochs=1000", "train.log_every_steps=500")]
 PRICE = 2.5

@@ -10,8 +10,6 @@ Two optional hooks let a model say more than its layers, for its own and users' 
 
 from __future__ import annotations
 
-import difflib
-import functools
 import importlib
 import inspect
 import math
@@ -21,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from job.config.model import own_class
 from job.errors import ConfigError, one_line
 
 
@@ -177,34 +176,6 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
 
 # Heads torchvision adds for auxiliary losses in training; the job trains on the main output alone.
 AUX_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
-
-
-@functools.cache
-def torchvision_models() -> tuple[str, ...]:
-    """The classification models torchvision builds by name (its detection, video and quantized ones aside)."""
-    import torchvision
-
-    return tuple(torchvision.models.list_models(module=torchvision.models))
-
-
-def own_class(name: str) -> bool:
-    """Whether model.name names the user's own class (package.module:ClassName)."""
-    return ":" in name
-
-
-def check_name(name: str) -> None:
-    """ConfigError for a name that is none of the job's models, torchvision's, or package.module:ClassName."""
-    if name in MODELS or (own_class(name) and all(part.strip() for part in name.split(":", 1))):
-        return
-    if name in torchvision_models():
-        return
-    close = difflib.get_close_matches(name, [*MODELS, *torchvision_models()], n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}? " if close else ""
-    raise ValueError(
-        f"unknown model {name!r} ({hint}the job's {', '.join(MODELS)}, any of torchvision's "
-        f"{len(torchvision_models())} classification models such as resnet50 or mobilenet_v3_small, or "
-        "package.module:ClassName)"
-    )
 
 
 def build_model(cfg, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:

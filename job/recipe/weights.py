@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -19,12 +18,11 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from job.config.model import is_torchvision_name, torchvision_weights
 from job.console import say
 from job.errors import CheckpointError, ConfigError, StorageError, one_line
 from job.storage.cloud import describe_storage_error, filesystem
 
-# How a torchvision weights name looks: DEFAULT, IMAGENET1K_V2, or ResNet50_Weights.IMAGENET1K_V2.
-TORCHVISION_NAME = re.compile(r"^(?:[A-Za-z0-9_]+_Weights\.)?[A-Z][A-Z0-9_]*$")
 NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
@@ -42,10 +40,6 @@ class Weights:
     hash_prefix: str | None = None  # torchvision's files carry the start of their sha256 in their name
 
 
-def is_torchvision_name(weights: str) -> bool:
-    return bool(TORCHVISION_NAME.match(weights))
-
-
 def resolve(model_name: str, weights: str) -> Weights | None:
     """The weights model.weights names for model.name (None when it names none); ConfigError when a torchvision
     name does not belong to the model."""
@@ -53,29 +47,13 @@ def resolve(model_name: str, weights: str) -> Weights | None:
         return None
     if not is_torchvision_name(weights):
         return Weights(source=weights, url=weights)
-    import torchvision
-
-    try:
-        enum = torchvision.models.get_model_weights(model_name)
-    except (ValueError, KeyError):
-        raise ConfigError(
-            f"model.weights: a torchvision weights name ({weights}) needs a torchvision model, and {model_name} is "
-            "not one; give the URL of a state_dict file"
-        ) from None
-    member = weights.rpartition(".")[2]
-    if "." in weights and weights.partition(".")[0] != enum.__name__:
-        raise ConfigError(f"model.weights: the weights {weights} are not {model_name}'s ({enum.__name__})")
-    try:
-        w = enum[member]
-    except KeyError:
-        known = ", ".join(enum.__members__)
-        raise ConfigError(f"model.weights: {model_name} has no weights {member} (it has {known})") from None
+    w = torchvision_weights(model_name, weights)
     t = w.transforms()
     found = torch.hub.HASH_REGEX.search(Path(urlparse(w.url).path).name)
     return Weights(
         source=weights,
         url=w.url,
-        name=f"{enum.__name__}.{w.name}",
+        name=f"{type(w).__name__}.{w.name}",
         crop_size=t.crop_size[0],
         resize_size=t.resize_size[0],
         mean=tuple(t.mean),

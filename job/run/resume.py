@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from job.config import Config, flat_items
+from job.config.budget import Budget, parse_budget
 from job.console import say
 from job.errors import ConfigError, DataError
 from job.group import distributed
@@ -15,7 +16,6 @@ from job.recipe import build as recipe
 from job.recipe import schedule
 from job.run import checkpoint
 from job.run.attempts import budget_spent
-from job.run.cost import Budget, parse_budget
 from job.run.progress import Progress
 from job.sinks import track
 from job.storage import cloud
