@@ -22,9 +22,8 @@ import torch.distributed as dist
 
 from job import errors
 from job.errors import ConfigError, Interrupted, JobError, one_line
-from job.group.env import pick_device, process_seed, seed_everything
+from job.group.env import pick_device, process_seed, seed_everything, set_rng_state
 from job.group.stop import StopRequest
-from job.run import checkpoint
 
 T = TypeVar("T")
 
@@ -127,7 +126,7 @@ def seed_own(seed: int, deterministic: bool, step: int = 0, saved: list | None =
     `saved` (a checkpoint's, by rank) when a group of this size saved it; else, for ranks but 0, a stream seeded from
     (seed, rank, step), not one that process 0 draws from already. Rank 0, or a process alone, keeps its stream."""
     if saved and len(saved) == world():
-        checkpoint.set_rng_state(saved[rank()])
+        set_rng_state(saved[rank()])
     elif rank():
         seed_everything(process_seed(seed, rank(), step), deterministic)
 
@@ -317,22 +316,6 @@ def gather_to_writer(obj: T) -> list[T] | None:
     out: list | None = [None] * world() if is_writer() else None
     peer_call(dist.gather_object, obj, out, dst=0, group=_control)
     return out
-
-
-def share_checkpoint(find: Callable[[], tuple[dict, dict | None] | None]) -> tuple[dict, dict | None] | None:
-    """The checkpoint to resume from, found and verified by rank 0 and sent to the others as the bytes torch.save
-    writes (loaded with weights_only=True, like any checkpoint: nothing is unpickled)."""
-
-    def encode(found):
-        return ({"manifest": found[1]}, checkpoint.to_bytes(found[0])) if found is not None else ({}, b"")
-
-    got = on_writer(find, encode)
-    if is_writer() or got is None:
-        return got
-    header, blob = got
-    if "manifest" not in header:
-        return None
-    return checkpoint.load_payload(blob, None, "the checkpoint sent by rank 0"), header["manifest"]
 
 
 def send(header: dict, blob: bytes) -> None:

@@ -183,6 +183,29 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def rng_state() -> dict:
+    """This process's random streams (Python's, NumPy's, torch's, each GPU's), as plain values a checkpoint
+    keeps."""
+    np_state = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """The streams rng_state() saved, back; a GPU's only where as many GPUs are seen as were saved."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def torchvision_problem() -> str:
     """'' when torchvision is installed and is the release made for this torch; else one line naming what to install.
     torchvision 0.N+15 is built for torch 2.N (0.19 for 2.4, 0.29 for 2.14); another release fails at import

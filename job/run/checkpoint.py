@@ -11,17 +11,16 @@ import hashlib
 import io
 import json
 import pickle
-import random
 import re
 import time
 import zipfile
 from typing import Any
 
-import numpy as np
 import torch
 
 from job.console import say
 from job.errors import CheckpointError, StorageError, one_line
+from job.group.env import rng_state, set_rng_state
 from job.storage.cloud import describe_storage_error, filesystem
 from job.storage.run_folder import RunDir
 
@@ -344,23 +343,3 @@ def restore(payload: dict, model, optimizer, scheduler, scaler, lookahead=None, 
     except (RuntimeError, ValueError, KeyError) as e:
         raise CheckpointError(f"checkpoint does not fit this model or optimizer: {one_line(e)}") from None
     set_rng_state(payload["rng"])
-
-
-def rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])

@@ -4,6 +4,7 @@ state a resumed run takes from its checkpoint."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -115,7 +116,7 @@ def decide(run_dir: RunDir, req: Request, cfg: Config, device: torch.device, whe
     """How the attempt goes on, by --resume, the folder and train.budget, decided without reading the data: the
     checkpoint found (by rank 0, shared with the group); a finished run left exactly as it is (what its tracking
     lacks sent to `where`), and a run that has spent its budget left as it is, each ending at once with its summary."""
-    found = distributed.share_checkpoint(lambda: find_checkpoint(run_dir, req.resume))
+    found = share_checkpoint(lambda: find_checkpoint(run_dir, req.resume))
     changed = changed_settings(found[0]["config"], cfg) if found is not None else {}
     resumption = Resumption(run_dir, req, found, changed)
     if left_alone(run_dir, req, cfg.train.epochs, found, changed):
@@ -136,6 +137,22 @@ def find_checkpoint(run_dir: RunDir, resume: str) -> tuple[dict, dict] | None:
     if resume == "never":
         return None
     return checkpoint.load_latest(run_dir) if resume == "auto" else checkpoint.load_url(resume)
+
+
+def share_checkpoint(find: Callable[[], tuple[dict, dict | None] | None]) -> tuple[dict, dict | None] | None:
+    """The checkpoint to resume from, found and verified by rank 0 and sent to the others as the bytes torch.save
+    writes (loaded with weights_only=True, like any checkpoint: nothing is unpickled)."""
+
+    def encode(found):
+        return ({"manifest": found[1]}, checkpoint.to_bytes(found[0])) if found is not None else ({}, b"")
+
+    got = distributed.on_writer(find, encode)
+    if distributed.is_writer() or got is None:
+        return got
+    header, blob = got
+    if "manifest" not in header:
+        return None
+    return checkpoint.load_payload(blob, None, "the checkpoint sent by rank 0"), header["manifest"]
 
 
 def check_resumable(run_dir: RunDir, req: Request, found: tuple[dict, dict] | None, changed: dict[str, tuple]) -> None:
