@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from job.run.cost import Budget
     from job.run.meters import LossLog, TrainClock
     from job.run.progress import Progress
-    from job.sinks.ray_report import RayReport
     from job.sinks.report import FollowerReport, Report
     from job.storage.run_folder import RunDir
     from job.use.diagnostics import Passed
@@ -42,7 +41,6 @@ class Loop:
     chooser: Chooser  # the best evaluation and its weights
     budget: Budget | None = None  # train.budget, read
     over_budget: str = ""  # why the run stops at the checkpoint just committed, to keep within train.budget
-    ray: RayReport | None = None  # in a Ray Train worker: what reports to Ray
     kept: dict[str, Passed] = field(default_factory=dict)  # the last passes over splits on the weights now held
     parts: Components = field(default_factory=Components)  # what a checkpoint saves and restores (run/state.py)
 

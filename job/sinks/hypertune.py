@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from job.errors import ConfigError
+from job.sinks.sink import EVALUATION, TESTED, Record, Sink
 
 DEFAULT_FILE = "/tmp/hypertune/output.metrics"  # cloudml-hypertune's default, where the service looks
 
@@ -39,11 +40,16 @@ def check_tag(tag: str, written: Iterable[str]) -> None:
         )
 
 
-class MetricFile:
-    """The trial's metric file: rank 0 appends the tag's value at each evaluation and for the chosen model."""
+class MetricFile(Sink):
+    """The trial's metric file: rank 0 appends the tag's value at each evaluation and for the chosen model (the test
+    record at the end holds its value, which the trial's result should be)."""
 
     def __init__(self, path: str, tag: str, trial: str) -> None:
         self.path, self.tag, self.trial = Path(path), tag, trial
+
+    def take(self, record: Record) -> None:
+        if record.kind in (EVALUATION, TESTED):
+            self.report(record.values)
 
     def report(self, record: dict[str, Any]) -> None:
         """The tag's value of an evaluation (or of the test record at the end), when the record has it."""

@@ -11,42 +11,34 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from job.group import distributed
-from job.run import checkpoint
-from job.use import bundle
-
-if TYPE_CHECKING:
-    from job.run.progress import Progress
+from job.sinks.sink import EpochEnd, Sink
 
 
-class RayReport:
-    def __init__(self) -> None:
+class RayReport(Sink):
+    """Ray Train's report, in every process of the group: `run_url`, the run folder the job resumes from."""
+
+    def __init__(self, run_url: str) -> None:
         import ray.train  # the worker runs inside Ray: it is there
 
-        self.train = ray.train
+        self.train, self.run_url = ray.train, run_url
 
-    def after_epoch(
-        self, state: Progress, records: list[dict], saved: bool, model, run_url: str, describe: Callable[[dict], dict]
-    ) -> None:
-        """At the end of an epoch that evaluated (`records[-1]` is this step's) or committed a checkpoint (`saved`),
-        every process alike; `describe`: the model.json of the model with these metrics."""
-        record = records[-1] if records and records[-1].get("step") == state.step else {}
-        if not record and not saved:
+    def epoch_done(self, end: EpochEnd) -> None:
+        """At the end of an epoch that evaluated (`end.record`) or committed a checkpoint (`end.saved`), every process
+        alike."""
+        if not end.record and not end.saved:
             return
-        metrics = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        metrics |= {"epoch": state.epoch, "step": state.step}
-        if not (saved and distributed.is_writer()):
+        metrics = {k: v for k, v in end.record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        metrics |= {"epoch": end.epoch, "step": end.step}
+        if not (end.saved and distributed.is_writer()):
             self.train.report(metrics)
             return
         with tempfile.TemporaryDirectory(prefix="job-ray-") as folder:
             root = Path(folder)
-            (root / "model.pt").write_bytes(checkpoint.weights_bytes(model))
-            (root / bundle.MODEL_JSON).write_text(json.dumps(describe(record), indent=1, ensure_ascii=False))
+            end.bundle(root, end.record)  # model.pt and model.json
             (root / "checkpoint.json").write_text(
-                json.dumps({"run": run_url, "epoch": state.epoch, "step": state.step})
+                json.dumps({"run": self.run_url, "epoch": end.epoch, "step": end.step})
             )
             self.train.report(metrics, checkpoint=self.train.Checkpoint.from_directory(folder))

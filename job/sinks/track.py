@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from job.config import tracking_uri
 from job.errors import ConfigError
 from job.retry import Backoff
+from job.sinks.sink import CLASSES, COST, EVALUATION, TESTED, WINDOW, Record, Sink
 from job.sinks.track_journal import JOURNAL, Journal, carries, destination, read_journal
 from job.sinks.track_server import Sender, Target
 
@@ -110,9 +111,9 @@ def test_points(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-class Tracker:
-    """The run's MLflow sink, kept by the process that writes the run: the loop adds lines to the journal and a
-    thread sends them."""
+class Tracker(Sink):
+    """The run's MLflow sink, kept by the process that writes the run: the records it takes are lines of the journal,
+    which a thread sends."""
 
     def __init__(self, where: Target, run_dir: RunDir, upto_step: int | None) -> None:
         """The journal opened (cut back to `upto_step`, the step the attempt resumes from) and the sender started, at
@@ -138,6 +139,24 @@ class Tracker:
     @property
     def run_id(self) -> str | None:
         return self.sender.run_id
+
+    def take(self, record: Record) -> None:
+        """A record as MLflow metrics: named as metrics.jsonl and TensorBoard name them, what was measured (and the
+        cost) under system/, each class's F1 as <split>_f1/<class>."""
+        if record.kind == WINDOW:
+            self.point(record.step, record.values)
+        elif record.kind == EVALUATION:
+            self.point(record.step, evaluation_points(record.values))
+        elif record.kind == TESTED:
+            self.point(record.step, test_points(record.values))
+        elif record.kind == CLASSES:
+            named = {metric_name(f"{record.split}_f1/{name}"): value for name, value in record.values.items()}
+            self.point(record.step, named)
+        elif record.kind == COST:
+            self.point(record.step, {f"system/cost_{k.split('/')[-1]}": float(v) for k, v in record.values.items()})
+
+    def flush(self) -> None:
+        self.run_dir.upload(JOURNAL)
 
     def point(self, step: int, metrics: dict[str, float]) -> None:
         """Metrics at `step`; sent within seconds (the loop never waits for the server)."""

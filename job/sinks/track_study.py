@@ -14,7 +14,8 @@ from job.sinks.track_server import client, experiment_id
 
 if TYPE_CHECKING:
     from job.sinks.track_server import Target
-    from job.study.space import Space
+
+Space = Any  # a sweep's Space (job/study/space.py), read by its fields: a sink never imports the study
 
 STUDY_TAG = "job.study"  # a sweep study's identity: its workers find the study's one MLflow run by it
 RESULTS = ("trials.csv", "best.json", "params.png")  # the results' files the study's run keeps (job/study/results.py)
