@@ -116,7 +116,7 @@ def train(
         with user_errors():
             from job.config import load_config
             from job.group.launch import launch
-            from job.run.lease import check
+            from job.storage.lease import check
 
             cfg = load_config(config, [*overrides, *limit])  # a bad config: one line here, not one per worker
             if group.node_rank == 0:  # a busy folder too; the other machines' workers never hold it
@@ -252,7 +252,7 @@ def evaluate(
     data: str = typer.Option(
         "",
         "--data",
-        help="Labelled images to score instead of the run's split: class folders, an archive, a manifest, parquet.",
+        help="Labelled images to score instead of the run's split: class folders, an archive, or a data format's.",
     ),
     config: str = typer.Option("", "--config", "-c", help="Config to evaluate with; default: the checkpoint's."),
     overrides: list[str] = typer.Option([], "--set", "-s", help=SET_HELP),
@@ -295,8 +295,8 @@ def predict(
         ...,
         metavar="INPUT",
         help="Images: files, folders (recursive), glob patterns, .tar/.tar.gz archives, folders of shards, "
-        "manifests (.csv/.jsonl with a path column), parquet files or folders of them (each row's image), at any URL; "
-        "for a model of a table, CSV or parquet tables.",
+        "the files of data formats that name or hold images (each row's image), at any URL; "
+        "for a model of a table, tables.",
     ),
     model: str = typer.Option(..., "--model", "-m", help="A run folder, its model.pt, or a checkpoint, at any URL."),
     output: str = typer.Option("", "--output", "-o", help="A .csv or .jsonl file at any URL; default: CSV on stdout."),
@@ -450,7 +450,7 @@ def shard(
     (data.kind=shards); files that cannot be decoded or are not there are skipped and listed in index.json."""
     with user_errors():
         from job.console import say
-        from job.data.manifest import Columns
+        from job.data.items import Columns
         from job.data.pack import pack, parse_size
         from job.data.split import HoldOut
 

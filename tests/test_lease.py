@@ -15,7 +15,7 @@ import pytest
 from conftest import Bucket
 
 from job.errors import StorageError
-from job.run.lease import LEASE, Lease, check, machine
+from job.storage.lease import LEASE, Lease, check, machine
 from job.storage.run_folder import RunDir
 
 
@@ -143,7 +143,7 @@ def test_a_holder_killed_and_not_yet_reaped_is_gone(tmp_path):
 
 HOLDER = """
 import sys, time
-import job.run.lease as lease
+import job.storage.lease as lease
 skew, real = float(sys.argv[2]), time.time
 time.time = lambda: real() + skew  # this machine's clock, skew seconds off the test's
 lease.machine = lambda: "another-machine"  # its pids mean nothing to the test's machine

@@ -7,8 +7,8 @@ went away before it could say). Each attempt also says what it cost and what its
 
 An attempt killed without notice cannot say when it stopped: the writing process keeps a sign of life, a file in the
 run folder (its staging copy, for a remote run) rewritten every PULSE_S seconds by a thread, and the next attempt
-bounds the kill by it, else by the stale lease's heartbeat (job/run/lease.py), else by the last time the attempt wrote
-run.json."""
+bounds the kill by it, else by the stale lease's heartbeat (job/storage/lease.py), else by the last time the attempt
+wrote run.json."""
 
 from __future__ import annotations
 

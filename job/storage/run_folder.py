@@ -19,8 +19,7 @@ from pathlib import Path
 from fsspec.implementations.local import LocalFileSystem
 
 from job.errors import StorageError, one_line
-from job.run import lease
-from job.storage import sync
+from job.storage import lease, sync
 from job.storage.cloud import describe_storage_error, filesystem
 from job.storage.sync import Uploader, write_atomic
 
