@@ -106,7 +106,7 @@ def train(
         if problem := torchvision_problem():  # before anything is made: a mismatched build fails mid-run otherwise
             raise ConfigError(problem)
         limit = [f"train.time_limit={seconds(time_limit)}"] if time_limit else []
-        from job.group import platforms
+        from job.group import platforms, slurm
 
         place = platforms.settle()  # the platform and this process's place in its group, read once
         group = launch_plan(nproc_per_node, nnodes, node_rank, master_addr, master_port, device, place)
@@ -148,7 +148,7 @@ def train(
             run(cfg, target, device, resume, overwrite, stop, routes, began)
         except Interrupted as e:
             usr1 = stop.signal == getattr(signal, "SIGUSR1", None) and not os.environ.get(LAUNCHER)  # not a worker
-            if usr1 and not follower() and (said := platforms.requeue(say=say)):  # Slurm's warning: requeue
+            if usr1 and not follower() and (said := slurm.requeue(say=say)):  # Slurm's warning: requeue
                 raise Interrupted(f"{e}; {said}") from None
             raise
 

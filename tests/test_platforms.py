@@ -18,7 +18,9 @@ from typer.main import get_command
 from job.cli import app
 from job.errors import ConfigError
 from job.group.launch import Launch, launch_plan, processes
-from job.group.platforms import Process, adopt, hostlist, read, tasks_per_node
+from job.group.place import Process
+from job.group.platforms import adopt, read
+from job.group.slurm import hostlist, tasks_per_node
 
 # A task of `srun -n 2` on one machine (what Slurm 22.05 set here, less the ids of its sockets)
 SRUN = {
@@ -293,8 +295,8 @@ def test_the_requeue_is_said_before_slurm_is_asked_since_a_requeue_may_end_the_p
     (bin_dir / "scontrol").write_text("#!/bin/sh\nkill -9 $PPID\nsleep 5\n")
     (bin_dir / "scontrol").chmod(0o755)
     code = (
-        "import sys; from job import platforms; from job.console import say; "
-        "print(platforms.requeue({'SLURM_JOB_ID': '41', 'SLURM_JOB_NAME': 'train'}, say), file=sys.stderr)"
+        "import sys; from job.group import slurm; from job.console import say; "
+        "print(slurm.requeue({'SLURM_JOB_ID': '41', 'SLURM_JOB_NAME': 'train'}, say), file=sys.stderr)"
     )
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

@@ -26,9 +26,9 @@ import psutil
 
 from job.console import say
 from job.errors import ConfigError, JobError, one_line
-from job.group import platforms
+from job.group import platforms, slurm
 from job.group.env import cpus, die_with_parent
-from job.group.platforms import DEFAULT_PORT, Place, number
+from job.group.place import DEFAULT_PORT, Place, number, worker
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, *([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else []))
 
@@ -134,7 +134,7 @@ def processes(setting: str, device: str = "auto") -> int:
 
 def is_worker(env: dict[str, str] | None = None) -> bool:
     """Whether this process is already a worker of a group (started by this job's launcher or by torchrun)."""
-    return platforms.worker(os.environ if env is None else env)
+    return worker(os.environ if env is None else env)
 
 
 def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -> int:
@@ -175,7 +175,7 @@ def launch(plan: Launch, options: dict[str, str | bool], overrides: list[str]) -
         except ChildFailedError as e:
             code = group_exit_code(e.failures)
             usr1 = getattr(signal, "SIGUSR1", None) in received  # Slurm's warning: the job asks for its requeue
-            if code == 75 and plan.node_rank == 0 and usr1 and (said := platforms.requeue(say=say)):
+            if code == 75 and plan.node_rank == 0 and usr1 and (said := slurm.requeue(say=say)):
                 say(said)
             return code
         except (DistError, RendezvousError) as e:  # only the meeting talks to other machines outside the workers
