@@ -500,7 +500,7 @@ def test_streamed_shards_from_another_tool_skip_a_bad_sample(tmp_path):
     from conftest import encode, pattern_images
 
     from job.data.batches import IGNORED
-    from job.data.shards import open_shards
+    from job.data.shard_sets import open_shards
     from job.data.stream import Decoder, StreamLoader
     from job.use import evaluate
 

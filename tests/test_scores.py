@@ -251,7 +251,7 @@ dist.destroy_process_group()
 
 def stream_sums(shards: str, rank: int = 0, world: int = 1) -> torch.Tensor:
     """A streamed test split's evaluation sums (3 classes of 16 px images) by a fixed model, in process rank."""
-    from job.data.shards import open_shards
+    from job.data.shard_sets import open_shards
     from job.data.stream import Decoder, StreamLoader
 
     split = open_shards(shards, None, lambda _: None).splits["test"]

@@ -31,7 +31,7 @@ from faultproxy import FaultProxy
 
 from job.data.decode import auto_workers
 from job.data.sample_stream import Part, SampleStream, saved
-from job.data.shards import open_shards
+from job.data.shard_sets import open_shards
 from job.data.stream import Decoder, StreamLoader, deal
 from job.group.memory import peak_tree_rss
 
@@ -492,7 +492,7 @@ def test_a_pack_to_stream_keeps_small_images_decoded_and_larger_ones_as_files(tm
 
 def test_tables_and_cifar_batches_do_not_stream(tmp_path):
     code, err = invoke(["train", "--device", "cpu", "--set", "data.placement=stream", "--output", str(tmp_path / "r")])
-    assert code == 2 and "data.placement=stream: streams image folders" in err and "csv data" in err
+    assert code == 2 and "data.placement=stream: streams the data kinds folder" in err and "csv data" in err
     assert not (tmp_path / "r").exists()
 
 
@@ -615,7 +615,7 @@ def test_a_count_cache_being_written_by_another_process_is_counted_again(tmp_pat
     wds = pytest.importorskip("webdataset", reason="the webdataset package writes the other tool's shards")
     from conftest import encode, pattern_images
 
-    from job.data.shards import open_shards
+    from job.data.shard_sets import open_shards
 
     root = tmp_path / "shards"
     images, labels = pattern_images(2, 3, 16, 0)

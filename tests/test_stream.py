@@ -13,7 +13,8 @@ import torch
 from conftest import encode, invoke, pattern_images, sets, stopping_model, write_image_folder
 
 from job.data.sample_stream import Part, SampleStream, saved
-from job.data.shards import open_shards, read_range
+from job.data.shard_sets import open_shards
+from job.data.shards import read_range
 from job.data.split import HoldOut, Roles
 from job.data.stream import Decoder, StreamLoader, sample_images
 from job.errors import DataError

@@ -17,6 +17,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from job.data.dataset import Dataset, Split
 from job.data.files import Log, Source, read_entries, source
+from job.data.formats import Format
 from job.data.split import Roles
 from job.errors import DataError, one_line
 
@@ -115,3 +116,10 @@ def _get(d: dict, key: str):
 
 def _join(splits: list[Split]) -> Split:
     return Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
+
+
+def load(cfg, cache: Path | None, log: Log, src: Source | None = None, started=None) -> Dataset:
+    return load_cifar10(cfg, cache, log)
+
+
+FORMAT = Format("cifar10", load, about="CIFAR-10's python-version batches (the archive, or its folder)")

@@ -1,4 +1,5 @@
-"""A data set held in memory: its splits as tensors, its classes, where it came from and why it is held."""
+"""A data set held in memory: its splits as tensors, its classes, where it came from and why it is held; and its
+streamed counterpart, shards read as the run trains (StreamData)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from job.data.placement import HELD, Streaming
+from job.data.split import Inventory
 
 if TYPE_CHECKING:
-    from job.data.split import Inventory
+    from job.data.shard_sets import ShardSet
 
 
 @dataclass
@@ -69,5 +71,36 @@ class Dataset:
     def describe(self) -> str:
         shape = "x".join(str(s) for s in self.input_shape)
         held = " / ".join(f"{self.samples(s)} {s}" for s in ("train", "val", "test") if self.split(s) is not None)
+        task = "multilabel: any number of the " if self.multilabel else ""
+        return f"{self.source}: {held}, {task}{len(self.classes)} classes, inputs {shape}"
+
+
+@dataclass
+class StreamData:
+    """A shard data set read as the run trains: what the recipe needs to know before reading it."""
+
+    shards: ShardSet
+    classes: list[str]
+    input_shape: tuple[int, ...]
+    source: str
+    streaming: Streaming
+    is_image: bool = True
+    multilabel: bool = False  # any number of classes a sample, as multi-hot targets
+    streamed = True
+    features = None  # images
+
+    @property
+    def inventory(self) -> Inventory | None:
+        """The split as `job shard` recorded it in the index, or as held out of train/ by key (open_shards); none
+        for shards from other tools that hold their own val/ and test/."""
+        saved = self.shards.inventory
+        return Inventory.from_json(saved) if saved is not None else None
+
+    def samples(self, split: str) -> int:
+        return self.shards.samples(split)
+
+    def describe(self) -> str:
+        shape = "x".join(str(s) for s in self.input_shape)
+        held = " / ".join(f"{self.samples(s)} {s}" for s in ("train", "val", "test") if self.samples(s))
         task = "multilabel: any number of the " if self.multilabel else ""
         return f"{self.source}: {held}, {task}{len(self.classes)} classes, inputs {shape}"

@@ -22,7 +22,7 @@ import posixpath
 import tarfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +33,6 @@ from job.data.split import kind_of
 from job.errors import DataError, StorageError, one_line
 from job.storage.cloud import describe_storage_error, fetch_concurrency, filesystem, fuse_path
 
-MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson")
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 FETCH_CHUNK = 2000  # files fetched concurrently per request batch (and held in memory at once)
 VERSION_KEYS = ("generation", "etag", "md5Hash", "ETag", "mtime", "LastModified", "created")
@@ -53,7 +52,7 @@ class Source:
     mounted: str | None = None
 
     def within(self, path: str) -> Source:
-        """A file under this source's path, in its store (a folder's parquet file): no second resolution."""
+        """A file under this source's path, in its store (a file of a folder): no second resolution."""
         inside = self.mounted and path.startswith(self.path)
         mounted = self.mounted.rstrip("/") + path[len(self.path) :] if inside else None
         return Source(self.fs.unstrip_protocol(path), self.fs, path, mounted)
@@ -79,11 +78,6 @@ def local_source(path: str) -> Source:
 
 def is_archive(path: str) -> bool:
     return path.lower().endswith(ARCHIVE_SUFFIXES)
-
-
-def is_manifest(path: str) -> bool:
-    """A table of image paths and labels (data.kind manifest), by its suffix."""
-    return path.lower().endswith(MANIFEST_SUFFIXES)
 
 
 def read_entries(
@@ -237,6 +231,46 @@ def fetch_named(urls: list[str]) -> list[bytes | Exception]:
         for i, data in zip(at, cat_many(fs, paths, urls[at[0]])):
             out[i] = data
     return out
+
+
+Read = tuple[str, bytes, str]  # an input's name, its bytes, and why it could not be read ("" when it was)
+GONE = "not found (moved or removed since it was listed?)"
+
+
+def why_unread(url: str, error: Exception) -> str:
+    """A row's words for a file that could not be read."""
+    if isinstance(error, FileNotFoundError):
+        return GONE
+    if "://" not in url or url.startswith("file://"):
+        return f"cannot read it: {one_line(error)}"
+    return describe_storage_error(url, error)
+
+
+def held_or_fetched(
+    cells: Iterable[tuple[str, bytes | None, str | None]], chunk: int, none: str
+) -> Iterator[list[Read]]:
+    """Named items, each with its bytes or the URL they are fetched from, `chunk` at a time (each store's fetched
+    concurrently): (name, bytes, why not); an item with neither is `none`'s reason."""
+    pending: list[tuple[str, bytes | None, str | None]] = []
+
+    def flush() -> list[Read]:
+        got = iter(fetch_named([at for _, _, at in pending if at]))
+        batch = []
+        for name, data, at in pending:
+            fetched = next(got) if at else data
+            if isinstance(fetched, Exception):
+                batch.append((name, b"", why_unread(at, fetched)))
+            else:
+                batch.append((name, fetched or b"", "" if fetched else none))
+        pending.clear()
+        return batch
+
+    for cell in cells:
+        pending.append(cell)
+        if len(pending) == chunk:
+            yield flush()
+    if pending:
+        yield flush()
 
 
 def read_local(path: str) -> bytes | OSError:

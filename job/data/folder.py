@@ -6,7 +6,7 @@ named (a run's data.json lists them all), or stops the run with data.skip_bad_sa
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,14 +14,28 @@ from pathlib import Path
 import torch
 
 from job.data.dataset import Dataset, Split
-from job.data.files import Log, Source, read_entries, source
+from job.data.files import Log, Source, images_listed, read_entries, source
+from job.data.formats import Format
 from job.data.image import UnreadableImage, pixels
+from job.data.items import SHOWN, report_skipped
+from job.data.placement import decoded_size
 from job.data.preprocess import Preprocess
-from job.data.split import ROLES, SUFFIXES, Files, HoldOut, Inventory, count, kind_of, label_names, sort_files
-from job.errors import ConfigError, DataError
+from job.data.split import (
+    ROLES,
+    SUFFIXES,
+    Files,
+    HoldOut,
+    Inventory,
+    across_classes,
+    count,
+    kind_of,
+    label_names,
+    sort_files,
+)
+from job.errors import ConfigError, DataError, StorageError
+from job.storage.cloud import describe_storage_error, filesystem
 
 LAYOUT = f"<class>/*.{SUFFIXES} or train/<class>/*.{SUFFIXES}"
-SHOWN = 3  # bad files named on the console (a run's data.json lists every one)
 
 
 @dataclass
@@ -140,13 +154,6 @@ def targets(labels: list, classes: list[str], multilabel: bool = False) -> torch
     return y
 
 
-def report_skipped(skipped: list[dict[str, str]], log: Log) -> None:
-    for s in skipped[:SHOWN]:
-        log(f"data: skipped {s['path']}: {s['reason']}")
-    if len(skipped) > SHOWN:
-        log(f"data: skipped {len(skipped)} files that cannot be decoded in all")
-
-
 def decode_split(
     items: list[tuple[str, str]],
     content: Callable[[str], bytes],
@@ -196,3 +203,62 @@ def decode_split(
         return Split(torch.empty(0, 3, *(pre.size or (0, 0)), dtype=torch.uint8), empty_y)
     x, y = torch.stack([img for img, _, _ in good]), targets([cls for _, cls, _ in good], classes, multilabel)
     return Split(x, y, [name for _, _, name in good])
+
+
+class FolderItems:
+    """An image folder's (or archive's) images as packing reads them: their bytes first, then sorted into classes and
+    splits by the paths of those that decoded."""
+
+    def __init__(self, src: Source, hold: HoldOut, columns, log: Log) -> None:
+        self.src, self.hold, self.log, self.listing = src, hold, log, Listing()
+
+    def __iter__(self) -> Iterator[tuple[str, bytes]]:
+        return iter(read_entries(self.src, self.listing.keep, None, self.log))
+
+    def sorted(self, kept: list[str]) -> tuple[Files, list[str], list[dict[str, str]]]:
+        files = sorted_files(kept, self.hold, self.src.url)
+        self.listing.report(self.src.url, files, self.log)
+        return files, files.classes(), []
+
+
+def load(cfg, cache: Path | None, log: Log, src: Source | None = None, started=None) -> Dataset:
+    return load_folder(cfg, cache, log, src)
+
+
+def scored(cfg, log: Log, classes: list[str], pre: Preprocess) -> Dataset:
+    """Every image of a folder (or archive) a model is scored on, split by its folders (none held out)."""
+    url, listing = cfg.path, Listing()
+    entries = dict(read_entries(source(url), listing.keep, None, log))
+    files = sort_files(sorted(entries), HoldOut(0.0, 0.0, cfg.split_seed))
+    unknown = sorted({c for role in files.roles.values() for _, c in role} - set(classes))
+    if unknown:
+        raise DataError(f"{url}: classes the model does not know: {', '.join(unknown[:5])}")
+    return held(files, entries.__getitem__, classes, cfg, url, f"folder {url}", log, scoring=True, pre=pre)
+
+
+def held_out(cfg, limit: int) -> list[str]:
+    """Up to `limit` of the run's val (else test) images, sorted as the run sorted them, from every class in turn."""
+    fs, path = filesystem(cfg.path)
+    try:
+        if not fs.isdir(path):
+            raise DataError(f"{cfg.path} is not a folder here")
+        root = path.rstrip("/") + "/"
+        names = [p[len(root) :] for p in fs.find(path) if kind_of(p[len(root) :]) == "image"]
+    except DataError:
+        raise
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot list {cfg.path}: {describe_storage_error(cfg.path, e)}") from None
+    files = sort_files(names, HoldOut.of(cfg))
+    return [f"{cfg.path.rstrip('/')}/{n}" for n in across_classes(files.roles["val"] or files.roles["test"], limit)]
+
+
+FORMAT = Format(
+    "folder",
+    load,
+    about="image folders (class folders, or train/ val/ test/ folders of them), or a .tar/.tar.gz of one",
+    items=FolderItems,
+    listed=lambda src, columns: images_listed(src),
+    decoded_size=decoded_size,
+    scored=scored,
+    held_out=held_out,
+)

@@ -20,38 +20,24 @@ import csv
 import io
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from job.data.dataset import Dataset
 from job.data.files import FETCH_CHUNK, Log, Source, beside, fetch_named, read_bytes, read_entries, source
 from job.data.folder import check_files, held
+from job.data.formats import Format
+from job.data.items import Columns, Listed
 from job.data.preprocess import Preprocess
-from job.data.split import SPLIT_FOLDERS, Files, HoldOut, label_names
+from job.data.split import SPLIT_FOLDERS, Files, HoldOut, across_classes, label_names
 from job.errors import ConfigError, DataError, StorageError
 from job.storage.cloud import describe_storage_error
 
+SUFFIXES = (".csv", ".jsonl", ".ndjson")
 COLUMNS_HINT = (
     "set data.path_column, data.label_column and data.split_column (job shard: --path-column, --label-column, "
     "--split-column)"
 )
-
-
-@dataclass(frozen=True)
-class Columns:
-    """Which columns of a manifest hold an image's path, its label and (when there is one) its split, and how its
-    labels are read (data.label_separator, data.task): the whole of what a pack of it depends on besides the split,
-    so a pack's key and index.json hold it."""
-
-    path: str = "path"
-    label: str = "label"
-    split: str = "split"
-    separator: str | None = None
-    task: str = "auto"
-
-    @classmethod
-    def of(cls, cfg) -> Columns:
-        return cls(cfg.path_column, cfg.label_column, cfg.split_column, cfg.label_separator, cfg.task)
 
 
 def load_manifest(
@@ -262,3 +248,72 @@ class Images:
     def missing(self) -> list[dict[str, str]]:
         gone = [{"path": p, "reason": "no such file"} for p in self.paths - self.found]
         return sorted(gone + [{"path": p, "reason": why} for p, why in self.unplaced.items()], key=lambda s: s["path"])
+
+
+def is_manifest(path: str) -> bool:
+    """A table of image paths and labels, by its suffix."""
+    return path.lower().endswith(SUFFIXES)
+
+
+def load(cfg, cache: Path | None, log: Log, src: Source | None = None, started=None) -> Dataset:
+    return load_manifest(cfg, cache, log, src=src)
+
+
+def scored(cfg, log: Log, classes: list[str], pre: Preprocess) -> Dataset:
+    return load_manifest(cfg, None, log, classes, pre)
+
+
+def items(src: Source, hold: HoldOut, columns: Columns, log: Log) -> Listed:
+    """The rows' images, in the classes and splits the rows give, named and checked before any image is read; an
+    image a row names that is not there is skipped and named, as one that cannot be decoded is."""
+    url = src.url
+    files, labels = manifest_files(url, read_bytes(src, None, log), columns, hold)  # columns: labels' separator, task
+    classes = class_order(labels, {c for _, label in files.roles["train"] for c in label_names(label)})
+    check_files(files, classes, url)
+    return Listed(Images(url, [p for role in files.roles.values() for p, _ in role], None, log), files, classes)
+
+
+def listed(src: Source, columns: Columns) -> dict[str, dict]:
+    """The manifest and the images under its folder that its rows name (one listing): path -> info. Images it names
+    by URL elsewhere are not watched: a change to one is not seen."""
+    fs, path, url = src.fs, src.path, src.url
+    folder = path.rsplit("/", 1)[0]
+    try:  # read as the pack reads it: a misspelt column or a bad label named before any pack of SRC is touched
+        files, _ = manifest_files(url, fs.cat_file(path), columns, HoldOut())
+        paths = {fs._strip_protocol(beside(url, p)) for role in files.roles.values() for p, _ in role}
+        return {path: fs.info(path)} | {p: i for p, i in fs.find(folder, detail=True).items() if p in paths}
+    except (DataError, ConfigError):
+        raise
+    except Exception as e:  # the stores' clients raise many types
+        raise StorageError(f"cannot list the data: {describe_storage_error(url, e)}") from None
+
+
+def named_images(url: str) -> list[tuple[str, str]]:
+    """(path as written, its URL) of the rows' images: the `path` column, beside the manifest (files.beside)."""
+    rows = read_rows(url, read_bytes(source(url, exists=False), None, lambda _: None))
+    if rows and "path" not in rows[0]:
+        raise DataError(f"{url}: no column 'path' (columns: {', '.join(rows[0])})")
+    paths = [str(r["path"]).strip() for r in rows if r.get("path")]
+    return [(p, beside(url, p)) for p in paths]
+
+
+def held_out(cfg, limit: int) -> list[str]:
+    """Up to `limit` of the val (else test) rows' images, split as the run split them, each resolved beside the
+    manifest; none held out: []."""
+    raw = read_bytes(source(cfg.path), None, lambda _: None)  # there, or named
+    files, _ = manifest_files(cfg.path, raw, Columns.of(cfg), HoldOut.of(cfg))
+    return [beside(cfg.path, p) for p in across_classes(files.roles["val"] or files.roles["test"], limit)]
+
+
+FORMAT = Format(
+    "manifest",
+    load,
+    about="a CSV or JSONL file of image paths and labels",
+    holds=is_manifest,
+    items=items,
+    listed=listed,
+    columns=True,
+    scored=scored,
+    names=named_images,
+    held_out=held_out,
+)

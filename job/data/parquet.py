@@ -16,17 +16,18 @@ rows into shards to stream them (job/data/pack.py) holds one row group's images 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
 from job.data.dataset import Dataset
-from job.data.files import FETCH_CHUNK, Log, Source, beside, fetch_named, local_file, source
+from job.data.files import FETCH_CHUNK, Log, Read, Source, beside, fetch_named, held_or_fetched, local_file, source
 from job.data.folder import check_files, held
-from job.data.manifest import Columns, class_order
+from job.data.formats import Format
+from job.data.items import Columns, Listed
+from job.data.manifest import class_order
 from job.data.preprocess import Preprocess
-from job.data.split import SPLIT_FOLDERS, Files, HoldOut, kind_of, label_names
-from job.errors import DataError, StorageError, one_line
+from job.data.split import Files, HoldOut, config_of, kind_of, label_names, split_of
+from job.errors import ConfigError, DataError, StorageError, one_line
 from job.storage.cloud import describe_storage_error
 
 SUFFIX = ".parquet"
@@ -73,22 +74,6 @@ def decoded_size(src: Source, held: int | None) -> int:
         except Exception:  # a file that cannot be read is named when the rows are read
             return 0
     return rows * 3 * held * held
-
-
-def split_of(rel: str) -> str | None:
-    """The split a file's name gives: its name's first word (train-00000-of-00004.parquet), else its folder's
-    (<config>/train/0000.parquet); None when neither is a split's name."""
-    folder, _, name = rel.rpartition("/")
-    head = re.split(r"[-_.]", name.lower(), maxsplit=1)[0]
-    word = head if head in SPLIT_FOLDERS else folder.rpartition("/")[2].lower()
-    return SPLIT_FOLDERS.get(word)
-
-
-def config_of(rel: str) -> str:
-    """The folder of a file's configuration (the hub's <config>/train-*.parquet, or <config>/train/*.parquet)."""
-    folder, _, _ = rel.rpartition("/")
-    parent, _, last = folder.rpartition("/")
-    return parent if last.lower() in SPLIT_FOLDERS else folder
 
 
 def read_error(url: str, e: Exception) -> Exception:
@@ -168,11 +153,8 @@ class ParquetData:
             self.sort_rows(hold)
 
     def listed(self, src: Source) -> list[tuple[Source, str, str | None]]:
-        fs, path = src.fs, src.path
-        try:
-            found = [path] if fs.isfile(path) else sorted(p for p in fs.find(path) if p.lower().endswith(SUFFIX))
-        except Exception as e:  # the stores' clients raise many types
-            raise StorageError(f"cannot list the data: {describe_storage_error(self.url, e)}") from None
+        path = src.path
+        found = sorted(parquet_listed(src))
         if not found:
             raise DataError(f"{self.url}: no .parquet files")
         root = path.rstrip("/") + "/"
@@ -410,3 +392,55 @@ def tabular(cfg, data: ParquetData) -> Dataset:
         data.log("data: a parquet table's validation files are not read; data.val_split holds val out of train")
     test = data.table_rows("test")
     return table_dataset(cfg, data.url, *train, (f"{data.url} (test)", *test) if test else None, "parquet")
+
+
+def items(src: Source, hold: HoldOut, columns: Columns, log: Log) -> Listed:
+    """The rows' images, a row group at a time, in the classes and splits their labels give (read first); a row with
+    no image (no bytes, no path, a path to no file) is skipped and named."""
+    rows = ParquetData(src, columns, hold, None, log)
+    if rows.table:
+        raise ConfigError(f"{src.url}: a table of feature columns (no image column) is read into memory, not packed")
+    check_files(rows.files, rows.classes, src.url)
+    return Listed(rows, rows.files, rows.classes)
+
+
+def tables(url: str) -> Iterator[tuple[str, int, list[str], list[list[str]]]]:
+    """Each file's rows (a file, or a folder of them), cells as text: rows named <file>#<row>, from 0."""
+    at = source(url, exists=False)
+    root = at.path.rstrip("/") + "/"
+    for path in sorted(parquet_listed(at)):
+        name = f"{url.rstrip('/')}/{path[len(root) :]}" if path.startswith(root) else url
+        f = open_file(at.within(path), name)
+        try:
+            table = f.read()
+        except Exception as e:  # pyarrow's errors and the stores'
+            raise read_error(name, e) from None
+        yield f"{name}#", 0, table.column_names, table_cells(table, huggingface_features(f.schema_arrow))
+
+
+def rows(url: str, chunk: int) -> Iterator[list[Read]]:
+    """Each row's image of a parquet file, `chunk` rows at a time, in order: named by its image's path where the row
+    has one (read beside the file), else url#row; a row with no image says so."""
+    f = open_file(source(url, exists=False))
+    image = image_column(url, f.schema_arrow, huggingface_features(f.schema_arrow), "path")
+    if image is None:
+        raise DataError(f"{url}: no image column (a table of feature columns: a table's model predicts its rows)")
+    cells = enumerate(image_cells(f, image, url))
+    yield from held_or_fetched(((path or f"{url}#{n}", data, beside(url, path) if path and not data else None)
+                                for n, (data, path) in cells), chunk, NEITHER)  # fmt: skip
+
+
+FORMAT = Format(
+    "parquet",
+    lambda cfg, cache, log, src=None, started=None: load_parquet(cfg, cache, log, src=src),
+    about="a .parquet file, a folder of them, or the Hugging Face hub's data/<split>-*.parquet layout",
+    holds=is_parquet,
+    items=items,
+    listed=lambda src, columns: parquet_listed(src),
+    decoded_size=decoded_size,
+    columns=True,
+    scored=lambda cfg, log, classes, pre: load_parquet(cfg, None, log, classes, pre),
+    suffixes=(SUFFIX,),
+    rows=rows,
+    table=tables,
+)

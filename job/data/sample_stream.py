@@ -192,3 +192,25 @@ def refill(urls: list[str], held: list[list[int]]) -> list[Sample]:
         return []
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(lambda ref: read_range(urls[ref[0]], *ref), held))
+
+
+def deal(shards: list[Shard], world: int) -> list[list[Part]]:
+    """The parts of the shards each process reads: whole shards dealt largest first to the process with the fewest
+    samples; with fewer shards than processes, every world-th sample of the data (in name order) to each."""
+    if len(shards) < world:
+        hands: list[list[Part]] = [[] for _ in range(world)]
+        base = 0
+        for s in shards:
+            for r in range(world):
+                part = Part.of(s, (r - base) % world, world)
+                if part.taken:
+                    hands[r].append(part)
+            base += s.samples
+        return hands
+    whole: list[list[int]] = [[] for _ in range(world)]
+    totals = [0] * world
+    for i in sorted(range(len(shards)), key=lambda i: (-shards[i].samples, i)):
+        r = min(range(world), key=lambda r: (totals[r], r))
+        whole[r].append(i)
+        totals[r] += shards[i].samples
+    return [[Part.of(shards[i]) for i in sorted(h)] for h in whole]

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -231,3 +233,29 @@ def count(labels: list[int] | Counter, classes: list[str]) -> dict[str, int]:
     """Images per class name, from class indices (or their counts)."""
     tally = Counter(labels)
     return {c: tally.get(i, 0) for i, c in enumerate(classes)}
+
+
+def across_classes(files: list[tuple[str, str]], limit: int) -> list[str]:
+    """Up to `limit` of the (name, class) files, taken from every class in turn (in sorted order the first would be
+    the first classes' alone)."""
+    by_class: dict[str, list[str]] = {}
+    for name, cls in files:
+        by_class.setdefault(cls, []).append(name)
+    turns = itertools.zip_longest(*by_class.values())
+    return [name for turn in turns for name in turn if name is not None][:limit]
+
+
+def split_of(rel: str) -> str | None:
+    """The split a data file's name gives: its name's first word (train-00000-of-00004.*), else its folder's
+    (<config>/train/0000.*); None when neither is a split's name."""
+    folder, _, name = rel.rpartition("/")
+    head = re.split(r"[-_.]", name.lower(), maxsplit=1)[0]
+    word = head if head in SPLIT_FOLDERS else folder.rpartition("/")[2].lower()
+    return SPLIT_FOLDERS.get(word)
+
+
+def config_of(rel: str) -> str:
+    """The folder of a file's configuration (the Hugging Face hub's <config>/train-*.*, or <config>/train/*.*)."""
+    folder, _, _ = rel.rpartition("/")
+    parent, _, last = folder.rpartition("/")
+    return parent if last.lower() in SPLIT_FOLDERS else folder

@@ -1,6 +1,8 @@
 """Streamed shards: batches read from tar shards as the run trains, with memory bounded by a few shards, a shuffle
-buffer and the batches being decoded, whatever the data set's size. This module deals the shards to the processes
-of a group and makes batches; job/data/sample_stream.py reads one process's samples, job/data/shards.py the tars.
+buffer and the batches being decoded, whatever the data set's size. This module makes batches and is the shards'
+format (data.kind shards, job/data/formats.py); job/data/sample_stream.py deals the shards to the processes of a
+group and reads one process's samples, job/data/decode_ahead.py decodes them ahead, job/data/shards.py reads the
+tars.
 
 The order of an epoch is a function of (seed, epoch, rank) alone, never of how many processes decode:
   - the shards are dealt to the processes of a group once, balancing their sample counts (greedy, largest first);
@@ -27,10 +29,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,67 +48,18 @@ from job.data.augment import (
     to_float,
 )
 from job.data.batches import Batch, move
-from job.data.dataset import Dataset, Split
+from job.data.dataset import Dataset, Split, StreamData
 from job.data.decode import IGNORED, Decoder, DeviceDecoder, decode, decoded, decoder_for
+from job.data.decode_ahead import Skipped, decoded_ahead, host_copy, submitted
+from job.data.formats import Format
 from job.data.placement import Streaming, decide_streaming
 from job.data.preprocess import Preprocess
-from job.data.sample_stream import Part, SampleStream, mix, refill, refs, saved
-from job.data.shards import SPLITS, Sample, Shard, ShardFile, ShardSet, open_shards, samples
+from job.data.sample_stream import Part, SampleStream, deal, mix, refill, refs, saved
+from job.data.shard_sets import ShardSet, open_shards
+from job.data.shards import INDEX, SPLITS, Sample, Shard, ShardFile, samples
 from job.data.split import HoldOut, Inventory
 from job.errors import CheckpointError, ConfigError, DataError
-
-
-def deal(shards: list[Shard], world: int) -> list[list[Part]]:
-    """The parts of the shards each process reads: whole shards dealt largest first to the process with the fewest
-    samples; with fewer shards than processes, every world-th sample of the data (in name order) to each."""
-    if len(shards) < world:
-        hands: list[list[Part]] = [[] for _ in range(world)]
-        base = 0
-        for s in shards:
-            for r in range(world):
-                part = Part.of(s, (r - base) % world, world)
-                if part.taken:
-                    hands[r].append(part)
-            base += s.samples
-        return hands
-    whole: list[list[int]] = [[] for _ in range(world)]
-    totals = [0] * world
-    for i in sorted(range(len(shards)), key=lambda i: (-shards[i].samples, i)):
-        r = min(range(world), key=lambda r: (totals[r], r))
-        whole[r].append(i)
-        totals[r] += shards[i].samples
-    return [[Part.of(shards[i]) for i in sorted(h)] for h in whole]
-
-
-@dataclass
-class StreamData:
-    """A shard data set read as the run trains: what the recipe needs to know before reading it."""
-
-    shards: ShardSet
-    classes: list[str]
-    input_shape: tuple[int, ...]
-    source: str
-    streaming: Streaming
-    is_image: bool = True
-    multilabel: bool = False  # any number of classes a sample, as multi-hot targets
-    streamed = True
-    features = None  # images
-
-    @property
-    def inventory(self) -> Inventory | None:
-        """The split as `job shard` recorded it in the index, or as held out of train/ by key (open_shards); none
-        for shards from other tools that hold their own val/ and test/."""
-        saved = self.shards.inventory
-        return Inventory.from_json(saved) if saved is not None else None
-
-    def samples(self, split: str) -> int:
-        return self.shards.samples(split)
-
-    def describe(self) -> str:
-        shape = "x".join(str(s) for s in self.input_shape)
-        held = " / ".join(f"{self.samples(s)} {s}" for s in ("train", "val", "test") if self.samples(s))
-        task = "multilabel: any number of the " if self.multilabel else ""
-        return f"{self.source}: {held}, {task}{len(self.classes)} classes, inputs {shape}"
+from job.storage.cloud import filesystem
 
 
 class StreamLoader:
@@ -332,74 +282,6 @@ class StreamLoader:
         return apply_policy(x, drawn, move), boxes, drawn
 
 
-def host_copy(images: torch.Tensor) -> torch.Tensor:
-    """Images in host memory without the host waiting: a device's (the device decoder's) copied into page-locked
-    memory on the stream, where the next pass's copy back to the device is queued after it."""
-    if not images.is_cuda:
-        return images
-    out = torch.empty(images.shape, dtype=images.dtype, pin_memory=True)
-    return out.copy_(images, non_blocking=True)
-
-
-def submitted(group: list[Sample], urls: list[str], decoder: Decoder) -> tuple[Future, tuple[str, str], torch.Tensor]:
-    """A group of samples sent to the decoder: its future, the first and last names (what a decoding error names)
-    and its labels."""
-    items = [(f"{urls[s.shard]}:{s.key}", *s.image()) for s in group]
-    return decoder.submit(items), (items[0][0], items[-1][0]), torch.tensor([s.label() for s in group])
-
-
-class Skipped:
-    """The samples of a stream that could not be decoded: each named once (the first few) and counted, through
-    `log`; their label is IGNORED, so the loss and the evaluation's counts leave them out, and a batch keeps its
-    shape and its place in the epoch (a resumed run reads the same stream)."""
-
-    SHOWN = 3
-
-    def __init__(self, log: Callable[[str], None] | None) -> None:
-        self.log, self.names = log, set()
-
-    def decoded(self, future, names: tuple[str, str], labels: torch.Tensor) -> torch.Tensor:
-        found: list[str] = []
-        images = decoded(future, names, labels, found)
-        for why in found:
-            if why not in self.names:
-                self.names.add(why)
-                if self.log is not None and len(self.names) <= self.SHOWN:
-                    self.log(f"data: skipped a sample: {why}")
-                elif self.log is not None and len(self.names) in (self.SHOWN + 1, 100, 1000):
-                    self.log(f"data: {len(self.names)} samples that cannot be decoded skipped so far")
-        return images
-
-
-def decoded_ahead(
-    stream: SampleStream,
-    urls: list[str],
-    size: int,
-    decoder: Decoder,
-    ahead: int,
-    whole_only: bool,
-    skipped: Skipped | None = None,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, tuple, list[Sample]]]:
-    """The stream's samples in groups of `size`, decoded: (images, labels, the stream's position after the group,
-    the group), each submitted to the decoder `ahead` groups before it is used; `whole_only`: a last, short group
-    is left out. Closing it cancels what was submitted."""
-    samples, pending = iter(stream), deque()
-    try:
-        while True:
-            while len(pending) < ahead:
-                group = [s for _, s in zip(range(size), samples)]
-                if not group or (whole_only and len(group) < size):
-                    break
-                pending.append((*submitted(group, urls, decoder), stream.position(), group))
-            if not pending:
-                return
-            future, names, labels, place, group = pending.popleft()
-            yield (skipped or Skipped(None)).decoded(future, names, labels), labels, place, group
-    finally:
-        for future, *_ in pending:
-            future.cancel()
-
-
 def load_shards(cfg, cache, log, started: Streaming | None = None) -> StreamData | Dataset:
     """The shard data set at cfg.path: streamed (placement stream, or auto when decoded it would not fit in
     device_share of free host memory, or as the run being resumed did), else decoded whole into memory like any
@@ -527,3 +409,26 @@ def sample_images(shards: list[Shard], decoder: Decoder, n: int, seed: int) -> t
     marks = torch.zeros(len(group), dtype=torch.int64)
     images = decoded(decoder.submit([(s.key, *s.image()) for s in group]), (group[0].key, group[-1].key), marks)
     return images[marks != IGNORED]
+
+
+def is_shards(url: str) -> bool:
+    """A folder `job shard` wrote (index.json) or of train|val|test/*.tar shards."""
+    fs, path = filesystem(url)
+    root = path.rstrip("/")
+    try:
+        return fs.isdir(path) and (fs.exists(f"{root}/{INDEX}") or bool(fs.glob(f"{root}/*/*.tar")))
+    except Exception:  # the stores' clients raise many types: read as a folder, which names the fault
+        return False
+
+
+def load(cfg, cache, log, src=None, started: Streaming | None = None) -> StreamData | Dataset:
+    return load_shards(cfg, cache, log, started)
+
+
+FORMAT = Format(
+    "shards",
+    load,
+    about="WebDataset-style tar shards (train/*.tar, test/*.tar; `python -m job shard` makes them)",
+    holds=is_shards,
+    streams=True,
+)

@@ -1,11 +1,12 @@
-"""Tables (a CSV file, or parquet files of feature columns: job/data/parquet.py): numeric feature columns and a named
-label column, features min-max scaled on the training split."""
+"""Tables (a CSV file, or another format's table of feature columns, read into the same rows): numeric feature columns
+and a named label column, features min-max scaled on the training split."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import numpy as np
 import torch
 
 from job.data.dataset import Dataset, Split
-from job.data.files import Log, read_bytes, source
+from job.data.files import Log, Source, read_bytes, source
+from job.data.formats import Format
 from job.data.split import Roles
 from job.errors import DataError, StorageError, one_line
 
@@ -49,8 +51,8 @@ def table_dataset(
     kind: str,
 ) -> Dataset:
     """A table's rows (cells as text) split and scaled as the module's doc says; `test_table`: (name, header, rows) of
-    a test table of its own (data.test_path, or a parquet data set's test files); `kind`: the reader, as the run's
-    source names it."""
+    a test table of its own (data.test_path, or the test files of another format's table); `kind`: the reader, as
+    the run's source names it."""
     x, labels = columns(header, rows, cfg.target, name)
     classes = class_order(labels)
     y = torch.tensor([classes.index(v) for v in labels])
@@ -160,3 +162,16 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def load(cfg, cache: Path | None, log: Log, src: Source | None = None, started=None) -> Dataset:
+    return load_table(cfg, cache, log)
+
+
+def tables(url: str) -> Iterator[tuple[str, int, list[str], list[list[str]]]]:
+    """The CSV table at `url`: its rows named url:<line>, from line 2 (the header is line 1)."""
+    header, rows = parse_csv(read_bytes(source(url, exists=False), None, lambda _: None).decode("utf-8-sig"), url)
+    yield f"{url}:", 2, header, rows
+
+
+FORMAT = Format("csv", load, about="a CSV table of feature columns and a label column (data.target)", table=tables)

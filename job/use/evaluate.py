@@ -137,16 +137,6 @@ def check_data_path(d) -> None:
         ) from None
 
 
-def is_shards(url: str) -> bool:
-    """A folder `job shard` wrote (index.json) or of train|val|test/*.tar shards."""
-    fs, path = filesystem(url)
-    root = path.rstrip("/")
-    try:
-        return fs.isdir(path) and (fs.exists(f"{root}/index.json") or bool(fs.glob(f"{root}/*/*.tar")))
-    except Exception:  # the stores' clients raise many types: read as a folder, which names the fault
-        return False
-
-
 def write_report(r, folder: str, augmentation: str, thresholds: list[float] | None = None) -> None:
     """DIR/<split>/ for each held-out split (job/use/diagnostics.py), at any URL, scored with the run's test-time views
     (`augmentation`) as its metrics are; multi-label at `thresholds`."""
@@ -183,8 +173,9 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     """Loss and accuracy of a model (a run folder's chosen weights, its model.pt, or a checkpoint) on any labelled
     images, preprocessed as its own evaluation was (brought to its input size where the run fixed none, as predict
     does): class folders (every image), a folder of train/ val/ test/
-    class folders (its test, else its val), a .tar/.tar.gz of either, or a manifest (.csv, .jsonl). `report`: a
-    folder for its report (DIR/<split>/, job/use/diagnostics.py)."""
+    class folders (its test, else its val), a .tar/.tar.gz of either, or the files of any format that holds
+    labelled images (job/data/formats.py). `report`: a folder for its report (DIR/<split>/, job/use/diagnostics.py)."""
+    from job.data.formats import found
     from job.recipe.build import resolved
     from job.use.bundle import load_predictor, model_files
 
@@ -193,10 +184,10 @@ def evaluate_on(model_url: str, data_path: str, device_name: str, report: str | 
     _, _, raw = model_files(model_url)
     cfg = resolved(validate(raw))
     d = cfg.data.model_copy(update={"path": data_path, "val_split": 0.0, "test_split": None, "cache": False})
-    if p.thresholds is not None:  # a multi-label model's manifest: a row of one name is a list of one
+    if p.thresholds is not None:  # a multi-label model's table of images: a row of one name is a list of one
         d = d.model_copy(update={"task": "multilabel"})
     lines: list[str] = []
-    if is_shards(data_path):  # streamed: its held-out split alone is read, a few batches in memory at a time
+    if found(data_path).streams:  # streamed: its held-out split alone is read, a few batches in memory at a time
         loader, split, skipped = streamed_split(d, data_path, device, p, lines.append, model_url)
     else:
         data = labelled(d, data_path, p, lines.append)
@@ -251,7 +242,7 @@ def check_task(p, multilabel: bool, data_url: str, model_url: str) -> None:
 def streamed_split(d, url: str, device: torch.device, p, log, model_url: str) -> tuple[Loader, str, Callable[[], int]]:
     """The loader of a shard folder's test split (else its val) as the model's evaluation read it, the split's
     name, and how many of its samples were skipped (packing's, and those found undecodable as it is read)."""
-    from job.data.shards import open_shards
+    from job.data.shard_sets import open_shards
     from job.data.split import Inventory
     from job.data.stream import StreamLoader, held_decoder
     from job.errors import DataError
@@ -269,29 +260,14 @@ def streamed_split(d, url: str, device: torch.device, p, log, model_url: str) ->
 
 
 def labelled(d, url: str, p, log):
-    """Labelled images held in memory for scoring: a manifest's, parquet files' (a file, or a folder of them), or a
-    folder's (or archive's)."""
-    from job.data.files import is_manifest, read_entries, source
-    from job.data.folder import Listing, held
-    from job.data.parquet import is_parquet
-    from job.data.split import HoldOut, sort_files
+    """Labelled images held in memory for scoring, read by the format that holds them (job/data/formats.py)."""
+    from job.data.formats import found
     from job.errors import DataError
 
-    if is_manifest(url):
-        from job.data.manifest import load_manifest
-
-        return load_manifest(d.model_copy(update={"kind": "manifest"}), None, log, p.classes, p.pre)
-    if is_parquet(url):
-        from job.data.parquet import load_parquet
-
-        return load_parquet(d.model_copy(update={"kind": "parquet"}), None, log, p.classes, p.pre)
-    listing = Listing()
-    entries = dict(read_entries(source(url), listing.keep, None, log))
-    files = sort_files(sorted(entries), HoldOut(0.0, 0.0, d.split_seed))
-    unknown = sorted({c for role in files.roles.values() for _, c in role} - set(p.classes))
-    if unknown:
-        raise DataError(f"{url}: classes the model does not know: {', '.join(unknown[:5])}")
-    return held(files, entries.__getitem__, p.classes, d, url, f"folder {url}", log, scoring=True, pre=p.pre)
+    fmt = found(url)
+    if fmt.scored is None:
+        raise DataError(f"{url}: data.kind {fmt.name} holds no labelled images to score")
+    return fmt.scored(d.model_copy(update={"kind": fmt.name}), log, p.classes, p.pre)
 
 
 @dataclass

@@ -17,7 +17,6 @@ difference beyond the tolerance, or one label that differs, stops it (exit 1).
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import tempfile
@@ -175,60 +174,23 @@ def to_pt2(model, example, path: str, meta: dict[str, str], x: torch.Tensor) -> 
 
 def held_out_images(model_url: str, raw_config: dict, limit: int = CHECK_IMAGES) -> list[str]:
     """The run's val (else test) images, sorted into splits as the run sorted them (job/data/split.py), to check an
-    export with: an image folder's or a manifest's, at any URL; other data (an archive, shards, a table) needs
-    --check-images."""
+    export with, where the run's data format names them (job/data/formats.py: an image folder's, a manifest's, at
+    any URL); other data (an archive, shards, a table) needs --check-images."""
     from job.config import validate
-    from job.data.split import HoldOut, kind_of, sort_files
+    from job.data.formats import format_named
 
     cfg = validate(raw_config).data
     where = "export: name real images to check the export with: --check-images FOLDER"
-    if cfg.kind == "manifest" and cfg.path:
-        return manifest_held_out(cfg, where, limit)
-    if cfg.kind != "folder" or not cfg.path:
-        raise ConfigError(f"{where} (the run's data is not an image folder)")
-    fs, path = filesystem(cfg.path)
+    fmt = format_named(cfg.kind)
+    if fmt.held_out is None or not cfg.path:
+        raise ConfigError(f"{where} (the run's data, data.kind {cfg.kind}, names no images to check with)")
     try:
-        if not fs.isdir(path):
-            raise ConfigError(f"{where} (the run's {cfg.path} is not a folder here)")
-        root = path.rstrip("/") + "/"
-        names = [p[len(root) :] for p in fs.find(path) if kind_of(p[len(root) :]) == "image"]
-    except ConfigError:
-        raise
-    except Exception as e:  # the stores' clients raise many types
-        raise StorageError(f"cannot list {cfg.path}: {describe_storage_error(cfg.path, e)}") from None
-    files = sort_files(names, HoldOut.of(cfg))
-    held = files.roles["val"] or files.roles["test"]
+        held = fmt.held_out(cfg, limit)
+    except DataError as e:
+        raise ConfigError(f"{where} (the run's {cfg.path} from here: {e})") from None
     if not held:
         raise ConfigError(f"{where} (the run held no images out)")
-    return [f"{cfg.path.rstrip('/')}/{n}" for n in across_classes(held, limit)]
-
-
-def manifest_held_out(cfg, where: str, limit: int) -> list[str]:
-    """A manifest's val (else test) rows, split as the run split them, each resolved beside the manifest."""
-    from job.data.files import beside, read_bytes, source
-    from job.data.manifest import Columns, manifest_files
-    from job.data.split import HoldOut
-
-    try:
-        manifest = source(cfg.path)  # there, or a store's fault named (exit 4)
-    except DataError:
-        raise ConfigError(f"{where} (the run's {cfg.path} is not there from here)") from None
-    raw = read_bytes(manifest, None, lambda _: None)
-    files, _ = manifest_files(cfg.path, raw, Columns.of(cfg), HoldOut.of(cfg))
-    held = files.roles["val"] or files.roles["test"]
-    if not held:
-        raise ConfigError(f"{where} (the run held no images out)")
-    return [beside(cfg.path, p) for p in across_classes(held, limit)]
-
-
-def across_classes(files: list[tuple[str, str]], limit: int) -> list[str]:
-    """Up to `limit` of the (name, class) files, taken from every class in turn (in sorted order the first would be
-    the first classes' alone)."""
-    by_class: dict[str, list[str]] = {}
-    for name, cls in files:
-        by_class.setdefault(cls, []).append(name)
-    turns = itertools.zip_longest(*by_class.values())
-    return [name for turn in turns for name in turn if name is not None][:limit]
+    return held
 
 
 def put(local: str, url: str) -> None:

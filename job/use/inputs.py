@@ -1,8 +1,8 @@
 """What `job predict`'s inputs name and their bytes: image files, folders (recursive), glob patterns (a file that
-exists is a name, whatever its characters), manifests (paths beside the manifest), .tar/.tar.gz archives, parquet
-files (each row's image, read by job/data/parquet.py), and CSV or parquet tables' rows, local or at any URL; read a
-chunk at a time (each store's files fetched concurrently), a file that cannot be read saying why; and images made
-into a model's inputs (export's check)."""
+exists is a name, whatever its characters), .tar/.tar.gz archives, and the files of data formats
+(job/data/formats.py: a table that names images, a file that holds them, each row's; a table's rows for a table's
+model), local or at any URL; read a chunk at a time (each store's files fetched concurrently), a file that cannot be
+read saying why; and images made into a model's inputs (export's check)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import torch
 
 from job.data.augment import to_float
 from job.data.decode import Decoder
-from job.data.files import fetch_named, is_archive, is_manifest, iter_archive, source
-from job.data.parquet import SUFFIX as PARQUET
-from job.data.parquet import is_parquet
+from job.data.files import Read, fetch_named, is_archive, iter_archive, source
+from job.data.files import why_unread as why
+from job.data.formats import found as format_found
+from job.data.formats import read_by_rows, table_found
 from job.data.split import kind_of
-from job.errors import DataError, StorageError, one_line
+from job.errors import DataError, StorageError
 from job.storage.cloud import describe_storage_error, filesystem
 
 if TYPE_CHECKING:
@@ -26,14 +27,15 @@ if TYPE_CHECKING:
 
 
 def read_later(name: str) -> bool:
-    """An input whose images are read as it is iterated (listed as (name, None)): an archive, a parquet file."""
-    return is_archive(name) or name.lower().endswith(PARQUET)
+    """An input whose images are read as it is iterated (listed as (name, None)): an archive, a file of a format
+    read row by row."""
+    return is_archive(name) or read_by_rows(name) is not None
 
 
 def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
     """(name, url) of every image an input names: a file, a folder's images (recursive), a glob's; (archive, None)
-    for an archive or a parquet file, read as it is iterated. Names are as given, or folder-relative under a
-    folder."""
+    for an archive or a file of a format read row by row, read as it is iterated. Names are as given, or folder-
+    relative under a folder."""
     found: list[tuple[str, str | None]] = []
     for item in inputs:
         fs, path = filesystem(item)
@@ -41,7 +43,7 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
             if any(c in path for c in "*?[") and not fs.exists(path):  # a file named scan[1].png is a name
                 matches = [p for p in sorted(fs.glob(path)) if not fs.isdir(p)]
                 names = [given_form(item, fs, p) for p in matches]
-                found += [(n, None if n.lower().endswith(PARQUET) else n) for n in names]
+                found += [(n, None if read_by_rows(n) is not None else n) for n in names]
                 if not matches:
                     hint = " ([ and ] are a pattern's: [[] matches a [ itself)" if "[" in item else ""
                     raise DataError(f"{item}: no file matches{hint}")
@@ -51,12 +53,12 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
                     rel = p[len(root) :]
                     if kind_of(rel) == "image":
                         found.append((f"{item.rstrip('/')}/{rel}", fs.unstrip_protocol(p)))
-                    elif read_later(rel) and not rel.startswith("."):  # shards, parquet files: each read as it comes
+                    elif read_later(rel) and not rel.startswith("."):  # shards, files read by row: as they come
                         found.append((f"{item.rstrip('/')}/{rel}", None))
             elif read_later(path):
                 found.append((item, None))
-            elif is_manifest(path):
-                found += manifest_paths(item)
+            elif (names := format_found(item).names) is not None:  # a table of the paths of images
+                found += names(item)
             elif fs.exists(path):
                 found.append((item, item))
             else:
@@ -69,75 +71,24 @@ def listed(inputs: list[str]) -> list[tuple[str, str | None]]:
 
 
 def table_rows(inputs: list[str], columns: list[str]) -> Iterator[tuple[str, int, list[str]]]:
-    """Every row of the tables (CSV files; parquet files, folders of them), in order: its name (url:line, or a
-    parquet file's url#row), its line or row, its values of `columns`."""
-    from job.data.files import read_bytes
-    from job.data.tabular import parse_csv
-
+    """Every row of the tables (each read by the format of tables that holds it: job/data/formats.py), in order:
+    its name (its table's prefix and number: url:line, url#row), its line or row, its values of `columns`."""
     for url in inputs:
-        if is_parquet(url):
-            for name, _ in listed([url]):
-                header, table = parquet_table(name)
-                yield from table_values(name, header, table, columns, 0, "#")
-            continue
-        header, table = parse_csv(read_bytes(source(url, exists=False), None, lambda _: None).decode("utf-8-sig"), url)
-        yield from table_values(url, header, table, columns, 2, ":")
+        for prefix, first, header, table in table_found(url).table(url):
+            yield from table_values(prefix, header, table, columns, first)
 
 
 def table_values(
-    url: str, header: list[str], table: list[list[str]], columns: list[str], first: int, mark: str
+    prefix: str, header: list[str], table: list[list[str]], columns: list[str], first: int
 ) -> Iterator[tuple[str, int, list[str]]]:
-    """A table's rows as table_rows gives them, numbered from `first` and named url<mark><number>."""
+    """A table's rows as table_rows gives them, numbered from `first` and named <prefix><number>."""
     missing = [c for c in columns if c not in header]
     if missing:
+        url = prefix[:-1]
         raise DataError(f"{url}: no column {missing[0]!r} of the model's features ({', '.join(columns)})")
     at = [header.index(c) for c in columns]
     for n, row in enumerate(table, start=first):
-        yield f"{url}{mark}{n}", n, [row[i] for i in at]
-
-
-def parquet_table(url: str) -> tuple[list[str], list[list[str]]]:
-    """A parquet file's columns and its rows, cells as text (job/data/parquet.py reads them as it reads a table)."""
-    from job.data.parquet import huggingface_features, open_file, read_error, table_cells
-
-    f = open_file(source(url, exists=False))
-    try:
-        table = f.read()
-    except Exception as e:  # pyarrow's errors and the stores'
-        raise read_error(url, e) from None
-    return table.column_names, table_cells(table, huggingface_features(f.schema_arrow))
-
-
-def parquet_reads(url: str, chunk: int) -> Iterator[list[Read]]:
-    """Each row's image of a parquet file, `chunk` rows at a time, in order: named by its image's path where the row
-    has one (read beside the file), else url#row; a row with no image says so."""
-    from job.data.files import beside
-    from job.data.parquet import NEITHER, huggingface_features, image_cells, image_column, open_file
-
-    f = open_file(source(url, exists=False))
-    image = image_column(url, f.schema_arrow, huggingface_features(f.schema_arrow), "path")
-    if image is None:
-        raise DataError(f"{url}: no image column (a table of feature columns: a table's model predicts its rows)")
-    pending: list[tuple[str, bytes | None, str | None]] = []  # name, bytes, or where they are to be fetched
-
-    def flush() -> list[Read]:
-        got = iter(fetch_named([at for _, _, at in pending if at]))
-        batch = []
-        for name, data, at in pending:
-            fetched = next(got) if at else data
-            if isinstance(fetched, Exception):
-                batch.append((name, b"", why(at, fetched)))
-            else:
-                batch.append((name, fetched or b"", "" if fetched else NEITHER))
-        pending.clear()
-        return batch
-
-    for n, (data, path) in enumerate(image_cells(f, image, url)):
-        pending.append((path or f"{url}#{n}", data, beside(url, path) if path and not data else None))
-        if len(pending) == chunk:
-            yield flush()
-    if pending:
-        yield flush()
+        yield f"{prefix}{n}", n, [row[i] for i in at]
 
 
 def given_form(pattern: str, fs, path: str) -> str:
@@ -146,33 +97,6 @@ def given_form(pattern: str, fs, path: str) -> str:
     if "://" in pattern:
         return fs.unstrip_protocol(path)
     return path if pattern.startswith("/") else os.path.relpath(path)
-
-
-def manifest_paths(url: str) -> list[tuple[str, str]]:
-    """(path as written, its URL) of a manifest's rows: its `path` column, beside the manifest (files.beside)."""
-    from job.data.files import beside, read_bytes
-    from job.data.manifest import read_rows
-
-    rows = read_rows(url, read_bytes(source(url, exists=False), None, lambda _: None))
-    if rows and "path" not in rows[0]:
-        raise DataError(f"{url}: no column 'path' (columns: {', '.join(rows[0])})")
-    paths = [str(r["path"]).strip() for r in rows if r.get("path")]
-    return [(p, beside(url, p)) for p in paths]
-
-
-Read = tuple[str, bytes, str]  # an input's name, its bytes, and why it could not be read ("" when it was)
-
-
-GONE = "not found (moved or removed since it was listed?)"
-
-
-def why(url: str, error: Exception) -> str:
-    """A row's words for a file that could not be read."""
-    if isinstance(error, FileNotFoundError):
-        return GONE
-    if "://" not in url or url.startswith("file://"):
-        return f"cannot read it: {one_line(error)}"
-    return describe_storage_error(url, error)
 
 
 def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[Read]]:
@@ -188,8 +112,8 @@ def read(found: list[tuple[str, str | None]], chunk: int) -> Iterator[list[Read]
         return batch
 
     for name, url in found:
-        if url is None and name.lower().endswith(PARQUET):
-            yield from parquet_reads(name, chunk)
+        if url is None and (by_rows := read_by_rows(name)) is not None:
+            yield from by_rows.rows(name, chunk)
             continue
         if url is None:
             batch = []
