@@ -10,7 +10,8 @@ draws them; the import-linter contracts in pyproject.toml, checked by `lint-impo
     use/         a trained model used: predict, evaluate, export, the model bundle, its diagnostics (run and use
                  may import each other: a run evaluates with use's test loop)
     recipe/      what a config means on a device: model, weights, step, schedule, precision, EMA, mixing
-    sinks/       where a run's records go: metrics.jsonl, TensorBoard, the console, MLflow, hypertune, Ray
+    sinks/       where a run's records go: one reporter, its sinks: metrics.jsonl, TensorBoard, the console, MLflow,
+                 hypertune, Ray, Kubeflow Trainer's progress
                  (fed by a run: a sink never imports the run, a study or a use of a model)
     data/        the formats a data set comes in, read into memory or streamed as shards; the loaders
                  (never the recipe, the run, a sink, a use of a model or a study)

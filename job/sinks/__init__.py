@@ -1,1 +1,2 @@
-"""Where a run's records go: metrics.jsonl, TensorBoard, the console, MLflow, hypertune, Ray."""
+"""Where a run's records go: one reporter (report.py) hands each record to its sinks (sink.py): metrics.jsonl,
+TensorBoard, the console, MLflow, Vertex AI's hypertune file, Ray Train, Kubeflow Trainer's TrainJob progress."""
