@@ -2,9 +2,12 @@
 is handed its own part back."""
 
 import io
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import invoke, metrics, sets
 
 from job.errors import CheckpointError
 from job.run.state import Components, Kept, Stateful
@@ -67,3 +70,31 @@ def test_a_component_is_stateful_and_named_once():
         parts.add("mark", Mark())
     with pytest.raises(TypeError, match="state_dict"):
         parts.add("other", object())
+
+
+# A run folder written by the code of before components (checkpoint format 1, its state in fixed keys), stopped by
+# SIGTERM one batch into epoch 3 of the Iris preset (data.batch_size=4: 30 steps an epoch; train.ema=0.9 and
+# train.accumulate_steps=2, so the EMA, the accumulator's sums, the loader's place and the loss sums are all in it).
+OLD_RUN = Path(__file__).parent / "data" / "checkpoint-v1-iris"
+OLD_SETTINGS = sets(
+    "data.batch_size=4",
+    "train.ema=0.9",
+    "train.accumulate_steps=2",
+    "train.eval_every_epochs=1",
+    "train.checkpoint_every_epochs=1",
+    "train.log_every_steps=5",
+    "train.keep_last=1",
+)
+
+
+def test_a_checkpoint_written_before_components_still_resumes(tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(OLD_RUN, out)
+    code, err = invoke(["train", "--device", "cpu", "--output", str(out), *OLD_SETTINGS, "--set", "train.epochs=4"])
+    assert code == 0, err[-2000:]
+    assert "resuming iris from epoch 2, step 61 (1 steps into epoch 3)" in err
+    last = metrics(str(out))[-1]
+    # What the code that wrote it made of resuming it (the same command, on the CPU): the state came back whole.
+    assert (last["epoch"], last["step"]) == (4, 120)
+    assert last["train_loss"] == pytest.approx(1.0975704193115234, rel=1e-5)
+    assert last["test_loss"] == pytest.approx(1.0970450083414713, rel=1e-5)
