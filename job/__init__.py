@@ -3,7 +3,7 @@
 The package's parts, each a folder, top to bottom: a part imports only the parts below it (docs/architecture.md
 draws them; the import-linter contracts in pyproject.toml, checked by `lint-imports` in CI, keep this map true):
 
-    cli.py       the command line: parse, call, turn faults into one line and an exit code; nothing imports it
+    cli/         the command line: parse, call, turn faults into one line and an exit code; nothing imports it
     study/       many runs: a sweep's space, its Optuna storage, pruning, its results   } only the command line
     bench/       the tutorials' loop against the job's, for `job bench`                 } imports these two
     run/         one run: the loop, its evaluations and choice, checkpoints, resume, attempts, stop, cost

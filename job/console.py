@@ -13,7 +13,7 @@ def follower() -> str:
 
 
 def say(message: str) -> None:
-    """One line for the user on the console; under torchrun from rank 0 only (every rank prints its errors, cli.py)."""
+    """One line for the user on the console; under torchrun from rank 0 only (each rank its errors: cli/faults.py)."""
     if not follower():
         print(message, file=sys.stderr, flush=True)
 

@@ -1,4 +1,4 @@
-"""Faults a user can cause. Each is raised where it is found; cli.py turns it into one line and its exit code
+"""Faults a user can cause. Each is raised where it is found; job/cli/ turns it into one line and its exit code
 (run.json records the code too)."""
 
 

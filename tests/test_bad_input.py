@@ -357,8 +357,8 @@ def test_bad_input(tmp_path, finished_run, name, build, code, needle):
 
 
 def test_the_cases_cover_every_exit_code_for_bad_input():
-    """Each fault a user can cause (every exit code cli.py maps but the signals' 75 and 130) has cases above, each named
-    once and with its own phrase to find in the line."""
+    """Each fault a user can cause (every exit code cli/faults.py maps but the signals' 75 and 130) has cases above,
+    each named once and with its own phrase to find in the line."""
     assert {code for _, _, code, _ in CASES} == {c.exit_code for c in JobError.__subclasses__()} - {75, 130}
     names = [name for name, _, _, _ in CASES]
     assert len(names) == len(set(names))
