@@ -71,6 +71,74 @@ def test_a_sink_of_the_callers_own_gets_what_the_runs_journal_and_tensorboard_ge
     assert described["metrics"]["val_accuracy"] == evaluations[3]["val_accuracy"] and summary["epochs"] == 4
 
 
+class Counted(Sink):
+    """A sink that keeps state: how many evaluations it has passed on."""
+
+    name = "counted"
+
+    def __init__(self) -> None:
+        self.passed = 0
+
+    def take(self, record: Record) -> None:
+        self.passed += record.kind == EVALUATION
+
+    def state_dict(self) -> dict:
+        return {"passed": self.passed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.passed = state["passed"]
+
+
+def test_what_each_sink_keeps_is_the_reporters_state_saved_and_restored_as_a_run_component(tmp_path):
+    """The reporter is one of the run's components (job/run/state.py): each sink that keeps state is saved by its
+    name, in a payload torch.load(weights_only=True) reads, and handed back to the sink of that name."""
+    import io
+
+    import torch
+
+    from job.run.state import Components
+    from job.sinks.report import Report
+    from job.storage.run_folder import RunDir
+
+    report = Report(RunDir(str(tmp_path / "a")), {}, 2, 1, 0, [Counted()])
+    for step in (1, 2):
+        report.evaluation(
+            {"epoch": step, "step": step, "train_loss": 1.0, "val_loss": 1.0, "val_accuracy": 0.5, "samples_per_s": 1.0}
+        )
+    parts = Components()
+    parts.add("sinks", report)
+    buffer = io.BytesIO()
+    torch.save(parts.gather(), buffer)
+    payload = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert payload["sinks"] == {"counted": {"passed": 2}}
+    fresh, again = Counted(), Components()
+    again.add("sinks", Report(RunDir(str(tmp_path / "b")), {}, 2, 1, 0, [fresh]))
+    assert again.restore(payload) == [] and fresh.passed == 2
+    assert again.restore({"components": []}) == ["sinks"] and fresh.passed == 2  # an older checkpoint: as it was
+
+
+def test_the_mlflow_marks_of_every_server_come_back_from_a_checkpoint_and_are_never_taken_back(tmp_path):
+    """MLflow's state is what each server took (the journal's marks, by tracking URI); a checkpoint's marks join a
+    journal that lacks them, and one behind the journal's changes nothing."""
+    from job.sinks.track_journal import Journal
+    from job.storage.run_folder import RunDir
+
+    journal = Journal(RunDir(str(tmp_path / "a")), None)
+    journal.add({"step": 3, "t": 0, "m": {"train/loss": 0.5}})
+    journal.add({"run_id": "r1", "sent": "http://a:5000"})
+    journal.add({"sent": "http://a:5000", "through": [3, 1]})
+    journal.add({"run_id": "r2", "sent": "http://b:5000"})
+    marks = journal.marks()
+    assert marks == {"http://a:5000": {"run_id": "r1", "through": (3, 1)}, "http://b:5000": {"run_id": "r2"}}
+    other = Journal(RunDir(str(tmp_path / "b")), None)
+    other.merge(json.loads(json.dumps(marks)))  # as a checkpoint holds them: lists, not tuples
+    assert other.marks() == marks
+    other.merge({"http://a:5000": {"run_id": "r9", "through": [1, 0]}})  # behind: nothing taken back
+    assert other.marks() == marks
+    reread = Journal(RunDir(str(tmp_path / "b")), None)  # the marks are lines of track.jsonl, read by `job track`
+    assert reread.marks() == marks
+
+
 def metrics_lines(url: str) -> list[dict]:
     return [json.loads(line) for line in Path(url, "metrics.jsonl").read_text().splitlines()]
 

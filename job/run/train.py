@@ -229,9 +229,13 @@ def set_up(
     args = cfg, run_dir, len(r.train), fields, state, resumed, where, attempt, decided, stop, judge, sinks
     report = reporting.open_report(*args)
     clock, now = TrainClock(device), time.perf_counter()
-    return Loop(
+    loop = Loop(
         cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser, resumption.budget
     )
+    loop.parts.add("sinks", report)  # what each sink has sent, by sink (run/state.py): MLflow's marks per server
+    if found is not None:  # a checkpoint from before the reporter was a component leaves it as built
+        loop.parts.restore(found[0], names=["sinks"])
+    return loop
 
 
 def epoch_end(loop: Loop, saved: bool) -> EpochEnd:

@@ -44,6 +44,18 @@ class Report:
         """The run's TensorBoard SummaryWriter."""
         return self.board.writer
 
+    def state_dict(self) -> dict[str, Any]:
+        """What each sink that keeps state says of itself (MLflow's: what each server took), by the sink's name: the
+        reporter is one of the run's components (job/run/state.py), saved with every checkpoint."""
+        return {named(sink): sink.state_dict() for sink in self.sinks if hasattr(sink, "state_dict")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Each sink that keeps state given its part of a checkpoint's; a sink the checkpoint knew nothing of keeps
+        its own."""
+        for sink in self.sinks:
+            if hasattr(sink, "load_state_dict") and named(sink) in state:
+                sink.load_state_dict(state[named(sink)])
+
     def subscribe(self, sink: Sink) -> Sink:
         """`sink` takes every record from now on, after those subscribed before it."""
         self.sinks.append(sink)
@@ -114,6 +126,11 @@ class Report:
         for sink in self.sinks:
             sink.close()
         self.flush()
+
+
+def named(sink: Sink) -> str:
+    """A sink's name in the reporter's state: its `name`, else its class's."""
+    return getattr(sink, "name", None) or type(sink).__name__
 
 
 class FollowerReport(Report):

@@ -136,9 +136,20 @@ class Tracker(Sink):
         self.thread = threading.Thread(target=self.work, name="job-track", daemon=True)
         self.thread.start()
 
+    name = "mlflow"  # its part of the reporter's state
+
     @property
     def run_id(self) -> str | None:
         return self.sender.run_id
+
+    def state_dict(self) -> dict[str, Any]:
+        """What each server took, by tracking URI (the journal's marks): a checkpoint keeps them."""
+        return {"sent": self.journal.marks()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's marks, where they say more than the journal's. The sender running goes by the server's
+        own job.sent tag, never behind a mark; the next sender (`job track`, an attempt) reads these."""
+        self.journal.merge(state.get("sent", {}))
 
     def take(self, record: Record) -> None:
         """A record as MLflow metrics: named as metrics.jsonl and TensorBoard name them, what was measured (and the

@@ -98,6 +98,23 @@ class Journal:
         with self.lock:
             return destination(self.lines, uri)
 
+    def marks(self) -> dict[str, dict[str, Any]]:
+        """What the journal's marks say of every server it was sent to, by tracking URI: {"run_id", "through"}."""
+        with self.lock:
+            uris = dict.fromkeys(e["sent"] for e in self.lines if "sent" in e)
+            return {uri: destination(self.lines, uri) for uri in uris}
+
+    def merge(self, marks: dict[str, dict[str, Any]]) -> None:
+        """Marks kept elsewhere (a checkpoint's) added where they say more than the journal's: a server's MLflow run
+        where the journal names none, a place further than the journal's. A mark is never taken back: what a server
+        took, it holds."""
+        for uri, mark in marks.items():
+            have = self.destination(uri)
+            if mark.get("run_id") and not have.get("run_id"):
+                self.add({"run_id": mark["run_id"], "sent": uri})
+            if "through" in mark and tuple(mark["through"]) > tuple(have.get("through", START)):
+                self.add({"sent": uri, "through": list(mark["through"])})
+
 
 def destination(lines: list[dict[str, Any]], uri: str) -> dict[str, Any]:
     """What the journal's marks say of the server at `uri`: its MLflow run ("run_id") and how far its points went
