@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import warnings
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
@@ -24,7 +23,6 @@ from job.group.env import cpu_share, end_with
 from job.group.memory import is_out_of_memory
 
 JPEG = ("jpg", "jpeg")
-TORCHVISION_NOTICE = "The image decoding and encoding capabilities of TorchVision are deprecated"
 
 
 class Decoded(NamedTuple):
@@ -215,9 +213,6 @@ class DeviceDecoder:
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device, self.pre, self.skip = torch.device("cuda", index), pre or Preprocess(), skip
         self.thread, self.stream = device_thread(self.device)
-        # torchvision's notice that its decoders move to another package, silenced once here: a catch_warnings in
-        # the decoding thread would swap the process's filters under the training thread's feet (not thread-safe).
-        warnings.filterwarnings("ignore", TORCHVISION_NOTICE, DeprecationWarning)
 
     def submit(self, items: list[tuple[str, str, bytes]]) -> Future:
         return self.thread.submit(self.decode, items)
