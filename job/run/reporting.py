@@ -46,17 +46,14 @@ def open_report(
     state: Progress,
     resumed: bool,
     where: Target | None,
-    attempt: Attempt,
-    decided: dict[str, Any],
     stop: StopRequest,
     judge: Judge | None = None,
     sinks: Iterable[Sink] = (),
 ) -> Report:
-    """The reporter of this process, its sinks subscribed. `fields`: what each evaluation's record holds; `resumed`:
-    the run continues from `state`, a checkpoint's; `decided`: what the run decided as it was set up (the device, the
-    precision, the step, ...), its MLflow run's params; `judge`: the caller's judge of each evaluation, whose reason
-    to stop is asked of `stop` (acted on right after the evaluation: the run commits its step); `sinks`: the
-    caller's own."""
+    """The reporter of this process, its sinks subscribed (a tracking server that refuses is said here, among the
+    start lines). `fields`: what each evaluation's record holds; `resumed`: the run continues from `state`, a
+    checkpoint's; `judge`: the caller's judge of each evaluation, whose reason to stop is asked of `stop` (acted on
+    right after the evaluation: the run commits its step); `sinks`: the caller's own."""
     everywhere: list[Sink] = []
     if platforms.current().joined:  # in Ray Train's worker: each evaluation and checkpoint reported to Ray
         from job.sinks.ray_report import RayReport
@@ -66,10 +63,7 @@ def open_report(
         return FollowerReport(everywhere)
     own: list[Sink] = []
     if where is not None:
-        tracker = track.Tracker(where, run_dir, state.step if resumed else -1)
-        attempt.track(tracker, cfg, flat_items(cfg) | {f"decided.{k}": v for k, v in decided.items()})
-        say(f"tracking: {where.describe()}")
-        own.append(tracker)
+        own.append(track.Tracker(where, run_dir, state.step if resumed else -1))
     epochs = cfg.train.epochs
     tuning = hypertune.trial(cfg.track.hp_metric_tag, fields)  # a Vertex AI tuning trial's metric file
     progress = kubeflow_progress.from_environment(epochs * steps_per_epoch, state.step, epochs)
@@ -78,3 +72,12 @@ def open_report(
         own.append(EachEvaluation(lambda record: stop.ask(judge(record))))
     start = state.step + 1 if resumed else 0
     return Report(run_dir, flat_items(cfg), epochs, steps_per_epoch, start, [*own, *everywhere, *sinks])
+
+
+def describe_attempt(report: Report, attempt: Attempt, cfg: Config, decided: dict[str, Any]) -> None:
+    """A tracked run's MLflow run gets the settings and `decided`, what the run decided as it was set up (the device,
+    the precision, the step, ...), as params, and the attempt (begun) as tags; the attempt tells it how it ends."""
+    for sink in report.sinks:
+        if isinstance(sink, track.Tracker):
+            attempt.track(sink, cfg, flat_items(cfg) | {f"decided.{k}": v for k, v in decided.items()})
+            say(f"tracking: {sink.where.describe()}")

@@ -218,6 +218,8 @@ def set_up(
         run_dir.write("config.yaml", to_yaml(cfg).encode())
         if data.inventory is not None:  # which files the run learns from, chooses on and tests on
             run_dir.write("data.json", json.dumps(data.inventory.to_json(), indent=1, ensure_ascii=False).encode())
+    fields, resumed = evaluation_fields(r), found is not None
+    report = reporting.open_report(cfg, run_dir, len(r.train), fields, state, resumed, where, stop, judge, sinks)
     state.planned_steps = state.planned_steps or cfg.train.epochs * len(r.train)  # kept when train.epochs changes
     step = make_step(cfg, r, log, step_flops, state.planned_steps)
     if step.accumulator is not None and found is not None:
@@ -225,9 +227,7 @@ def set_up(
     attempt.begin(state, distributed.world(), device, cfg.train.price_per_device_hour, cfg.train.epochs * len(r.train))
     decided = {"device": describe_device(device), "world_size": distributed.world(), "precision": r.precision}
     decided |= {"step": step.description, "data": data.describe(), "feed": r.feed.describe(), "parameters": params}
-    fields, resumed = evaluation_fields(r), found is not None
-    args = cfg, run_dir, len(r.train), fields, state, resumed, where, attempt, decided, stop, judge, sinks
-    report = reporting.open_report(*args)
+    reporting.describe_attempt(report, attempt, cfg, decided)
     clock, now = TrainClock(device), time.perf_counter()
     loop = Loop(
         cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser, resumption.budget
