@@ -7,18 +7,15 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from job.config.section import Section, positive_int_or
+from job.data.formats import DEFAULT, KNOWN, names
 
 
 class DataConfig(Section):
-    kind: Literal["csv", "cifar10", "folder", "manifest", "parquet", "shards"] = Field(
-        "csv",
-        description="Reader: a CSV table, CIFAR-10's python-version layout, image folders (class folders at the top, "
-        "or train/ val/ test/ folders of them), a manifest (a CSV or JSONL file of image paths and labels), parquet "
-        "(a .parquet file, a folder of them, or the Hugging Face hub's data/<split>-*.parquet layout: images from its "
-        "Image struct, labels from a ClassLabel or data.label_column; a table of feature columns is read as csv; "
-        "found from the files: csv, the default, reads a data.path of parquet files as parquet, and the start-up "
-        "says so), "
-        "or WebDataset-style tar shards (train/*.tar, test/*.tar; `python -m job shard` makes them).",
+    kind: str = Field(
+        DEFAULT,
+        description=f"The data's format: one of {', '.join(KNOWN)} or one a program registered (job/data/formats.py;"
+        " each format's module says what it reads). The default reads a CSV table; given a data.path that another "
+        "format of tables holds, it reads with that format, and the start-up says so.",
     )
     path: str = Field(
         "",
@@ -59,13 +56,13 @@ class DataConfig(Section):
     )
     path_column: str = Field(
         "path",
-        description="manifest: the column of image paths (relative to the file, or URLs); parquet: the image column, "
-        "when no column is the Hugging Face Image feature.",
+        description="A table of images: the column of image paths (relative to the file, or URLs), or of images "
+        "where no column is the Hugging Face Image feature.",
     )
     label_column: str = Field(
         "label",
-        description="manifest and parquet: the column of labels (class names or indexes; parquet: else its one "
-        "ClassLabel column).",
+        description="A table of images: the column of labels (class names or indexes; else its one ClassLabel "
+        "column, where the format has them).",
     )
     split_column: str = Field(
         "split", description="manifest: the column of splits (train, val, test), when the file has one."
@@ -81,7 +78,7 @@ class DataConfig(Section):
         "auto",
         description="multiclass: one class an image (softmax); multilabel: any number of classes an image, none "
         "included (sigmoids, BCE, thresholds chosen on val). auto: multilabel when the labels are lists (a JSON "
-        "list, data.label_separator, 0/1 columns or a parquet Sequence(ClassLabel)), else multiclass.",
+        "list, data.label_separator, 0/1 columns or a Sequence(ClassLabel) column), else multiclass.",
     )
     image_size: int | None = Field(
         None,
@@ -166,6 +163,13 @@ class DataConfig(Section):
         description="shards, streamed: image-decoding processes (0: decode in the training process); "
         "auto: one per CPU core but one, at most 8; 0 when training on a CPU of two cores or fewer.",
     )
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v not in names():
+            raise ValueError(f"expected one of {', '.join(names())}")
+        return v
 
     @field_validator("batch_size", mode="before")
     @classmethod
