@@ -221,7 +221,7 @@ def test_resume_in_the_middle_of_an_accumulated_group_is_bit_identical(tmp_path)
     stopped = run_job(*args, "--output", str(out), env={**env, "STOP_AT_STEP": "6"})
     assert stopped.returncode == 75, stopped.stderr[-2000:]
     payload = torch.load(out / "checkpoints" / pointer(str(out))["file"], weights_only=True)
-    assert payload["progress"]["epoch_step"] == 6 and len(payload["progress"]["accumulated"]) == 4
+    assert payload["progress"]["epoch_step"] == 6 and len(payload["accumulator"]["accumulated"]) == 4
     assert payload["scheduler"]["T_max"] == 12 and payload["scheduler"]["last_epoch"] == 1
     again = run_job(*args, "--output", str(out), env=env)
     assert again.returncode == 0, again.stderr[-2000:]

@@ -10,7 +10,7 @@ import torch
 from conftest import invoke, metrics, sets
 
 from job.errors import CheckpointError
-from job.run.state import Components, Kept, Stateful
+from job.run.state import Components, Kept, Stateful, own
 
 
 class Mark:
@@ -51,7 +51,7 @@ def test_components_gathered_and_restored_through_a_weights_only_file():
     again.add("added_later", Mark())
     assert again.restore(payload) == ["added_later"]  # a checkpoint from before it existed: left as built, named
     assert fresh_mark.sent == 41
-    assert held["value"] == [1.0, 2.0]  # this process's own entry
+    assert held["value"] == {"by_rank": [[1.0, 2.0]]} and own(held["value"]) == [1.0, 2.0]  # every process's
     assert torch.equal(fresh_model.weight, model.weight)
 
 
@@ -98,3 +98,37 @@ def test_a_checkpoint_written_before_components_still_resumes(tmp_path):
     assert (last["epoch"], last["step"]) == (4, 120)
     assert last["train_loss"] == pytest.approx(1.0975704193115234, rel=1e-5)
     assert last["test_loss"] == pytest.approx(1.0970450083414713, rel=1e-5)
+
+
+class Commits:
+    """A caller's own run state: how many checkpoints it has been saved in, across attempts."""
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def state_dict(self) -> dict:
+        self.made += 1
+        return {"made": self.made, "marks": torch.arange(self.made)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.made = state["made"]
+
+
+def test_a_component_added_to_a_run_is_saved_and_restored_without_the_loop_or_checkpoint_code_knowing_it(tmp_path):
+    from job.config import load_config
+    from job.run import checkpoint
+    from job.run.train import run
+    from job.storage.run_folder import RunDir
+
+    out = str(tmp_path / "run")
+    first = Commits()
+    every = "train.checkpoint_every_epochs=1"
+    run(load_config("iris", ["train.epochs=2", every]), out, "cpu", components={"commits": first})
+    assert first.made == 2  # one checkpoint an epoch
+    again = Commits()
+    run(load_config("iris", ["train.epochs=3", every]), out, "cpu", components={"commits": again})
+    assert again.made == 3  # took 2 from the checkpoint, then was saved once more
+    payload, manifest = checkpoint.load_latest(RunDir(out))
+    assert payload["commits"]["made"] == 3 and torch.equal(payload["commits"]["marks"], torch.arange(3))
+    assert "commits" in payload["components"] and "commits" in manifest["components"]
+    assert {"model", "optimizer", "progress", "rng", "chooser", "loss_sums"} <= set(manifest["components"])

@@ -1,5 +1,5 @@
-"""Checkpoints: a snapshot of the run's state, the commit (payload, then manifest, then pointer), verification on load,
-the search for the newest good one, and retention.
+"""Checkpoints: the run's state as its components gave it (job/run/state.py), the commit (payload, then manifest,
+then pointer), verification on load, the search for the newest good one, and retention.
 
 Payloads hold only tensors and plain values, so they load with torch.load(weights_only=True): loading a
 checkpoint never runs code from it.
@@ -20,11 +20,10 @@ import torch
 
 from job.console import say
 from job.errors import CheckpointError, StorageError, one_line
-from job.group.env import rng_state, set_rng_state
 from job.storage.cloud import describe_storage_error, filesystem
 from job.storage.run_folder import RunDir
 
-FORMAT = 1
+FORMAT = 2  # 2: the run's components by name (job/run/state.py); 1, fixed keys, is read as 2 (upgraded)
 FOLDER = "checkpoints"
 POINTER = f"{FOLDER}/latest.json"
 NAME = re.compile(r"e(\d+)-s(\d+)(?:\.|$)")
@@ -41,32 +40,6 @@ def order(name: str) -> tuple[int, int]:
     so this sorts checkpoints by time. A name that is not a checkpoint's sorts first."""
     found = NAME.match(name)
     return (int(found[1]), int(found[2])) if found else (-1, -1)
-
-
-def snapshot(
-    model,
-    optimizer,
-    scheduler,
-    scaler,
-    progress: dict[str, Any],
-    config: dict[str, Any],
-    lookahead=None,
-    ema=None,
-) -> dict:
-    """Everything needed to continue the run exactly: weights, optimizer, schedule, scaler, lookahead's slow weights,
-    the EMA's average, RNGs, position."""
-    return {
-        "format": FORMAT,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        **({"lookahead": lookahead.state_dict()} if lookahead is not None else {}),
-        **({"ema": ema.state_dict()} if ema is not None else {}),
-        "rng": rng_state(),
-        "progress": progress,
-        "config": config,
-    }
 
 
 def weights_bytes(model) -> bytes:
@@ -112,6 +85,7 @@ def commit(
         "step": step,
         "metrics": metrics,
         "run": run_id,
+        "components": payload.get("components", []),  # what the payload holds, by name
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     } | ({"chosen": {"epoch": chosen[0], "here": chosen[1]}} if chosen is not None else {})
     text = json.dumps(manifest, indent=1).encode()
@@ -279,9 +253,9 @@ def load_payload(data: bytes | None, manifest: dict | None, where: str, weights:
         raise CheckpointError(f"{where}: not a readable checkpoint: {one_line(e)}") from None
     if weights and is_state_dict(payload):
         return {"model": payload}
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
+    if not isinstance(payload, dict) or payload.get("format") not in (1, FORMAT) or "model" not in payload:
         raise CheckpointError(f"{where}: not a checkpoint of this job (format {FORMAT})")
-    return payload
+    return upgraded(payload)
 
 
 def is_state_dict(obj: Any) -> bool:
@@ -320,26 +294,35 @@ def load_url(url: str, weights: bool = False) -> tuple[dict, dict | None]:
 HOW_KEYS = ("fused", "foreach", "capturable")
 
 
-def restore(payload: dict, model, optimizer, scheduler, scaler, lookahead=None, ema=None) -> None:
-    """Put a checkpoint's state back into freshly built objects, RNGs included."""
-    try:
-        model.load_state_dict(payload["model"])
-        # How the optimizer runs (fused kernels, or not) belongs to this device, not to the one that saved; it is
-        # set before loading, since loading places the state (AdamW's step counts) by it.
-        how = [{k: g[k] for k in HOW_KEYS if k in g} for g in optimizer.param_groups]
-        saved = payload["optimizer"]
-        groups = [{**group, **kept} for group, kept in zip(saved["param_groups"], how)]
-        optimizer.load_state_dict({**saved, "param_groups": groups + saved["param_groups"][len(how) :]})
-        if scheduler is not None and payload.get("scheduler") is not None:
-            scheduler.load_state_dict(payload["scheduler"])
-        if scaler.is_enabled() and payload.get("scaler") is not None:
-            scaler.load_state_dict(payload["scaler"])
-        if lookahead is not None and payload.get("lookahead") is not None:
-            lookahead.load_state_dict(payload["lookahead"])
-        if ema is not None:
-            if payload.get("ema") is None:
-                raise ValueError("it holds no train.ema average; resume with train.ema=0, as it was taken")
-            ema.load_state_dict(payload["ema"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint does not fit this model or optimizer: {one_line(e)}") from None
-    set_rng_state(payload["rng"])
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """A checkpoint's optimizer state into a freshly built optimizer. How it runs (fused kernels, or not) belongs to
+    this device, not to the one that saved; it is set before loading, since loading places the state (AdamW's step
+    counts) by it."""
+    how = [{k: g[k] for k in HOW_KEYS if k in g} for g in optimizer.param_groups]
+    groups = [{**group, **kept} for group, kept in zip(saved["param_groups"], how)]
+    optimizer.load_state_dict({**saved, "param_groups": groups + saved["param_groups"][len(how) :]})
+
+
+CHOOSER_KEYS = ("best_confusion", "latest_confusion", "best_thresholds", "latest_thresholds", "best_model")
+
+
+def upgraded(payload: dict) -> dict:
+    """A checkpoint of format 1 (its state in fixed keys, the loop's per-process state inside "progress") in the
+    components' shape (job/run/train.py registers them): the chooser's keys under "chooser", the loss sums, the
+    loader's places and the RNGs per process ({"by_rank": [...]}), the accumulator's sums its own."""
+    if payload.get("format") != 1:
+        return payload
+    p, progress = dict(payload), dict(payload["progress"])
+    sums, places, earlier = progress.pop("loss_sums", None), progress.pop("places", None), progress.pop("stream", None)
+    accumulated = progress.pop("accumulated", None)
+    rng, ranks = p.pop("rng", None), p.pop("rng_ranks", None)
+    p |= {
+        "format": FORMAT,
+        "progress": progress,
+        "loss_sums": {"by_rank": sums} if sums is not None else None,
+        "places": {"by_rank": places or earlier or []},  # earlier versions' name for them: stream
+        "accumulator": {"accumulated": accumulated} if accumulated is not None else None,
+        "rng": {"by_rank": ranks or [rng]} if rng is not None else None,
+        "chooser": {k: p.pop(k) for k in CHOOSER_KEYS if k in p},
+    }
+    return p | {"components": [k for k, v in p.items() if v is not None and k != "format"]}

@@ -120,18 +120,20 @@ class Chooser:
             return out
         return out | {"best_model": self.weights}
 
-    def restore(self, payload: dict, model: torch.nn.Module) -> None:
-        """The best weights from the checkpoint a run continues from: its own copy, or the model's where the
-        checkpoint was taken at the best evaluation."""
+    def restore(self, payload: dict, model: torch.nn.Module, progress=None) -> None:
+        """The choice from the checkpoint a run continues from (what saved() gave): the best weights, its own copy or
+        the model's where the checkpoint was taken at the best evaluation. `progress`: the run's, restored (a
+        Progress, or its dict; default: the payload's "progress")."""
         self.best_confusion, self.latest_confusion = payload.get("best_confusion"), payload.get("latest_confusion")
         self.thresholds, self.latest_thresholds = payload.get("best_thresholds"), payload.get("latest_thresholds")
         if self.on != "val":  # an earlier version fitted them on test: not kept
             self.thresholds = self.latest_thresholds = None
             return
-        best, progress = payload.get("best_model"), payload.get("progress", {})
+        best, progress = payload.get("best_model"), payload.get("progress", {}) if progress is None else progress
+        best_epoch = progress.get("best_epoch") if isinstance(progress, dict) else progress.best_epoch
         if best is not None:
             self.weights = best
-        elif progress.get("best_epoch") and is_best(progress):
+        elif best_epoch and is_best(progress):
             self.weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
     def choose(self, state, model: torch.nn.Module) -> bool:

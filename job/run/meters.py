@@ -94,6 +94,14 @@ class LossLog:
         self.pending: deque = deque()
         self.system = SystemMeter(device)
 
+    def state_dict(self) -> list[float]:
+        """This process's loss sums (a run component saved per process: run/state.py)."""
+        return self.sums.tolist()
+
+    def load_state_dict(self, saved: dict) -> None:
+        """This process's sums from every process's, by rank (a group of another size: their mean)."""
+        self.sums.copy_(distributed.own(saved["by_rank"]))
+
     def close_window(self, step: int, lr: float, steps: int | None = None) -> None:
         """The window ending at `step` of `steps` steps (default: `every`; fewer when it began with an epoch or ends
         with one), its sum copied to the host without waiting."""

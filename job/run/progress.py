@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
@@ -22,6 +22,15 @@ class Progress:
     stopped_early: str = ""  # why early stopping ended the run; empty while it goes on
     run_id: str = ""  # one per run, kept across resumes: tells this run's checkpoints from another's
     planned_steps: int = 0  # the steps its first attempt planned (all epochs'): a resumed run steps as it began
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Where the checkpoint stood, its run's id included; a key this version does not know is left out."""
+        for f in fields(self):
+            if f.name in saved:
+                setattr(self, f.name, saved[f.name])
 
 
 def is_best(state) -> bool:

@@ -1,6 +1,6 @@
 """Opening a run folder: the checks before any work, the checkpoint a run continues from (--resume auto, never, or a
-URL) and the settings that may change when it does, what --overwrite clears, a finished run left as it is, and the
-state a resumed run takes from its checkpoint."""
+URL) and the settings that may change when it does, what --overwrite clears, a finished run left as it is, and a
+schedule re-planned over a new length (the state itself comes back through the run's components: run/commit.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
     from job.data.split import Inventory
     from job.recipe.build import Recipe
-    from job.run.meters import LossLog
     from job.sinks.track import Target
 
 # Keys a resumed run may change: they do not alter what the checkpoint's state means.
@@ -324,23 +323,6 @@ def nothing_left(run_dir: RunDir, spent: str) -> dict:
         run_dir.finish()  # nothing was queued: this only stops the uploader and lets the folder go
     say(spent)
     return {"stopped": "budget", "epochs_run": 0, "output": run_dir.url}
-
-
-def restore(found: tuple[dict, dict], r: Recipe, log: LossLog, run_id: str, seed: int) -> Progress:
-    """The recipe's state and the loop's position from a checkpoint; each process's own random stream."""
-    payload, _ = found
-    checkpoint.restore(payload, r.model, r.optimizer, r.scheduler, r.scaler, r.lookahead, r.ema)
-    distributed.seed_own(seed, False, payload["progress"]["step"], payload.get("rng_ranks"))
-    recipe.prime_momentum(r.optimizer)  # a fused SGD's buffers the checkpoint did not hold yet
-    saved = dict(payload["progress"])
-    log.sums.copy_(distributed.own(saved.pop("loss_sums")))  # one row per process saved it
-    places, earlier = saved.pop("places", None), saved.pop("stream", None)  # earlier versions' name for them
-    places = places or earlier or []  # each process's place in the epoch, by rank
-    saved.pop("accumulated", None)  # the step takes them when it is made
-    state = Progress(**{"run_id": run_id, **saved})
-    if state.epoch_step:
-        r.train.resume_at(state.epoch, state.epoch_step, places)
-    return state
 
 
 def replan_schedule(cfg: Config, r: Recipe, state: Progress) -> str:

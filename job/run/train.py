@@ -11,8 +11,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,13 +32,15 @@ from job.recipe.weights import at_hand as weights_at_hand
 from job.run import checkpoint, reporting
 from job.run.attempts import Attempt
 from job.run.choose import Chooser
+from job.run.commit import Decision, accumulated, latest_metrics, register, save
 from job.run.evaluations import evaluation_fields, test_and_report
 from job.run.loop import Loop
 from job.run.meters import LossLog, TrainClock
-from job.run.progress import Progress, is_best, position
+from job.run.progress import Progress, position
 from job.run.reporting import Judge
 from job.run.results import end_by_budget, finish, model_json
-from job.run.resume import Request, Resumption, check_split, decide, preflight, replan_schedule, restore
+from job.run.resume import Request, Resumption, check_split, decide, preflight, replan_schedule
+from job.run.state import Components, Kept, Stateful
 from job.sinks.sink import EpochEnd, Sink
 from job.storage.run_folder import RunDir, cache_dir
 from job.use import bundle
@@ -59,12 +60,14 @@ def run(
     began: float | None = None,
     judge: Judge | None = None,
     sinks: Sequence[Sink] = (),
+    components: Mapping[str, Stateful] | None = None,
 ) -> dict:
     """Train as the config says, writing the run to `output`; returns the final summary. `stop` is the caller's
     signal watch when it installed one early (the command line does, before the slow imports); `began`: when the
     attempt began, as time.time() (the command line: its process's start; default: now); `judge`: given each
     evaluation's record on rank 0, returns why the run should stop there (a sweep's pruner), or None; `sinks`: the
-    caller's own, subscribed to rank 0's reporter after the run's (job/sinks/sink.py)."""
+    caller's own, subscribed to rank 0's reporter after the run's (job/sinks/sink.py); `components`: the caller's own
+    state, by name, saved with every checkpoint and handed back on resume (job/run/state.py)."""
     with contextlib.nullcontext(stop) if stop is not None else StopRequest(cfg.train.grace_seconds) as stop:
         stop.grace_seconds = cfg.train.grace_seconds
         stop.limit(cfg.train.time_limit)
@@ -75,7 +78,7 @@ def run(
         together = False
         try:
             req = Request(output, device_name, resume, overwrite, routes)
-            summary = train_rank(cfg, req, stop, t_start, began, judge, sinks)
+            summary = train_rank(cfg, req, stop, t_start, began, judge, sinks, components)
             together = True
             return summary
         except Interrupted:
@@ -94,13 +97,14 @@ def train_rank(
     began: float,
     judge: Judge | None = None,
     sinks: Sequence[Sink] = (),
+    components: Mapping[str, Stateful] | None = None,
 ) -> dict:
     # Rank 0 checks and opens the run folder; the other processes of a group only name it and never write to it.
     with distributed.writer_first() as writer:
         run_dir = preflight(cfg, req) if writer else RunDir(req.output)
     attempt = Attempt(run_dir if distributed.is_writer() else None, began)
     try:
-        return train_loop(cfg, run_dir, req, stop, t_start, attempt, judge, sinks)
+        return train_loop(cfg, run_dir, req, stop, t_start, attempt, judge, sinks, components)
     except Interrupted as e:
         attempt.end(e.exit_code)
         try:
@@ -131,6 +135,7 @@ def train_loop(
     attempt: Attempt,
     judge: Judge | None = None,
     sinks: Sequence[Sink] = (),
+    components: Mapping[str, Stateful] | None = None,
 ) -> dict:
     """The run from where its folder stands: set up, then epochs of steps, each evaluated and committed as the config
     says, and the results at the end. What it reports goes to loop.report, whose sinks it never names."""
@@ -141,7 +146,7 @@ def train_loop(
     resumption = decide(run_dir, req, cfg, device, where)
     if resumption.ended is not None:  # a finished run, or one that spent its budget: left as it is
         return resumption.ended
-    loop = set_up(cfg, run_dir, req, stop, t_start, attempt, device, resumption, where, judge, sinks)
+    loop = set_up(cfg, run_dir, req, stop, t_start, attempt, device, resumption, where, judge, sinks, components)
     state, found = loop.state, resumption.found
     first_epoch = state.epoch
     for epoch in range(state.epoch, state.epoch if state.stopped_early else cfg.train.epochs):
@@ -185,14 +190,19 @@ def set_up(
     where: Target | None,
     judge: Judge | None,
     sinks: Sequence[Sink],
+    components: Mapping[str, Stateful] | None = None,
 ) -> Loop:
     """What the epochs share: the data and recipe, the state (restored from the checkpoint found), the step and the
     reporter (job/run/reporting.py subscribes its sinks)."""
     found, started = resumption.found, resumption.started
     if started is None:  # the weights are at hand before the data is read: a failed download takes seconds to find
         weights_at_hand(cfg.model, cache_dir("weights"))
+    parts = Components()  # what a checkpoint holds (job/run/commit.py registers them), restored as they are added
+    placement = parts.add("placement", Decision(restored))  # read back before the data is
+    if started is not None:
+        parts.restore(started)
     with stop.at_once():
-        data = recipe.read_data(cfg, restored((started or {}).get("placement")))
+        data = recipe.read_data(cfg, placement.restored)
     check_split(started, data.inventory)
     r = recipe.build(cfg, device, data, rank=distributed.rank(), world=distributed.world(), started=started)
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
@@ -204,9 +214,9 @@ def set_up(
     params, stem = sum(p.numel() for p in r.model.parameters()), describe_model(cfg.model, r.input_shape)
     say(f"model {cfg.model.name}{stem}: {params:,} parameters; output {run_dir.url}")
     state, log = Progress(run_id=uuid.uuid4().hex[:12]), LossLog(device, cfg.train.log_every_steps)
+    placement.made = r.feed.streaming_choice
+    register(parts, cfg, r, state, log, chooser)
     if found is not None:
-        state = restore(found, r, log, state.run_id, cfg.seed)
-        chooser.restore(found[0], r.evaluated)
         replanned = replan_schedule(cfg, r, state)
         source = (found[1] or {}).get("file") or req.resume  # a bare .pt given by URL has no manifest
         into = f" ({state.epoch_step} steps into epoch {state.epoch + 1})" if state.epoch_step else ""
@@ -222,19 +232,20 @@ def set_up(
     report = reporting.open_report(cfg, run_dir, len(r.train), fields, state, resumed, where, stop, judge, sinks)
     state.planned_steps = state.planned_steps or cfg.train.epochs * len(r.train)  # kept when train.epochs changes
     step = make_step(cfg, r, log, step_flops, state.planned_steps)
-    if step.accumulator is not None and found is not None:
-        step.accumulator.restore(found[0]["progress"].get("accumulated"), r.device)
+    if step.accumulator is not None:
+        accumulated(parts, step.accumulator, state, r.device)
     attempt.begin(state, distributed.world(), device, cfg.train.price_per_device_hour, cfg.train.epochs * len(r.train))
     decided = {"device": describe_device(device), "world_size": distributed.world(), "precision": r.precision}
     decided |= {"step": step.description, "data": data.describe(), "feed": r.feed.describe(), "parameters": params}
     reporting.describe_attempt(report, attempt, cfg, decided)
-    clock, now = TrainClock(device), time.perf_counter()
-    loop = Loop(
-        cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser, resumption.budget
-    )
-    loop.parts.add("sinks", report)  # what each sink has sent, by sink (run/state.py): MLflow's marks per server
-    if found is not None:  # a checkpoint from before the reporter was a component leaves it as built
-        loop.parts.restore(found[0], names=["sinks"])
+    clock, now, budget = TrainClock(device), time.perf_counter(), resumption.budget
+    loop = Loop(cfg, run_dir, r, step, state, log, report, stop, clock, t_start, now, attempt, chooser, budget)
+    loop.parts = parts
+    parts.add("sinks", report)  # what each sink has sent, by sink: MLflow's marks per server (restored as it is added)
+    parts.add("model_json", Kept(lambda: model_json(loop, latest_metrics(loop), at=state)))  # as model.json would
+    for name, component in (components or {}).items():
+        parts.add(name, component)
+    parts.settled()  # set up: what the run continued from is let go
     return loop
 
 
@@ -286,49 +297,3 @@ def train_epoch(loop: Loop, epoch: int) -> bool:
         state.epoch, state.epoch_step = epoch + 1, 0
     report.end_epoch()
     return finished
-
-
-def save(loop: Loop) -> None:
-    """Commit a checkpoint of the state as it stands, with each process's own loss sums, so that every one of them
-    resumes with exactly what it had. Rank 0 flushes the logs and writes it."""
-    loop.pause()
-    sums = distributed.gather(loop.log.sums).tolist()  # one row per process
-    places = distributed.gather_objects(loop.r.train.position()) if loop.state.epoch_step else None
-    rngs = distributed.gather_objects(checkpoint.rng_state()) if distributed.world() > 1 else []
-    loop.over_budget = distributed.shared_line(lambda: commit(loop, sums, places, rngs))
-
-
-def commit(loop: Loop, loss_sums: list[list[float]], places: list | None = None, rngs: list | None = None) -> str:
-    """Rank 0 commits the checkpoint: `rngs`, every process's RNG state in a group (kept by rank). Returns why the
-    run stops here to keep within its budget (empty: it goes on)."""
-    cfg, r, state, report = loop.cfg, loop.r, loop.state, loop.report
-    for window in loop.log.ready(wait=True):
-        report.loss(*window)
-    report.flush()
-    progress = {**asdict(state), "loss_sums": loss_sums, **({"places": places} if places else {})}
-    progress |= loop.step.accumulator.saved(state.epoch_step) if loop.step.accumulator is not None else {}
-    metrics = report.records[-1] if report.records and report.records[-1]["step"] == state.step else {}
-    state_of = (r.model, r.optimizer, r.scheduler, r.scaler, progress, cfg.model_dump(), r.lookahead, r.ema)
-    payload = checkpoint.snapshot(*state_of)
-    payload |= {"rng_ranks": rngs} if rngs else {}
-    payload |= loop.chooser.saved(state)
-    payload |= {"placement": r.feed.streaming_choice.saved(), "precision": r.precision_began.saved()}
-    payload |= {"split": r.feed.inventory.digest()} if r.feed.inventory is not None else {}
-    payload |= {"model_json": model_json(loop, metrics, at=state)}  # any checkpoint describes its model as model.json
-    if r.feed.mean is not None:
-        payload |= {"normalization": {"mean": r.feed.mean.tolist(), "std": r.feed.std.tolist()}}
-    t = cfg.train
-    checkpoint.commit(
-        loop.run_dir,
-        payload,
-        epoch=state.epoch,
-        step=state.step,
-        metrics=metrics,
-        keep_last=t.keep_last,
-        keep_best=t.keep_best,
-        run_id=state.run_id,
-        chosen=(state.best_epoch, is_best(state)),
-    )
-    loop.run_dir.check()  # the store gave up: stop here, the checkpoint just committed kept locally
-    loop.attempt.committed(state.epoch, state.step)
-    return loop.attempt.over(loop.budget) if loop.budget is not None else ""
