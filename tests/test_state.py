@@ -90,6 +90,14 @@ OLD_SETTINGS = sets(
 def test_a_checkpoint_written_before_components_still_resumes(tmp_path):
     out = tmp_path / "run"
     shutil.copytree(OLD_RUN, out)
+    from job.run import checkpoint
+    from job.storage.run_folder import RunDir
+
+    payload, _ = checkpoint.load_latest(RunDir(str(out)))  # read in the components' shape
+    assert payload["format"] == checkpoint.FORMAT and "loss_sums" not in payload["progress"]
+    assert len(payload["loss_sums"]["by_rank"]) == 1 and len(payload["places"]["by_rank"]) == 1
+    assert len(payload["rng"]["by_rank"]) == 1 and len(payload["accumulator"]["accumulated"]) == 4
+    assert {"model", "optimizer", "ema", "chooser", "placement", "precision"} <= set(payload["components"])
     code, err = invoke(["train", "--device", "cpu", "--output", str(out), *OLD_SETTINGS, "--set", "train.epochs=4"])
     assert code == 0, err[-2000:]
     assert "resuming iris from epoch 2, step 61 (1 steps into epoch 3)" in err
