@@ -274,49 +274,5 @@ def test_an_iris_run_imports_only_what_it_uses(tmp_path):
     assert len(imported) > 100 and any(name == "torch" for _, name in imported)  # the log is there, in full
     tops = {name.split(".")[0] for _, name in imported}
     assert not (unused := tops & {"torchvision", "pillow_heif", "onnx", "gcsfs", "mlflow", "matplotlib"}), unused
-    # nor torch's compiler: one step is not worth tracing (whose tracer imports it), and torch.optim's wrappers are
-    # passed by (job/recipe/uncompiled.py)
-    assert "step: fp32; eager (a 1-step run: tracing pays for itself from 1,000 steps)" in done.stderr
-    assert "torch._dynamo" not in {name for _, name in imported}
+    assert "step: fp32; eager (a CPU step runs eagerly)" in done.stderr
     assert (out / "curves.png").is_file() and (out / "report/test/confusion.png").is_file()
-
-
-def imported_modules(stderr: str) -> set[str]:
-    """The modules Python's import log (PYTHONPROFILEIMPORTTIME) names."""
-    return {line.rsplit("|", 1)[1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
-
-
-def test_a_traced_cpu_step_never_imports_the_compiler(tmp_path):
-    """A small CPU step is traced into one graph: its operations are recorded as they run once (recipe/record.py), not
-    by torch's make_fx, whose first call imports the compiler (torch._dynamo, sympy, triton: 1.5 s of CPU, a third of
-    a 20,000-step Iris run). The traced run trains as the eager one does (test_step.py checks it to the bit)."""
-    out = tmp_path / "run"
-    logged = {"PYTHONPROFILEIMPORTTIME": "1"}
-    done = run_job(
-        "train", *sets("train.epochs=300", "train.step_capture=on"), "--device", "cpu", "--output", str(out), env=logged
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "step: fp32; traced on the CPU" in done.stderr and "could not be traced" not in done.stderr
-    names = imported_modules(done.stderr)
-    assert "torch" in names and not names & {"torch._dynamo", "torch._inductor", "sympy"}, names & {"sympy"}
-    assert metrics(out)[-1]["test_accuracy"] > 0.6
-
-
-def test_a_run_that_compiles_nothing_never_imports_the_compiler(tmp_path):
-    """torch.optim's methods and torch's FLOP counter import torch._dynamo when first called (1.1-1.5 s of CPU, a
-    fifth of a short run); a run that compiles nothing leaves it out: an eager CNN step with momentum, a schedule and
-    checkpoints, and a resumed run loading the optimizer's state. (A traced CPU step: the test above; with
-    train.compile torch's own optimizers are taken: test_uncompiled.py.)"""
-    batches = write_cifar_batches(tmp_path / "cifar-10-batches-py", n_train=100, n_test=40)
-    logged = {"PYTHONPROFILEIMPORTTIME": "1"}
-    common = [f"data.path={batches}", "data.batch_size=20", "optim.momentum=0.9", "optim.schedule=cosine"]
-    out = tmp_path / "run"
-    for epochs in (1, 2):  # the second attempt resumes from the first's checkpoint
-        done = run_job(
-            "train", "--config", "cifar10", *sets(*common, f"train.epochs={epochs}"), "--device", "cpu",
-            "--output", str(out), env=logged,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        names = imported_modules(done.stderr)
-        assert "torch" in names and "torch._dynamo" not in names
-    assert [r["epoch"] for r in metrics(out)] == [1, 2]

@@ -47,7 +47,9 @@ def test_a_torchvision_weights_name_resolves_to_its_url_and_preprocessing():
     cfg = load_config("cifar10", ["data.kind=folder", "model.name=resnet50", "model.weights=DEFAULT"])
     d = recipe.resolved(cfg).data
     assert (d.image_size, d.resize_size, d.normalize) == (224, 232, "auto")
-    mean, std = recipe.normalization(recipe.resolved(cfg), data=_images(8))
+    from job.recipe.feed import normalization
+
+    mean, std = normalization(recipe.resolved(cfg), data=_images(8))
     assert mean.tolist() == pytest.approx([0.485, 0.456, 0.406]) and std.tolist() == pytest.approx(
         [0.229, 0.224, 0.225]
     )

@@ -14,8 +14,8 @@ from job.data.loader import BatchLoader
 from job.data.read import load_data
 from job.group.stop import StopRequest
 from job.recipe import build as recipe
+from job.recipe.cuda_graph import CudaGraphStep, host_waits
 from job.recipe.plan import build_step, plan_step, step_facts
-from job.recipe.step import CudaGraphStep, host_waits
 from job.run.attempts import Attempt
 from job.run.choose import Chooser
 from job.run.meters import LossLog, TrainClock

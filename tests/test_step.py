@@ -1,8 +1,7 @@
-"""How the step runs on a CPU: traced into one graph where the model allows it, eager otherwise, and either way the
-same run. The CUDA graph path is in test_gpu.py."""
+"""How the step runs on a CPU: eagerly, as the plan says and why; the precision auto comes to; padded steps. The CUDA
+graph path is in test_gpu.py."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -28,167 +27,41 @@ def train(tmp_path, name, overrides, capsys):
     return summary, weights, said
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        [],  # the tutorials' plain SGD: the whole step is one graph
-        ["data.batch_size=32"],  # a partial last batch: a second graph
-        ["optim.momentum=0.9", "optim.nesterov=true", "data.batch_size=48"],
-        ["optim.schedule=onecycle", "optim.weight_decay=0.01"],
-        ["optim.name=adamw", "optim.lr=0.003"],
-        ["optim.weight_decay=0.05"],
-    ],
-)
-def test_traced_cpu_step_trains_exactly_as_the_eager_step(tmp_path, capsys, overrides):
-    names = ("eager", "traced")
-    eager, w_eager, said_eager = train(tmp_path, "eager", [*overrides, "train.step_capture=off"], capsys)
-    traced, w_traced, said = train(tmp_path, "traced", [*overrides, "train.step_capture=on"], capsys)  # 150 steps
-    assert "step: fp32; eager (train.step_capture off)" in said_eager
-    assert "traced on the CPU" in said and "could not be traced" not in said
-    whole = not overrides or overrides == ["optim.weight_decay=0.05"] or overrides == ["data.batch_size=32"]
-    assert ("SGD step as one graph" in said) == whole
-    assert w_eager.keys() == w_traced.keys()
-    for k in w_eager:
-        assert torch.equal(w_eager[k], w_traced[k]), k
-    assert eager["final_test_loss"] == traced["final_test_loss"]
+@pytest.mark.parametrize("overrides", [[], ["optim.momentum=0.9", "optim.nesterov=true", "data.batch_size=48"]])
+def test_a_cpu_step_is_eager_whatever_train_step_capture_says(tmp_path, capsys, overrides):
+    """A CPU step runs eagerly: torch has no maintained public way to capture one (TorchScript, which traced it, is
+    deprecated). A config that asks for capture (train.step_capture=on, as configs of the traced CPU step did) still
+    runs, trains exactly as with capture off, and says how its step runs."""
+    names = ("off", "on")
+    off, w_off, said_off = train(tmp_path, "off", [*overrides, "train.step_capture=off"], capsys)
+    on, w_on, said = train(tmp_path, "on", [*overrides, "train.step_capture=on"], capsys)
+    assert "step: fp32; eager (train.step_capture off)" in said_off
+    assert "step: fp32; eager (a CPU step runs eagerly)" in said and "traced" not in said
+    for k in w_off:
+        assert torch.equal(w_off[k], w_on[k]), k
+    assert off["final_test_loss"] == on["final_test_loss"]
     logged = [[json.loads(line)["train_loss"] for line in (tmp_path / run / "metrics.jsonl").open()] for run in names]
-    assert logged[0] == logged[1] and len(logged[0]) == 3  # the losses the traced graph sums, to the bit
+    assert logged[0] == logged[1] and len(logged[0]) == 3
 
 
-MODELS = '''
-import random
+def test_the_eager_iris_step_trains_as_the_bare_loop_does(tmp_path, capsys):
+    """The job's eager step is forward, loss, backward and the optimizer step: on the Iris preset's full batches (the
+    order its loader gives them) it leaves the weights a bare loop of those four calls leaves, to rounding."""
+    from job.recipe import build as recipe
 
-import torch
-from torch import nn
-
-
-class Skippy(nn.Module):
-    """Stochastic depth drawn in Python: each training step takes its second layer with probability 1/2."""
-
-    def __init__(self, num_classes=3):
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(4, 16), nn.Linear(16, 16), nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        h = torch.relu(self.a(x))
-        if self.training and random.random() < 0.5:
-            h = h + torch.relu(self.b(h))
-        return self.c(h)
-
-
-class Branchy(nn.Module):
-    """Decides on the host from its data's values: cannot be captured."""
-
-    def __init__(self, num_classes=3):
-        super().__init__()
-        self.fc = nn.Linear(4, num_classes)
-
-    def forward(self, x):
-        h = self.fc(x)
-        if h.mean() > 10:
-            h = h * 0.5
-        return h
-
-
-class Noisy(nn.Module):
-    """Batch norm (buffers updated in place) and dropout (random draws) in training."""
-
-    def __init__(self, num_classes=3):
-        super().__init__()
-        layers = [nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, num_classes)]
-        self.net = nn.Sequential(*layers)
-
-    def forward(self, x):
-        return self.net(x)
-
-
-class Halving(nn.Module):
-    """Writes to its input in place."""
-
-    def __init__(self, num_classes=3):
-        super().__init__()
-        self.fc = nn.Linear(4, num_classes)
-
-    def forward(self, x):
-        x /= 2
-        return self.fc(x)
-
-
-class Counting(nn.Module):
-    """Counts its forward passes in a buffer it replaces rather than updates in place."""
-
-    def __init__(self, num_classes=3):
-        super().__init__()
-        self.fc = nn.Linear(4, num_classes)
-        self.register_buffer("seen", torch.zeros(()))
-
-    def forward(self, x):
-        self.seen = self.seen + 1
-        return self.fc(x)
-'''
-
-
-@pytest.fixture
-def user_models(tmp_path, monkeypatch):
-    (tmp_path / "mods").mkdir()
-    (tmp_path / "mods" / "stepmodels.py").write_text(MODELS)
-    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
-    yield
-    sys.modules.pop("stepmodels", None)
-
-
-def test_a_model_that_reads_its_data_on_the_host_runs_eagerly_and_says_why(tmp_path, capsys, user_models):
-    _, w_eager, _ = train(tmp_path, "eager", ["model.name=stepmodels:Branchy", "train.step_capture=off"], capsys)
-    _, w_auto, said = train(tmp_path, "auto", ["model.name=stepmodels:Branchy", "train.step_capture=on"], capsys)
-    assert "step: eager (the step could not be traced:" in said
-    assert "the model reads its data's values on the host" in said
-    for k in w_eager:
-        assert torch.equal(w_eager[k], w_auto[k]), k
-
-
-def test_a_model_that_writes_to_its_input_trains_the_same_traced_or_not(tmp_path, capsys, user_models):
-    """Tracing runs the step on the first batch (recorded, then checked): on copies of it, so that the first step
-    trains on the batch as it came, whether the trace is kept or not."""
-    _, w_eager, _ = train(tmp_path, "eager", ["model.name=stepmodels:Halving", "train.step_capture=off"], capsys)
-    _, w_traced, said = train(tmp_path, "traced", ["model.name=stepmodels:Halving", "train.step_capture=on"], capsys)
-    assert "step: fp32; traced on the CPU" in said and "could not be traced" not in said
-    for k in w_eager:
-        assert torch.equal(w_eager[k], w_traced[k]), k
-
-
-def test_a_model_that_replaces_a_buffer_in_its_forward_trains_the_same_asked_to_trace(tmp_path, capsys, user_models):
-    """A graph updates the tensors it was given; a forward that puts a new tensor in a buffer's place (self.seen =
-    self.seen + 1) would have its count frozen by a traced step: such a step runs eagerly, and says why."""
-    _, w_eager, _ = train(tmp_path, "eager", ["model.name=stepmodels:Counting", "train.step_capture=off"], capsys)
-    _, w_on, said = train(tmp_path, "on", ["model.name=stepmodels:Counting", "train.step_capture=on"], capsys)
-    assert "could not be traced: the model's forward replaces its buffer seen" in said
-    assert float(w_eager["seen"]) > 100  # one a step, and one an evaluation's batch
-    for k in w_eager:
-        assert torch.equal(w_eager[k], w_on[k]), k
-
-
-def test_batch_norm_and_dropout_train_the_same_captured_or_not(tmp_path, capsys, user_models):
-    """Batch norm's backward takes an argument TorchScript's tracer does not: the recorded graph runs as Python code
-    (still without autograd's bookkeeping), and trains as the eager step does, random draws and statistics too."""
-    overrides = ["model.name=stepmodels:Noisy", "data.batch_size=40"]
-    _, w_eager, _ = train(tmp_path, "eager", [*overrides, "train.step_capture=off"], capsys)
-    _, w_auto, said = train(tmp_path, "auto", [*overrides, "train.step_capture=on"], capsys)
-    assert "step: fp32; traced on the CPU" in said and "could not be traced" not in said
-    assert "running_mean" in " ".join(w_auto)  # the buffers are saved, and moved as in eager training
-    for k in w_eager:
-        assert torch.equal(w_eager[k], w_auto[k]), k
-
-
-def test_a_model_of_your_own_is_captured_only_when_asked(tmp_path, capsys, user_models):
-    """A forward that draws in Python (stochastic depth by random.random()) would replay one frozen draw as a traced
-    or captured step: a user's model runs eagerly under auto, trains exactly as with capture off, and says why."""
-    _, w_eager, _ = train(tmp_path, "eager", ["model.name=stepmodels:Skippy", "train.step_capture=off"], capsys)
-    _, w_auto, said = train(tmp_path, "auto", ["model.name=stepmodels:Skippy"], capsys)
-    assert "step: fp32; eager (a model of your own:" in said and "train.step_capture=on captures it" in said
-    for k in w_eager:
-        assert torch.equal(w_eager[k], w_auto[k]), k
-    _, _, said = train(tmp_path, "on", ["model.name=stepmodels:Noisy", "train.step_capture=on"], capsys)
-    assert "step: fp32; traced on the CPU" in said
+    cfg = load_config("iris", ["train.epochs=30", "train.eval_every_epochs=30"])
+    run(cfg, str(tmp_path / "job"), "cpu", "never", True)
+    capsys.readouterr()
+    torch.manual_seed(cfg.seed)
+    r = recipe.build(cfg, torch.device("cpu"), recipe.read_data(cfg))
+    for epoch in range(cfg.train.epochs):
+        for batch in r.train.batches(epoch):
+            r.optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(r.model(batch.x), batch.y).backward()
+            r.optimizer.step()
+    saved = torch.load(tmp_path / "job" / "model.pt", weights_only=True)
+    for k, v in r.model.state_dict().items():
+        assert torch.allclose(v, saved[k], rtol=1e-5, atol=1e-6), k
 
 
 def test_cpu_threads_one_for_a_small_model_else_as_set(tmp_path, capsys):
@@ -203,7 +76,7 @@ def test_a_large_cpu_step_runs_eagerly_on_all_threads(tmp_path, capsys):
     threads = torch.get_num_threads()
     run(cfg, str(tmp_path / "big"), "cpu", "never", True)
     said = capsys.readouterr().err
-    assert "eager (a CPU step this large is bound by arithmetic" in said
+    assert "eager (a CPU step runs eagerly)" in said
     assert f"device cpu ({threads} thread{'s' if threads != 1 else ''})" in said
     assert torch.get_num_threads() == threads  # the run's setting does not outlive it
 
@@ -254,14 +127,13 @@ def test_a_cnn_on_a_cpu_trains_channels_last_by_default_and_learns_the_same(tmp_
 
 
 def test_bf16_on_a_cpu_says_once_how_its_step_runs(tmp_path):
-    """autocast's rounding on a CPU differs between a traced and an eager step, so the check refuses every trace:
-    the run says up front that its step is eager and why, in one `step:` line, not a trace and then a retraction."""
+    """The run says up front how its step runs and why, in one `step:` line."""
     from conftest import invoke, sets
 
     code, err = invoke(["train", "--device", "cpu", "--output", str(tmp_path / "r"), *sets("train.precision=bf16")])
     assert code == 0, err
     lines = [line for line in err.splitlines() if line.startswith("step:")]
-    assert lines == ["step: bf16; eager (bf16 on a CPU: a traced step would round differently from the eager one)"]
+    assert lines == ["step: bf16; eager (a CPU step runs eagerly)"]
 
 
 def test_the_step_plan_is_one_pure_decision_with_its_reason():
@@ -279,36 +151,15 @@ def test_the_step_plan_is_one_pure_decision_with_its_reason():
         (StepFacts("cuda", wrapper="compile"), "torch.compile"),
         (StepFacts("cuda", capture="off"), "train.step_capture off"),
         (StepFacts("cuda", own_model=True), "a model of your own"),
-        (StepFacts("cpu", step_flops=1e5, precision="bf16"), "would round differently"),
-        (StepFacts("cpu", step_flops=1e12), "bound by arithmetic"),
-        (StepFacts("cpu", step_flops=1e12, loss_scaler=True), "loss scaler"),
+        (StepFacts("cpu"), "a CPU step runs eagerly"),
+        (StepFacts("cpu", capture="on", plain_sgd=True), "a CPU step runs eagerly"),
+        (StepFacts("cpu", capture="off"), "train.step_capture off"),
         (StepFacts("mps"), "no step capture on mps"),
     ]:
         plan = plan_step(facts)
         assert plan.kind is StepKind.EAGER and reason in plan.reason, (facts, plan)
-    traced = plan_step(StepFacts("cpu", step_flops=1e5, bare_sgd=True, plain_sgd=True))
-    assert traced.kind is StepKind.CPU_TRACE and traced.optimizer_inside
     own_on = plan_step(StepFacts("cuda", capture="on", own_model=True))
     assert own_on.kind is StepKind.CUDA_GRAPH
-    # Tracing costs more than it saves in a short run, unless asked for; a run's steps are all its epochs'.
-    short = plan_step(StepFacts("cpu", step_flops=1e5, bare_sgd=True, steps=999))
-    assert short.kind is StepKind.EAGER and "a 999-step run" in short.reason
-    assert plan_step(StepFacts("cpu", step_flops=1e5, steps=1000)).kind is StepKind.CPU_TRACE
-    assert plan_step(StepFacts("cpu", step_flops=1e5, capture="on", steps=10)).kind is StepKind.CPU_TRACE
-
-
-def test_a_resumed_run_steps_as_it_began_when_its_epochs_change(tmp_path, capsys):
-    """Whether a CPU step is traced depends on the run's steps: a resumed run keeps its first attempt's count (in its
-    checkpoints), so that raising train.epochs does not change how it steps."""
-    out = str(tmp_path / "run")
-    run(load_config("iris", ["train.epochs=10", "train.eval_every_epochs=10"]), out, "cpu", "never", True)
-    assert "step: fp32; eager (a 10-step run: tracing pays for itself from 1,000 steps)" in capsys.readouterr().err
-    longer = ["train.epochs=1000", "train.eval_every_epochs=1000", "train.checkpoint_every_epochs=1000"]
-    run(load_config("iris", longer), out, "cpu", "auto", False)
-    said = capsys.readouterr().err
-    assert "resuming iris from epoch 10" in said and "eager (a 10-step run" in said and "traced" not in said
-    run(load_config("iris", longer), str(tmp_path / "fresh"), "cpu", "never", True)
-    assert "step: fp32; traced on the CPU" in capsys.readouterr().err  # the same settings, begun afresh
 
 
 def test_a_step_that_falls_back_says_so_as_a_value():
@@ -316,12 +167,12 @@ def test_a_step_that_falls_back_says_so_as_a_value():
 
     model = torch.nn.Linear(2, 2)
     scaler, optimizer = torch.amp.GradScaler("cpu", enabled=False), torch.optim.SGD(model.parameters(), lr=0.1)
-    plan = StepPlan(StepKind.CPU_TRACE, "small")
+    plan = StepPlan(StepKind.CUDA_GRAPH, "small")
     step = EagerStep(model, optimizer, None, scaler, torch.no_grad, torch.zeros(3), plan=plan)
-    assert step.fallback is None and step.description.startswith("traced on the CPU")
-    step.fall_back("the step could not be traced: a reason")
-    assert step.fallback == StepPlan(StepKind.EAGER, "the step could not be traced: a reason")
-    assert step.description == "eager (the step could not be traced: a reason)"
+    assert step.fallback is None and step.description.startswith("one CUDA graph per batch shape")
+    step.fall_back("the step could not be captured: a reason")
+    assert step.fallback == StepPlan(StepKind.EAGER, "the step could not be captured: a reason")
+    assert step.description == "eager (the step could not be captured: a reason)"
 
 
 def test_waits_are_reported_for_the_watching_thread_alone_and_warnings_survive_other_threads():
@@ -332,7 +183,7 @@ def test_waits_are_reported_for_the_watching_thread_alone_and_warnings_survive_o
     import threading
     import warnings
 
-    from job.recipe.step import SYNC_WARNING, waits_reported
+    from job.recipe.cuda_graph import SYNC_WARNING, waits_reported
 
     seen: list[str] = []
     entered, probed, left = threading.Event(), threading.Event(), threading.Event()
@@ -427,7 +278,7 @@ def test_a_padded_step_of_a_model_that_cannot_take_an_empty_batch_steps_as_befor
 def test_auto_precision_is_one_pure_decision_with_its_reason():
     """train.precision auto: bf16 where the hardware computes it natively, for a step bound by arithmetic: a GPU from
     compute capability 8.0, and a CPU with AMX's matrix units (the tutorials' CIFAR-10 step about twice as fast there);
-    a small CPU step stays fp32, where it is traced."""
+    a small CPU step, bound by per-operation overhead, stays fp32."""
     from job.recipe.plan import SMALL_STEP_FLOPS, choose_precision
 
     big, small = SMALL_STEP_FLOPS * 10, SMALL_STEP_FLOPS / 10
@@ -444,6 +295,19 @@ def test_auto_precision_is_one_pure_decision_with_its_reason():
         device, flops, capability, amx = args
         chosen = choose_precision("auto", device, flops, gpu_capability=capability, cpu_bf16=amx)
         assert chosen.name == name and why in chosen.why and chosen.why.startswith("auto"), (args, chosen)
+
+
+def test_amx_is_read_from_the_flags_the_kernel_lists(tmp_path):
+    """torch has no public check for AMX: the CPU's flags as Linux lists them (both amx_tile and amx_bf16), none
+    where there is no such list."""
+    from job.recipe.plan import cpu_computes_bf16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R)\nflags\t\t: fpu avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu_computes_bf16(info)
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile_extra\n")
+    assert not cpu_computes_bf16(info)
+    assert not cpu_computes_bf16(tmp_path / "absent")
 
 
 def test_a_cpu_run_with_precision_auto_says_what_it_came_to(tmp_path, capsys):

@@ -32,10 +32,10 @@ class TrainConfig(Section):
     )
     step_capture: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="auto: replay each training step as one CUDA graph on a GPU, and trace small steps into one graph "
-        "on a CPU in a run of 1,000 steps or more, where the model allows it (the run says what it chose and why), "
-        "for the job's own and torchvision's models; on: the same for a model of your own too (whose forward must not "
-        "draw or count in Python) and for a shorter run; off: eager steps.",
+        description="auto: replay each training step as one CUDA graph on a GPU, where the model allows it (the run "
+        "says what it chose and why), for the job's own and torchvision's models; on: the same for a model of your "
+        "own too (whose forward must not draw or count in Python); off: eager steps. A CPU step is eager whatever "
+        "this says (on, from a config written for the traced CPU step, still runs).",
     )
     accumulate_steps: int = Field(
         1,

@@ -1,6 +1,7 @@
 """What a config means on a device, built in one place: the model placed in its memory layout, the precision,
-the optimizer (fused where it should be, momentum primed), the schedule, the loss scaler and the loaders.
-Training, find-batch-size, evaluate, the benchmark and the naive loop all take their setup from here."""
+the optimizer (job/recipe/optimizer.py), the schedule, the loss (job/recipe/losses.py), the loss scaler and the data's
+feed with its loaders (job/recipe/feed.py). Training, find-batch-size, evaluate, the benchmark and the naive loop all
+take their setup from here."""
 
 from __future__ import annotations
 
@@ -15,38 +16,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from job.config import Config, DataConfig
-from job.console import say, say_own
-from job.data.augment import Policy, View, channel_stats, to_float
+from job.config import Config
+from job.console import say
+from job.data.augment import View
 from job.data.batches import Loader
-from job.data.dataset import Dataset, Split
-from job.data.decode import DeviceDecoder
-from job.data.loader import BatchLoader
-from job.data.placement import HELD, Streaming, hold_on
+from job.data.dataset import Dataset
+from job.data.placement import Streaming
 from job.data.read import found_kind, load_data
-from job.data.stream import StreamData, StreamLoader, held_decoder, sample_images
+from job.data.stream import StreamData
 from job.errors import ConfigError
-from job.group.memory import available_host_memory
-from job.recipe import uncompiled, weights
+from job.recipe import weights
 from job.recipe.ema import ModelEma
+from job.recipe.feed import Feed, saved_stats
+from job.recipe.losses import CountedLoss, MultiLabelLoss, balanced_weights, positive_weights
 from job.recipe.mix import Mix
 from job.recipe.models import build_model
+from job.recipe.optimizer import make_optimizer, prime_momentum
 from job.recipe.plan import Precision, forward_flops, precision_on, saved_precision
 from job.recipe.schedule import Lookahead, make_scheduler
 from job.storage.run_folder import cache_dir
 
 DATA_INIT_IMAGES = 5000  # the training images a model's init_from_data sees
-STATS_IMAGES = 1000  # the training images streamed data's normalisation statistics are taken from
 
 
 def resolved(cfg: Config) -> Config:
     """The config with the defaults that follow from other settings filled in, as config.yaml records them: the
     image and resize sizes of torchvision weights' preprocessing, random_resized_crop's resize size (8/7 of the
-    input, 256 for 224, as ImageNet recipes hold their images); data.kind parquet where the kind is csv and data.path
-    holds parquet files (job/data/read.py), said once, when found."""
+    input, 256 for 224, as ImageNet recipes hold their images); the data.kind of another table format where the kind
+    is the default and data.path holds that format's files (job/data/read.py), said once, when found."""
     d = cfg.data
     if (kind := found_kind(d)) != d.kind:
-        say(f"data.kind parquet, found from the files of {d.path} (data.kind {d.kind} reads CSV tables)")
+        say(f"data.kind {kind}, found from the files of {d.path} (data.kind {d.kind} cannot read them)")
         d = d.model_copy(update={"kind": kind})
         cfg = cfg.model_copy(update={"data": d})
     if d.kind == "csv":
@@ -89,199 +89,6 @@ def model_input(cfg: Config, held: tuple[int, ...], is_image: bool) -> tuple[tup
     if scale is None and centre == 1.0 and (h, w) == (size, size):
         return held, None
     return (c, size, size), View(size, centre, scale, tuple(d.crop_ratio))
-
-
-def normalization(cfg: Config, data: Dataset | StreamData, decoder=None) -> tuple[torch.Tensor | None, ...]:
-    """The mean and std images are normalised with (None, None: not normalised): the training set's with
-    data.normalize=true; with auto, the mean and std torchvision weights were trained with."""
-    d = cfg.data
-    if not data.is_image or d.normalize is False:
-        return None, None
-    if d.normalize is True:  # from a seeded random sample of the training set, never the first in storage order
-        if isinstance(data, StreamData):
-            return channel_stats(sample_images(data.shards.splits["train"], decoder, STATS_IMAGES, cfg.seed).cpu())
-        return channel_stats(data.train.x)
-    w = weights.resolve(cfg.model.name, cfg.model.weights)
-    if w is None or w.mean is None:
-        return None, None
-    return torch.tensor(w.mean), torch.tensor(w.std)
-
-
-def saved_stats(payload: dict | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The normalisation statistics a checkpoint recorded (None where it recorded none): a resumed run and an
-    evaluation normalise as the run did, whatever sample of the data they would draw now."""
-    stats = (payload or {}).get("normalization")
-    if not isinstance(stats, dict):
-        return None
-    return torch.tensor(stats["mean"], dtype=torch.float32), torch.tensor(stats["std"], dtype=torch.float32)
-
-
-class Feed:
-    """The data set where the run holds it (the device when it fits, else the host) and the loaders over it at
-    any batch size, normalised by the training split's channel statistics when the config asks."""
-
-    def __init__(
-        self,
-        cfg: Config,
-        data: Dataset | StreamData,
-        device: torch.device,
-        channels_last: bool,
-        limit: float | None = None,
-        view: View | None = None,
-        stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> None:
-        self.cfg, self.device, self.channels_last, self.view = cfg, device, channels_last, view
-        d = cfg.data
-        self.is_image = data.is_image
-        self.streaming_choice = data.streaming  # streamed or held, and why: checkpoints record it
-        self.inventory = data.inventory  # which files are in which split: checkpoints record its digest
-        self.features = data.features  # a table's columns and scaler: model.json records them
-        self.stream = data if isinstance(data, StreamData) else None
-        if self.stream is not None:  # read as the run trains: nothing held but the normalisation's statistics
-            self.held_on = None
-            self.decoder = held_decoder(d, device)
-            self.mean, self.std = stats or normalization(cfg, data, self.decoder)
-            n = data.shards.samples("train")
-            self.batch_size = n if d.batch_size == "full" else d.batch_size
-            return
-        held = {name: data.split(name) for name in ("train", "val", "test") if data.split(name) is not None}
-        self.held_on = hold_on(sum(s.x.nbytes for s in held.values()), device, d.placement, d.device_share, limit)
-        self.mean, self.std = stats or normalization(cfg, data)
-        self.splits = {n: Split(s.x.to(self.held_on), s.y.to(self.held_on), s.names) for n, s in held.items()}
-        self.train_split = self.splits["train"]
-        self.batch_size = len(data.train) if d.batch_size == "full" else d.batch_size
-
-    def sample_images(self, n: int) -> torch.Tensor:
-        """A seeded random sample of n of the training split's images (all when it holds fewer) as the model sees
-        them before augmentation: float, normalised, on the device. Never the first in storage order: an image
-        folder is sorted by class."""
-        if self.stream is not None:
-            x = sample_images(self.stream.shards.splits["train"], self.decoder, n, self.cfg.seed)
-        else:
-            g = torch.Generator().manual_seed(self.cfg.seed)
-            pick = torch.randperm(len(self.train_split), generator=g)[:n].sort().values
-            x = self.train_split.x[pick.to(self.train_split.x.device)]
-        layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        return to_float(x.to(self.device), layout, *self.stats(), self.view)
-
-    def stats_cpu(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The normalisation's mean and std per channel on the host (None, None: none)."""
-        if self.mean is None:
-            return None, None
-        return self.mean.detach().cpu().flatten(), self.std.detach().cpu().flatten()
-
-    def stats(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if self.mean is None:
-            return None, None
-        return self.mean.to(self.device).view(1, -1, 1, 1), self.std.to(self.device).view(1, -1, 1, 1)
-
-    def describe(self) -> str:
-        """Where the data is for the start-up line, and why where that was a decision."""
-        held = f"held on {self.where}" if self.stream is None else self.streaming()
-        return held + (f" ({self.streaming_choice.reason})" if self.streaming_choice is not HELD else "")
-
-    @property
-    def where(self) -> str:
-        return "the device" if self.held_on.type == self.device.type != "cpu" else "the host"
-
-    def streaming(self) -> str:
-        n = self.decoder.workers
-        stored = self.streaming_choice.stored
-        if stored is not None and stored.decoded:
-            return f"streamed, {stored.reason}"
-        if isinstance(self.decoder, DeviceDecoder):
-            return f"streamed, JPEG images decoded on {self.device} (nvJPEG)"
-        return (
-            f"streamed, decoded in {n} worker process{'es' if n > 1 else ''}" if n else "streamed, decoded in-process"
-        )
-
-    def streamed(self, split: str, batch: int, rank: int, world: int, **how) -> StreamLoader:
-        d = self.cfg.data
-        return StreamLoader(
-            self.stream.shards.splits.get(split, []),
-            batch,
-            self.device,
-            self.decoder,
-            seed=self.cfg.seed,
-            mean=self.mean,
-            std=self.std,
-            rank=rank,
-            world=world,
-            channels_last=self.channels_last,
-            buffer=d.shuffle_buffer,
-            view=self.view,
-            log=say_own,  # each process reads its own shards: each names what it skips
-            **how,
-        )
-
-    def train(self, batch: int, rank: int = 0, world: int = 1) -> Loader:
-        """Training batches, this process's slice of each (rank of world)."""
-        d = self.cfg.data
-        reflect = d.random_crop_padding_mode == "reflect"
-        image_aug = {"crop_padding": d.random_crop_padding, "reflect": reflect, "hflip": d.random_hflip}
-        image_aug["policy"] = policy_of(d)
-        image_aug = image_aug if self.is_image else {}
-        if self.view is not None and d.random_resized_crop:
-            image_aug["resized_crops"] = True
-        if self.stream is not None:
-            loader = self.streamed("train", batch, rank, world, shuffle=d.shuffle, drop_last=d.drop_last, **image_aug)
-            if len(loader) == 0:
-                raise ConfigError("data.drop_last: a process's share of the training shards is smaller than one batch")
-            return loader
-        n = len(self.train_split)
-        size = min(batch, n)
-        smallest = n % size if n % size and not d.drop_last else size
-        if smallest < world:
-            raise ConfigError(
-                f"data.batch_size: a training batch of {smallest} samples cannot be split over {world} processes; "
-                "use a larger batch, fewer processes, or data.drop_last=true"
-            )
-        loader = BatchLoader(
-            self.train_split,
-            batch,
-            self.device,
-            self.held_on,
-            seed=self.cfg.seed,
-            shuffle=d.shuffle,
-            drop_last=d.drop_last,
-            mean=self.mean,
-            std=self.std,
-            shard=(rank, world),
-            channels_last=self.channels_last,
-            view=self.view,
-            **image_aug,
-        )
-        if len(loader) == 0:
-            raise ConfigError(f"data.drop_last: the training split ({n}) is smaller than one batch")
-        return loader
-
-    def has(self, split: str) -> bool:
-        if self.stream is not None:
-            return self.stream.shards.samples(split) > 0
-        return split in self.splits
-
-    def test(self, batch: int, rank: int = 0, world: int = 1, split: str = "test") -> Loader:
-        """Batches of a held-out split (test, or val) of data.eval_batch_size, else of the training batch size."""
-        if self.stream is not None:
-            # Read the same way at every evaluation: kept decoded after its first pass if it takes a small share of
-            # the host's memory (a sixteenth of what is available), so evaluations decode nothing again.
-            keep = int(available_host_memory() / 16)
-            return self.streamed(split, self.cfg.data.eval_batch_size or batch, rank, world, keep_bytes=keep)
-        return BatchLoader(
-            self.splits[split],
-            self.cfg.data.eval_batch_size or batch,
-            self.device,
-            self.held_on,
-            mean=self.mean,
-            std=self.std,
-            shard=(rank, world),
-            channels_last=self.channels_last,
-            view=self.view,
-        )
-
-    def held_out(self, batch: int, rank: int = 0, world: int = 1) -> dict[str, Loader]:
-        """The loaders of the held-out splits the data has: val, test, or both."""
-        return {s: self.test(batch, rank, world, s) for s in ("val", "test") if self.has(s)}
 
 
 @dataclass
@@ -408,80 +215,6 @@ def build(
     )
 
 
-class CountedLoss:
-    """Cross-entropy averaged over the batch's samples that count: a streamed sample that could not be decoded is
-    labelled IGNORED and left out, and a batch of none of them gives 0, not torch's NaN. `weight`: each class's
-    weight on its samples' losses (Keras's class_weight; torch's weight= divides by the batch's summed weights
-    instead, which a batch split over processes would not reproduce)."""
-
-    def __init__(self, weight: torch.Tensor | None, smoothing: float = 0.0) -> None:
-        self.weight, self.smoothing = weight, smoothing
-
-    def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y`: class indexes, or (train.mixup, train.cutmix) probabilities per class, whose weight is the classes'
-        weights mixed alike, and which count where they hold any class (a row of zeros: IGNORED samples)."""
-        losses = F.cross_entropy(logits, y, reduction="none", label_smoothing=self.smoothing)
-        soft = y.is_floating_point()
-        counted = y.sum(1) > 0 if soft else y >= 0
-        if self.weight is not None:
-            losses = losses * (y @ self.weight if soft else self.weight[y.clamp(min=0)])
-        return (losses * counted).sum() / counted.sum().clamp(min=1)
-
-
-class MultiLabelLoss:
-    """Multi-label: binary cross-entropy of each class's sigmoid against its 0/1 target (BCEWithLogitsLoss), the mean
-    over the classes and the samples that count (a streamed sample that could not be decoded has targets below 0).
-    `pos_weight`: each class's weight on its positives (train.class_weights=balanced)."""
-
-    def __init__(self, pos_weight: torch.Tensor | None) -> None:
-        self.pos_weight = pos_weight
-
-    def __call__(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        counted = (y >= 0).all(1)
-        losses = F.binary_cross_entropy_with_logits(
-            logits.float(), y.clamp(min=0), pos_weight=self.pos_weight, reduction="none"
-        ).mean(1)
-        return (losses * counted).sum() / counted.sum().clamp(min=1)
-
-
-def positive_weights(data: Dataset | StreamData) -> torch.Tensor:
-    """train.class_weights balanced, multi-label: each class's negatives / positives among the training samples, as
-    BCEWithLogitsLoss's pos_weight (1 for a class with none)."""
-    if isinstance(data, StreamData):
-        if data.inventory is None:
-            raise ConfigError("train.class_weights=balanced: these shards do not record their class counts")
-        inv = data.inventory
-        positives = torch.tensor([float(inv.counts["train"].get(c, 0)) for c in data.classes])
-        n = float(inv.total("train"))
-    else:
-        positives, n = data.train.y.cpu().double().sum(0), float(len(data.train))
-    return torch.where(positives > 0, (n - positives) / positives.clamp(min=1), torch.ones_like(positives)).float()
-
-
-def balanced_weights(data: Dataset | StreamData) -> torch.Tensor:
-    """train.class_weights balanced: n_samples / (n_classes x the class's samples), as scikit-learn's
-    compute_class_weight('balanced'); 0 for a class with no training samples."""
-    k = len(data.classes)
-    if isinstance(data, StreamData):
-        if data.inventory is None:
-            raise ConfigError(
-                "train.class_weights=balanced: these shards do not record their class counts (shards packed by "
-                "`python -m job shard` do)"
-            )
-        per = data.inventory.counts["train"]
-        counts = torch.tensor([float(per.get(c, 0)) for c in data.classes])
-    else:
-        counts = torch.bincount(data.train.y.cpu(), minlength=k).double()
-    weights = torch.where(counts > 0, counts.sum() / (k * counts.clamp(min=1)), torch.zeros_like(counts))
-    return weights.float()
-
-
-def policy_of(d: DataConfig) -> Policy:
-    """data.augment as the loaders take it."""
-    erasing = d.erasing_probability if "random_erasing" in d.augment else 0.0
-    return Policy("trivial_augment" in d.augment, "rand_augment" in d.augment, erasing)
-
-
 def check_image_settings(cfg: Config, input_shape: tuple[int, ...], is_image: bool) -> None:
     """ConfigError for settings that need images the data does not have."""
     d, t = cfg.data, cfg.train
@@ -537,77 +270,3 @@ def use_channels_last(setting: str, model: nn.Module, device: torch.device, prec
     if setting == "off" or not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         return False
     return setting == "on" or device.type == "cpu" or (device.type == "cuda" and precision in ("bf16", "fp16"))
-
-
-def make_optimizer(cfg: Config, model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
-    """`fused` (CUDA with fp16): one kernel per step, which also takes fp16's loss scale and overflow flag on the
-    device, so GradScaler never waits for the GPU (with the other kernels it reads the flag on the host every step)."""
-    o = cfg.optim
-    how = {"fused": True} if fused else {}
-    params = param_groups(cfg, model)
-    # torch's classes only where something is compiled: their wrappers import the compiler (job/recipe/uncompiled.py)
-    classes = (torch.optim.SGD, torch.optim.AdamW) if cfg.train.compile else (uncompiled.SGD, uncompiled.AdamW)
-    if o.name == "adamw":
-        return classes[1](params, lr=o.lr, weight_decay=o.weight_decay, **how)
-    if o.nesterov and o.momentum == 0:
-        raise ConfigError("optim.nesterov: needs optim.momentum > 0")
-    return classes[0](params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay, **how)
-
-
-NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
-
-
-def param_groups(cfg: Config, model: nn.Module) -> list:
-    """The trainable parameters, in one group (a plain list) unless some train otherwise: normalisation layers' at
-    optim.norm_lr_scale times the rate (their weight decay divided by it, so that decay per step, rate times decay,
-    is the same), those the model's `param_epochs` names, marked with their epochs, each block below the class layer
-    at its optim.layer_decay rate, and with train.finetune_stages all but the class layer marked to start after
-    them. A frozen backbone's parameters are left out (no optimizer state)."""
-    o = cfg.optim
-    limits = dict(getattr(model, "param_epochs", None) or {})
-    named = dict(model.named_parameters())
-    if unknown := sorted(set(limits) - set(named)):
-        raise ConfigError(f"model {cfg.model.name}: param_epochs names no parameter of it: {', '.join(unknown)}")
-    norms = {id(p) for m in model.modules() if isinstance(m, NORMS) for p in m.parameters(recurse=False)}
-    depth = layer_depths(named)
-    stages = cfg.train.finetune_stages
-    if o.layer_decay == 1:  # one rate for every block: only the class layer apart, and that only for the stages
-        depth = {name: min(below, 1) if stages else 0 for name, below in depth.items()}
-    groups: dict[tuple, list] = {(False, None, 0): []}  # the plain group first: its rate is the one logged
-    for name, p in named.items():
-        if p.requires_grad:
-            norm = o.norm_lr_scale != 1 and id(p) in norms
-            groups.setdefault((norm, limits.get(name), depth[name]), []).append(p)
-    if len(groups) == 1 and not stages:
-        return groups[(False, None, 0)]
-    out = []
-    for (norm, epochs, below), params in groups.items():
-        scale = o.norm_lr_scale if norm else 1.0
-        layer = o.layer_decay**below
-        group = {"params": params, "lr": o.lr * scale * layer, "weight_decay": o.weight_decay / scale}
-        group |= {"lr_scale": scale * layer} | ({"train_epochs": epochs} if epochs is not None else {})
-        out.append(group | ({"from_epochs": stages} if stages and below else {}))
-    return [g for g in out if g["params"]]
-
-
-def layer_depths(named: dict[str, nn.Parameter]) -> dict[str, int]:
-    """Each parameter's block's place below the class layer (0: the class layer itself). A block is the module two
-    names deep (layer3.1, features.4, conv1), in the order the model holds them; the class layer is the block of the
-    model's last parameter, as torchvision's classifiers and the job's models end on it."""
-    blocks = {name: ".".join(name.split(".")[:-1][:2]) for name in named}
-    order = list(dict.fromkeys(blocks.values()))
-    head = blocks[next(reversed(named))] if named else ""
-    below = {b: 0 if b == head else max(order.index(head) - i, 1) for i, b in enumerate(order)}
-    return {name: below[b] for name, b in blocks.items()}
-
-
-def prime_momentum(optimizer: torch.optim.Optimizer) -> None:
-    """Zero momentum buffers for fused SGD before its first step. Its first step otherwise makes them uninitialised
-    and fills them in the kernel, which fp16's loss scaler skips on an overflow, leaving them uninitialised. With
-    no dampening, a zero buffer's first update is the gradient itself, as SGD's first step is."""
-    for group in optimizer.param_groups:
-        if isinstance(optimizer, torch.optim.SGD) and group.get("fused") and group["momentum"]:
-            for p in group["params"]:
-                optimizer.state[p].setdefault(
-                    "momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format)
-                )

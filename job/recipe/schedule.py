@@ -5,7 +5,6 @@ resumed run given more epochs re-plans them and goes on along the new curve."""
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -17,10 +16,11 @@ from job.errors import ConfigError
 LOOKAHEAD_DECAY = 0.95  # per step: the slow average keeps LOOKAHEAD_DECAY ** every of itself at the run's end
 
 
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int):
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int, at: int = 0):
     """A per-step schedule over the whole run (`total_steps` optimizer steps), or None. Parameter groups with a
     `train_epochs` limit get a rate of 0 after that many epochs, those with `from_epochs` (train.finetune_stages) a
-    rate of 0 before; optim.warmup comes before the schedule."""
+    rate of 0 before; optim.warmup comes before the schedule. `at`: the step it starts at (a schedule made before at
+    step 0 on the same optimizer: its groups hold their initial rates; not for cosine, which replan sets itself)."""
     o = cfg.optim
     limited = any("train_epochs" in g or "from_epochs" in g for g in optimizer.param_groups)
     per_epoch = total_steps // cfg.train.epochs
@@ -38,7 +38,7 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: i
         cycle_momentum = o.name == "adamw" or o.momentum > 0  # never add momentum a recipe did not ask for
         peaks = [o.lr * g.get("lr_scale", 1.0) for g in optimizer.param_groups]
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=peaks, total_steps=total_steps, cycle_momentum=cycle_momentum
+            optimizer, max_lr=peaks, total_steps=total_steps, cycle_momentum=cycle_momentum, last_epoch=at - 1
         )
     if o.schedule == "cosine" and not limited and not warm:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
@@ -54,7 +54,7 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: i
         return shape
 
     lambdas = [of_group(g) for g in optimizer.param_groups]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas, last_epoch=at - 1)
     scheduler.total_steps = total_steps  # kept in its state: the length it was planned over
     return scheduler
 
@@ -113,15 +113,12 @@ def replan(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int, step
     plan would climb again after its end, or refuse to step past it). The learning rates (and OneCycle's momentum)
     are set for `step` now."""
     scheduler = make_scheduler(cfg, optimizer, total_steps)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
+        # OneCycleLR and LambdaLR made at a step set its rates themselves (the groups' initial rates the first made)
+        return make_scheduler(cfg, optimizer, total_steps, at=step)
     scheduler.last_epoch = step
-    if isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):  # its closed form, with eta_min 0
-        lrs = [base * curve(cfg, total_steps)(step) for base in scheduler.base_lrs]
-    else:
-        with warnings.catch_warnings():  # OneCycleLR's get_lr is closed in the step; it asks to be called by step()
-            warnings.simplefilter("ignore")
-            lrs = scheduler.get_lr()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):  # its closed form, with eta_min 0
+        group["lr"] = base * curve(cfg, total_steps)(step)
     return scheduler
 
 

@@ -25,9 +25,9 @@ def find_batch_size(cfg: Config, device_name: str = "auto", memory_gib: float | 
     from job.console import say
     from job.group.env import describe_device, pick_device, seed_everything
     from job.recipe import build as recipe
+    from job.recipe.cuda_graph import CudaGraphStep
     from job.recipe.models import own_class
     from job.recipe.plan import build_step, plan_step, step_facts
-    from job.recipe.step import CudaGraphStep
 
     device = pick_device(device_name)
     seed_everything(cfg.seed, cfg.train.deterministic)

@@ -208,7 +208,7 @@ def set_up(
     distributed.seed_own(cfg.seed, cfg.train.deterministic)  # the model is built alike everywhere: now each its own
     reporting.check(cfg, evaluation_fields(r))  # every rank refuses a setting a sink cannot take alike
     resumption.begin()
-    step_flops = set_cpu_threads(cfg, r)
+    set_cpu_threads(cfg, r)
     say(f"device {describe_device(device)}; data {data.describe()}, {r.feed.describe()}")
     chooser = Chooser(cfg.train, r.evaluated_on, r.multilabel, evaluation_fields(r))
     params, stem = sum(p.numel() for p in r.model.parameters()), describe_model(cfg.model, r.input_shape)
@@ -230,8 +230,7 @@ def set_up(
             run_dir.write("data.json", json.dumps(data.inventory.to_json(), indent=1, ensure_ascii=False).encode())
     fields, resumed = evaluation_fields(r), found is not None
     report = reporting.open_report(cfg, run_dir, len(r.train), fields, state, resumed, where, stop, judge, sinks)
-    state.planned_steps = state.planned_steps or cfg.train.epochs * len(r.train)  # kept when train.epochs changes
-    step = make_step(cfg, r, log, step_flops, state.planned_steps)
+    step = make_step(cfg, r, log)
     if step.accumulator is not None:
         accumulated(parts, step.accumulator, state, r.device)
     attempt.begin(state, distributed.world(), device, cfg.train.price_per_device_hour, cfg.train.epochs * len(r.train))
