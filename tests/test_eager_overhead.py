@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_eager_overhead_benchmark_times_both_loops_and_prints_their_ratio():
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "eager_overhead.py"), "--steps", "40", "--rounds", "1", "--json"],
+        [sys.executable, str(ROOT / "bench" / "eager_overhead.py"), "--steps", "40", "--json"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -21,5 +21,5 @@ def test_the_eager_overhead_benchmark_times_both_loops_and_prints_their_ratio():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["steps"] == 40 and result["goal"] == 1.10
     assert 0 < result["bare_step_us"] < 1e5 and 0 < result["job_step_us"] < 1e5
-    assert abs(result["ratio"] - result["job_step_us"] / result["bare_step_us"]) < 0.01
+    assert result["blocks"] == 1 and result["ratio"] == result["fastest_ratio"] > 0  # one pair: the same ratio
     assert "done: 40 epochs" in done.stderr  # the job's loop is a real run of the Iris preset

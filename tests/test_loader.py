@@ -61,6 +61,20 @@ def test_images_are_scaled_and_normalised():
     assert torch.allclose(x.std((0, 2, 3), unbiased=False), torch.ones(3), atol=1e-4)
 
 
+def test_a_table_held_whole_is_one_batch_made_once():
+    """A full-batch table (Iris) is the same batch every epoch: made once and given again (no per-step views), shuffled
+    or not; a table in several batches, and images (converted to float each time), are made every epoch."""
+    table = Split(torch.randn(10, 4), torch.arange(10) % 3)
+    whole = BatchLoader(table, 64, CPU, CPU, seed=1, shuffle=True)
+    (first,) = list(whole.batches(0))
+    (again,) = list(whole.batches(7))
+    assert again is first and first.x is whole.x and torch.equal(first.x, table.x) and first.samples == 10
+    parts = BatchLoader(table, 4, CPU, CPU, seed=1, shuffle=True)
+    assert [b.x for b in parts.batches(0)][0] is not [b.x for b in parts.batches(0)][0]
+    pictures = BatchLoader(images(6), 6, CPU, CPU)
+    assert next(pictures.batches(0)) is not next(pictures.batches(1))
+
+
 def test_decoding_processes_end_with_the_process_that_started_them(tmp_path):
     """A training process killed (kill -9, the out-of-memory killer) takes its decoding processes with it: they ignore
     SIGTERM and SIGINT (the trainer handles those), so nothing else would end them."""

@@ -8,6 +8,7 @@ the step runs eagerly, and the run says why.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,6 +66,10 @@ class EagerStep:
         self.sums, self.loss, self.lookahead, self.ema = sums, loss, lookahead, ema
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.accumulator = Accumulator(self.params, accumulate) if accumulate > 1 else None
+        # The tutorials' step and nothing else (fp32, an optimizer step every batch, no loss scaler, schedule,
+        # lookahead or EMA): taken in one call, as a small step's overhead is Python's calls (bench/eager_overhead.py).
+        others = (scheduler, lookahead, ema, self.accumulator)
+        self.bare = amp is contextlib.nullcontext and not scaler.is_enabled() and all(o is None for o in others)
         self.plan = plan
         self.fallback: StepPlan | None = None  # the eager plan it fell back to, and why
         # whether the model takes an empty batch (padded steps), once known; a compiled model is not asked
@@ -79,6 +84,13 @@ class EagerStep:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0) -> None:
         """`weight` scales the loss: a process's uneven part of a global batch under torchrun (1.0 otherwise)."""
+        if self.bare and weight == 1.0:
+            loss = self.loss(self.model(x), y)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.sums.add_(loss.detach())
+            self.optimizer.step()
+            return
         self.backward(x, y, weight)
         self.apply()
 
