@@ -85,6 +85,21 @@ def test_no_good_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     assert checkpoint.load_latest(RunDir(str(tmp_path / "empty"))) is None
 
 
+def test_a_payload_never_committed_is_not_a_checkpoint(tmp_path, capsys):
+    """A kill between a commit's payload and its manifest leaves a .pt that no manifest or pointer names: the commit
+    never happened, so a first commit cut short starts the run afresh, and a later one leaves the last commit."""
+    run = RunDir(str(tmp_path / "run"))
+    orphan = run.path("checkpoints/e00001-s0000000010.pt")
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"cut short")
+    assert checkpoint.load_latest(run) is None
+    assert "e00001-s0000000010.pt" in capsys.readouterr().err  # named, as not committed
+    checkpoint.commit(run, payload(1), 1, 10, {}, 5)
+    run.path("checkpoints/e00002-s0000000020.pt").write_bytes(b"cut short")
+    _, manifest = checkpoint.load_latest(run)
+    assert manifest["step"] == 10
+
+
 class Evil:
     def __reduce__(self):
         return (print, ("pwned",))

@@ -189,7 +189,7 @@ def load_latest(run: RunDir) -> tuple[dict, dict] | None:
     The pointer names the newest commit and the run; when it or its payload is missing or corrupt, older
     manifests of that run are tried in turn, each failure reported in one line (another run's are never
     taken). Checkpoints that exist but none of which verifies are an error: a run never silently starts again
-    from scratch.
+    from scratch. A payload that no manifest or pointer names was never committed, and is no checkpoint.
     """
     pointed, run_id = None, None
     pointer = run.read(POINTER)
@@ -214,9 +214,14 @@ def load_latest(run: RunDir) -> tuple[dict, dict] | None:
         for problem in problems:
             say(f"warning: {problem}; using an older checkpoint")
         return payload, manifest
-    if any(n.endswith(".pt") for n in listed):
-        why = f" ({problems[0]}{f' and {len(problems) - 1} more' if len(problems) > 1 else ''})" if problems else ""
-        raise CheckpointError(f"{run.url}/{FOLDER}: no checkpoint verifies{why}; refusing to start over in this folder")
+    if problems:
+        more = f" and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise CheckpointError(
+            f"{run.url}/{FOLDER}: no checkpoint verifies ({problems[0]}{more}); refusing to start over in this folder"
+        )
+    # A payload no manifest names was never committed (a stop between the two): not a checkpoint.
+    if uncommitted := sorted(n for n in listed if n.endswith(".pt")):
+        say(f"{run.url}/{FOLDER}: {', '.join(uncommitted)} never committed (no manifest): starting afresh")
     return None
 
 
