@@ -21,7 +21,6 @@ from job.recipe.step import EagerStep, StepKind, StepPlan
 if TYPE_CHECKING:
     from job.config import Config
     from job.recipe.build import Recipe
-    from job.run.meters import LossLog
 
 # A CPU step whose forward pass does less arithmetic than this is dominated by per-operation overhead: it runs on one
 # thread (waking a second thread costs more than it saves at this size), and in fp32 under precision auto.
@@ -202,14 +201,15 @@ def set_cpu_threads(cfg: Config, r: Recipe) -> None:
     torch.set_num_threads(threads)
 
 
-def make_step(cfg: Config, r: Recipe, log: LossLog) -> EagerStep:
-    """The training step as this run takes it: through DDP and torch.compile where they apply, else captured."""
+def make_step(cfg: Config, r: Recipe, sums: torch.Tensor) -> EagerStep:
+    """The training step as this run takes it: through DDP and torch.compile where they apply, else captured; each
+    step's loss added to `sums` (the run's loss log's)."""
     t = cfg.train
     model = distributed.wrap(r.model, r.device)
     model = torch.compile(model) if t.compile else model  # checkpoints keep the plain module's names
     wrapper = "compile" if t.compile else "ddp" if model is not r.model else "none"
     facts = step_facts(r, t.step_capture, own_class(cfg.model.name), wrapper)
-    step = build_step(r, log.sums, plan_step(facts), model=model, compiled=t.compile)
+    step = build_step(r, sums, plan_step(facts), model=model, compiled=t.compile)
     layout = ", channels-last" if r.channels_last else ""
     compiled = ", torch.compile" if t.compile else ""
     accumulated = f"; the optimizer steps every {t.accumulate_steps} batches" if t.accumulate_steps > 1 else ""

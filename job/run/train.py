@@ -230,7 +230,7 @@ def set_up(
             run_dir.write("data.json", json.dumps(data.inventory.to_json(), indent=1, ensure_ascii=False).encode())
     fields, resumed = evaluation_fields(r), found is not None
     report = reporting.open_report(cfg, run_dir, len(r.train), fields, state, resumed, where, stop, judge, sinks)
-    step = make_step(cfg, r, log)
+    step = make_step(cfg, r, log.sums)
     if step.accumulator is not None:
         accumulated(parts, step.accumulator, state, r.device)
     attempt.begin(state, distributed.world(), device, cfg.train.price_per_device_hour, cfg.train.epochs * len(r.train))
