@@ -231,7 +231,7 @@ import torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
 from test_scores import scored_problem, stream_sums
 
-from job import distributed
+from job.group import distributed
 from job.data.dataset import Split
 from job.data.loader import BatchLoader
 from job.use.evaluate import test_sums
