@@ -203,3 +203,23 @@ def test_a_process_that_has_ended_is_not_alive_while_its_parent_has_not_reaped_i
     finally:
         child.wait()
     assert not pid_alive(child.pid)
+
+
+def test_a_runs_device_record_names_the_cpu_without_starting_a_process():
+    """run.json's CPU is named from /proc/cpuinfo where there is one, in this process: `uname -p` (Python's
+    platform.processor) forks the run in mid-setup, a copy as large as the run in the process tree's memory."""
+    code = (
+        "import subprocess, torch\n"
+        "def refuse(*a, **k): raise AssertionError(f'a process started: {a[0] if a else k}')\n"
+        "subprocess.Popen.__init__ = refuse\n"
+        "from job.run.attempts import devices\n"
+        "print(devices(torch.device('cpu'))[0]['name'])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-1500:]
+    names = [
+        line.partition(":")[2].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("model name")
+    ]
+    assert done.stdout.strip() == (names[0] if names else platform.machine())

@@ -16,7 +16,7 @@ from job.bench.naive import check_tutorial_recipe, train_naive
 from job.config import Config
 from job.console import say
 from job.errors import ConfigError, Interrupted
-from job.group.env import pick_device
+from job.group.env import cpu_model, pick_device
 from job.recipe.build import read_data
 
 
@@ -126,14 +126,6 @@ def machine(devices: list[torch.device]) -> dict:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
     }
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
 
 
 FEW_STEPS = 500  # below this, a run's one-time costs are a large share of its time

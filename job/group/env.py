@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -67,6 +68,16 @@ def cpus(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int:
     except AttributeError:  # no affinity to ask (macOS)
         n = os.cpu_count() or 1
     return max(1, min([n, *(math.ceil(q) for q in cpu_quotas(Path(root), own))]))
+
+
+def cpu_model() -> str:
+    """The CPU's name: /proc/cpuinfo's model name where there is one, read in this process (platform.processor runs
+    `uname -p`, a fork of the whole process, and says only the architecture on Linux)."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
 
 
 def cpu_share(local_processes: int | None = None) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from job.errors import ConfigError
 from job.group import platforms
-from job.group.env import cpus, torchvision_version
+from job.group.env import cpu_model, cpus, torchvision_version
 from job.run.cost import Budget, Price, in_budget_unit, price_of, spent_of, totals
 from job.storage.cloud import read_url, write_url
 from job.storage.run_folder import PULSE, RunDir
@@ -348,6 +348,6 @@ def git_commit(root: Path) -> str | None:
 
 def devices(device: torch.device) -> list[dict[str, Any]]:
     if device.type != "cuda":
-        return [{"type": device.type, "name": platform.processor() or platform.machine(), "cpus": cpus()}]
+        return [{"type": device.type, "name": cpu_model(), "cpus": cpus()}]
     props = torch.cuda.get_device_properties(device)
     return [{"type": "cuda", "name": props.name, "memory_gib": round(props.total_memory / 1024**3, 2)}]
