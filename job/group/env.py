@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import os
@@ -70,14 +69,24 @@ def cpus(root: str = "/sys/fs/cgroup", own: str = "/proc/self/cgroup") -> int:
     return max(1, min([n, *(math.ceil(q) for q in cpu_quotas(Path(root), own))]))
 
 
+CPU_INFO = Path("/proc/cpuinfo")  # Linux's description of the CPU: its name, and what it has that programs may use
+
+
+def cpu_field(name: str, info: Path = CPU_INFO) -> str | None:
+    """The first CPU's `name` line of /proc/cpuinfo (model name, flags), read in this process; None where there is no
+    such file (not Linux) or line."""
+    try:
+        text = info.read_text()
+    except OSError:
+        return None
+    line = next((line for line in text.splitlines() if line.startswith(name)), None)
+    return line.partition(":")[2].strip() if line is not None else None
+
+
 def cpu_model() -> str:
-    """The CPU's name: /proc/cpuinfo's model name where there is one, read in this process (platform.processor runs
-    `uname -p`, a fork of the whole process, and says only the architecture on Linux)."""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
+    """The CPU's name: /proc/cpuinfo's model name where there is one (platform.processor runs `uname -p`, a fork of
+    the whole process, and says only the architecture on Linux)."""
+    return cpu_field("model name") or platform.processor() or platform.machine()
 
 
 def cpu_share(local_processes: int | None = None) -> int:

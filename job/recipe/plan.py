@@ -14,6 +14,7 @@ from torch import nn
 
 from job.console import say
 from job.group import distributed
+from job.group.env import CPU_INFO, cpu_field
 from job.recipe.cuda_graph import CudaGraphStep
 from job.recipe.models import own_class
 from job.recipe.step import EagerStep, StepKind, StepPlan
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 # A CPU step whose forward pass does less arithmetic than this is dominated by per-operation overhead: it runs on one
 # thread (waking a second thread costs more than it saves at this size), and in fp32 under precision auto.
 SMALL_STEP_FLOPS = 2e7
-CPU_FLAGS = Path("/proc/cpuinfo")  # Linux's list of what the CPU has and the kernel lets programs use
 
 
 @dataclass(frozen=True)
@@ -71,17 +71,13 @@ def choose_precision(
     return Precision("fp32", "auto: no native bf16 here")
 
 
-def cpu_computes_bf16(flags: Path = CPU_FLAGS) -> bool:
+def cpu_computes_bf16(flags: Path = CPU_INFO) -> bool:
     """Whether this CPU has AMX, matrix units that multiply bf16 natively (Intel Xeon from Sapphire Rapids on), as the
     kernel lists its flags (amx_tile and amx_bf16: the kernel lists them only where it supports AMX's state). torch
     has no public check. Elsewhere than Linux none is known. A CPU with AVX512-BF16 alone is not counted: bf16 on it
     is not measured here."""
-    try:
-        text = flags.read_text()
-    except OSError:  # not Linux, or no /proc: no AMX known
-        return False
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return {"amx_tile", "amx_bf16"} <= set(line.partition(":")[2].split())
+    listed = cpu_field("flags", flags) or ""  # none listed (not Linux, no /proc): no AMX known
+    return {"amx_tile", "amx_bf16"} <= set(listed.split())
 
 
 def kept_precision(fresh: Precision, started: Precision | None, gpu_capability: tuple[int, int] | None) -> Precision:
